@@ -1,0 +1,75 @@
+"""Workarounds for measured accelerate 1.15 problems, all in this one module (see FINDINGS.md).
+
+Each function names the trap it avoids; tests/test_accelerate_fixes.py shows each trap and the fix.
+
+- CPU launches: `accelerate launch --cpu --num_processes N` (or a MULTI_CPU config) starts one process
+  unless mpirun is used, and `--multi_gpu` without a GPU starts N workers that each see a world of 1. The
+  launch that does work is torchrun's (used by `--multi_gpu`) with `cpu=True` in the workers, giving
+  MULTI_CPU over gloo. `wants_cpu` supplies that `cpu=True`; `check_launched_world` refuses the rest.
+- Optimizer overhead: `AcceleratedOptimizer.step` calls `importlib.util.find_spec` twice per step (its LOMO
+  check) and `zero_grad` runs `inspect.signature` every call, about 150 us per step on CPU. The loop only
+  steps on synchronising micro-batches, so without a gradient scaler it can call the wrapped torch optimizer
+  directly; with a scaler accelerate's step is kept because it does the scaler's skip bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+
+from .errors import LayoutError
+
+_LAUNCHER_WORLD_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def wants_cpu() -> bool:
+    """Whether the workers must ask accelerate for the CPU: no CUDA device, or the launcher said so."""
+    return not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1")
+
+
+def launched_world_size() -> int | None:
+    """The number of processes the launcher started, from its environment; None when not launched."""
+    for name in _LAUNCHER_WORLD_VARIABLES:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return None
+
+
+def refuse_single_process_cpu_launch() -> None:
+    """Stop an `accelerate launch --cpu --num_processes N` that silently started a single process.
+
+    accelerate's simple launcher sets MASTER_ADDR only when it was asked for several processes or machines,
+    yet starts one process and no launcher world size; that combination is the silent single-process run.
+    """
+    simple_cpu_launch = os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true"
+    if simple_cpu_launch and os.environ.get("MASTER_ADDR") and launched_world_size() is None:
+        raise LayoutError(
+            "`accelerate launch --cpu` (or a MULTI_CPU config) with several processes starts only one process"
+            " without mpirun; launch with --config_file accelerate_configs/cpu_ddp.yaml or with torchrun"
+        )
+
+
+def check_launched_world(num_processes: int) -> None:
+    """Refuse a run whose processes do not form the world the launcher started."""
+    launched = launched_world_size()
+    if launched is not None and launched != num_processes:
+        raise LayoutError(
+            f"the launcher started {launched} processes but each sees a world of {num_processes}:"
+            " they would train independently; on a machine without GPUs use accelerate_configs/cpu_ddp.yaml"
+            " or torchrun"
+        )
+
+
+def optimizer_step(optimizer: AcceleratedOptimizer) -> None:
+    """Take an optimizer step, skipping accelerate's per-step package checks when no scaler is involved."""
+    if optimizer.scaler is None:
+        optimizer.optimizer.step()
+    else:
+        optimizer.step()
+
+
+def optimizer_zero_grad(optimizer: AcceleratedOptimizer) -> None:
+    """Drop the gradients (set to None) without accelerate's per-call signature inspection."""
+    optimizer.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,40 @@
+"""The `accel-trainer` command: `list` the registered recipes, `train` one with key=value overrides.
+
+    accel-trainer list
+    accel-trainer train vae max_steps=200
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accel_trainer train vae
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import UserError
+from .registry import describe, registered_recipes
+from .run import main as run_recipe
+
+
+def main(argv: list[str] | None = None) -> None:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="accel-trainer", description="Train registered recipes.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("list", help="print the registered recipes with a one-line description each")
+    train = commands.add_parser("train", help="train a recipe: accel-trainer train NAME [--config FILE] key=value ...")
+    train.add_argument("recipe")
+    known, rest = parser.parse_known_args(arguments[:2] if arguments[:1] == ["train"] else arguments)
+    if known.command == "list":
+        try:
+            recipes = registered_recipes()
+        except UserError as error:
+            print(f"accel-trainer: error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
+        width = max((len(name) for name in recipes), default=0)
+        for name, recipe_cls in recipes.items():
+            print(f"{name:<{width}}  {describe(recipe_cls)}")
+        return
+    run_recipe(known.recipe, arguments[2:])
+
+
+if __name__ == "__main__":
+    main()

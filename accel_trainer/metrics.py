@@ -1,0 +1,53 @@
+"""Metrics output of the main process: `metrics.jsonl` in the run folder, a console line, a progress bar.
+
+Only the main process writes; other processes get a `MetricsLog` that does nothing, so the loop can call it
+unconditionally. Every record is one JSON object per line, flushed at once so a crash loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+
+class MetricsLog:
+    """Appends records to `metrics.jsonl` and echoes them; a no-op off the main process."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, show_progress_bar: bool, initial: int = 0):
+        self.enabled = enabled
+        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
+        self._bar = tqdm(
+            total=total_steps,
+            initial=initial,
+            disable=not (enabled and show_progress_bar),
+            dynamic_ncols=True,
+            unit="step",
+        )
+
+    def advance(self) -> None:
+        """Move the progress bar by one optimizer step (cheap; no device synchronisation)."""
+        self._bar.update(1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        message = " | ".join(_format(key, value) for key, value in record.items())
+        if self._bar.disable:
+            print(message, flush=True)
+        else:
+            self._bar.write(message)
+
+    def close(self) -> None:
+        self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def _format(key: str, value: Any) -> str:
+    if isinstance(value, float):
+        return f"{key} {value:.4g}"
+    return f"{key} {value}"

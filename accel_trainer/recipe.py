@@ -1,0 +1,90 @@
+"""The recipe contract: what a user writes to train a model with accel-trainer.
+
+A recipe says *what* to train and nothing about *where*: it never mentions processes, devices or
+precision. It is a class with a typed `Config` and a handful of methods the loop calls:
+
+    build_model(cfg)            -> torch.nn.Module (on the CPU; the loop places it)
+    build_datasets(cfg)         -> (train, eval or None), each a `datasets.Dataset`
+    compute_loss(model, batch)  -> a mean loss, or (loss_sum, num_items) for exact normalisation
+    build_optimizer(cfg, model) -> optional; AdamW with decoupled weight decay by default
+    eval_metrics(model, batch)  -> optional; per-sample metric tensors for evaluation
+    collate(examples)           -> optional; how a list of examples becomes a batch
+    write_artifacts(model, eval_dataset, run_dir) -> optional; pictures or reports, main process only
+
+`self.cfg` holds the resolved config, so `compute_loss` can read recipe fields.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Union
+
+import torch
+from torch.utils.data import default_collate
+
+from .config import TrainConfig
+
+Batch = dict[str, torch.Tensor]
+LossOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, int]]]
+
+
+class Recipe:
+    """Base class of recipes; subclass it, set `Config`, and implement the three required builders."""
+
+    Config: ClassVar[type[TrainConfig]] = TrainConfig
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    def build_model(self, cfg: Any) -> torch.nn.Module:
+        """Return the model, on the CPU; the loop moves, wraps and shards it."""
+        raise NotImplementedError(f"{type(self).__name__} must define build_model(self, cfg)")
+
+    def build_datasets(self, cfg: Any) -> tuple[Any, Any]:
+        """Return `(train, eval)` as `datasets.Dataset` objects; eval may be None."""
+        raise NotImplementedError(f"{type(self).__name__} must define build_datasets(self, cfg)")
+
+    def compute_loss(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
+        """Return the mean loss of the batch, or `(loss_sum, num_items)`.
+
+        With `(loss_sum, num_items)` (for example a token loss summed over the tokens of variable-length
+        sequences) the loop divides by the item count of the whole optimizer step, over all micro-batches
+        and processes, so the gradient is that of one big batch on any layout.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define compute_loss(self, model, batch)")
+
+    def build_optimizer(self, cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """AdamW, with weight decay on matrices and embeddings only (biases and norm gains are not decayed)."""
+        decayed = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+        undecayed = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+        groups = [
+            {"params": decayed, "weight_decay": cfg.weight_decay},
+            {"params": undecayed, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
+
+    def eval_metrics(self, model: torch.nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-sample evaluation metrics, each a tensor of shape [batch_size].
+
+        The loop gathers them across processes with `gather_for_metrics`, which drops the samples repeated
+        to even out the last batch, and reports their means. The default reports `loss`; when
+        `compute_loss` returns a batch mean, every sample of the batch is given that mean, so override this
+        for exact per-sample values.
+        """
+        loss = self.compute_loss(model, batch)
+        if isinstance(loss, tuple):
+            loss_sum, num_items = loss
+            loss = loss_sum / num_items
+        size = _batch_size(batch)
+        return {"loss": loss.detach().float().expand(size)}
+
+    def collate(self, examples: list[dict[str, Any]]) -> Batch:
+        """Stack a list of examples (dicts of tensors) into a batch."""
+        return default_collate(examples)
+
+    def write_artifacts(self, model: torch.nn.Module, eval_dataset: Any, run_dir: Path) -> None:
+        """Write pictures or reports into the run folder after training (main process, unwrapped model)."""
+
+
+def _batch_size(batch: Batch) -> int:
+    return len(next(iter(batch.values())))

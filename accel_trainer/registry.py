@@ -1,0 +1,147 @@
+"""Recipe registry: names to recipe classes, filled three ways.
+
+1. `@register_recipe("name")` on a `Recipe` subclass, in any module or script.
+2. Modules in a `recipes/` folder (the one beside this package in a source checkout, and `./recipes`) are
+   imported on demand, which runs their decorators.
+3. Installed packages declare an entry point in the group `accel_trainer.recipes` whose value is a module
+   (registering on import) or a `Recipe` class (registered under the entry point's name).
+
+A name registered twice by different classes is an error, while the same class seen again (a script run as
+`__main__` and also found in `recipes/`) is not. An unknown name lists the known ones.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from .errors import RecipeError
+from .recipe import Recipe
+
+ENTRY_POINT_GROUP = "accel_trainer.recipes"
+_PACKAGE_CHECKOUT_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+_recipes: dict[str, type[Recipe]] = {}
+_discovered = False
+
+R = TypeVar("R", bound=type[Recipe])
+
+
+def register_recipe(name: str) -> Callable[[R], R]:
+    """Class decorator that registers a `Recipe` subclass under `name`."""
+
+    def decorate(recipe_cls: R) -> R:
+        add_recipe(name, recipe_cls)
+        return recipe_cls
+
+    return decorate
+
+
+def add_recipe(name: str, recipe_cls: type[Recipe]) -> None:
+    """Register `recipe_cls` under `name`; the function form of `register_recipe`."""
+    if not (isinstance(recipe_cls, type) and issubclass(recipe_cls, Recipe)):
+        raise RecipeError(f"recipe {name!r} must be a subclass of accel_trainer.Recipe, got {recipe_cls!r}")
+    existing = _recipes.get(name)
+    if existing is not None and _identity(existing) != _identity(recipe_cls):
+        raise RecipeError(
+            f"recipe name {name!r} is registered twice: by {_identity(existing)} and by {_identity(recipe_cls)};"
+            " rename one of them"
+        )
+    _recipes[name] = recipe_cls
+
+
+def get_recipe(name: str) -> type[Recipe]:
+    """Look a recipe up by name, discovering folders and entry points if it is not registered yet."""
+    if name not in _recipes:
+        discover_recipes()
+    if name not in _recipes:
+        known = sorted(_recipes)
+        hint = difflib.get_close_matches(name, known, n=1)
+        suggestion = f"did you mean {hint[0]!r}? " if hint else ""
+        raise RecipeError(
+            f"unknown recipe {name!r}; {suggestion}known recipes: {', '.join(known) or 'none'}"
+            " (see `accel-trainer list`)"
+        )
+    return _recipes[name]
+
+
+def registered_recipes() -> dict[str, type[Recipe]]:
+    """Every recipe, after discovery, sorted by name."""
+    discover_recipes()
+    return dict(sorted(_recipes.items()))
+
+
+def describe(recipe_cls: type[Recipe]) -> str:
+    """The first line of a recipe's docstring, used by `accel-trainer list`."""
+    doc = inspect.getdoc(recipe_cls) or ""
+    return doc.splitlines()[0] if doc else ""
+
+
+def discover_recipes(folders: list[Path] | None = None) -> None:
+    """Import the recipe folders and load entry points, once per process unless folders are given."""
+    global _discovered
+    if folders is None:
+        if _discovered:
+            return
+        _discovered = True
+        folders = _default_folders()
+    for folder in folders:
+        for path in sorted(Path(folder).glob("*.py")):
+            if not path.name.startswith("_"):
+                _import_file(path)
+    _load_entry_points()
+
+
+def _default_folders() -> list[Path]:
+    folders = [_PACKAGE_CHECKOUT_RECIPES, Path.cwd() / "recipes"]
+    unique: list[Path] = []
+    for folder in folders:
+        if folder.is_dir() and folder.resolve() not in [f.resolve() for f in unique]:
+            unique.append(folder)
+    return unique
+
+
+def _import_file(path: Path) -> None:
+    resolved = path.resolve()
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) and Path(module.__file__).resolve() == resolved:
+            return  # already imported, e.g. the script being run; its decorators have run
+    module_name = f"accel_trainer_recipes.{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except RecipeError:
+        raise
+    except Exception as error:
+        del sys.modules[module_name]
+        raise RecipeError(f"recipe file {path} failed to import: {type(error).__name__}: {error}") from error
+
+
+def _load_entry_points() -> None:
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = entry_point.load()
+        except Exception as error:
+            raise RecipeError(
+                f"entry point {entry_point.name!r} ({entry_point.value}) of group {ENTRY_POINT_GROUP!r}"
+                f" failed to load: {type(error).__name__}: {error}"
+            ) from error
+        if isinstance(loaded, type) and issubclass(loaded, Recipe):
+            if loaded not in _recipes.values():
+                add_recipe(entry_point.name, loaded)
+
+
+def _identity(recipe_cls: type) -> str:
+    try:
+        source = Path(inspect.getsourcefile(recipe_cls) or "").resolve()
+    except TypeError:
+        source = Path(recipe_cls.__module__)
+    return f"{recipe_cls.__qualname__} in {source}"
