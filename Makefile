@@ -7,7 +7,7 @@ RECIPE ?= vae
 ARGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
-LAUNCH := $(BIN)/accelerate launch
+LAUNCH := $(BIN)/accelerate launch --quiet
 RUN_RECIPE := -m accel_trainer train $(RECIPE) $(ARGS)
 
 .PHONY: install train train-cpu-ddp train-gpu train-4gpu train-8gpu test test-fast bench lint clean

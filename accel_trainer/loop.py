@@ -63,6 +63,8 @@ def train_loop(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_d
     )
     window = Window.empty(accelerator.device)
     final: dict[str, Any] = {}
+    if eval_loader is not None and cfg.eval_every_steps > 0:
+        log.write({"step": 0, **evaluate(accelerator, recipe, model, eval_loader)})  # the untrained baseline
     model.train()
     for step in range(1, cfg.max_steps + 1):
         epoch = _accumulate_gradients(accelerator, recipe, model, batches, plan, window)

@@ -1,0 +1,90 @@
+"""Shared fixtures: real process launches, a clean accelerate state, files only under tmp_path.
+
+Multi-process tests start real workers through the real launchers (accelerate launch, torchrun) with a free
+port per launch, one thread per worker, a short collective timeout and a hard timeout around the launch, so
+a hang fails the test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+LAUNCH_TIMEOUT_S = 300
+# Options every test run passes: a quick failure instead of a 30-minute hang, and no progress bar.
+TEST_OVERRIDES = ["collective_timeout_s=60", "show_progress_bar=false"]
+_LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test process's environment without launcher or accelerate variables, one thread per worker."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("ACCELERATE_")
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run_command(args: list[str], *, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a launcher under a hard timeout; on an unexpected exit status show its output."""
+    result = subprocess.run(
+        [str(a) for a in args], cwd=REPO, env=env or clean_env(), capture_output=True, text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, args))} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def accelerate_launch(config: str, script: Path | str, *arguments: str, **kwargs) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml` on a free port."""
+    return run_command(
+        [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / f"{config}.yaml",
+         "--main_process_port", str(free_port()), script, *arguments, *TEST_OVERRIDES],
+        **kwargs,
+    )
+
+
+def train_and_dump(config: str, out: Path, recipe: str, *overrides: str, world_size: int) -> list[dict]:
+    """Train `recipe` on a layout with the dumping worker; return its metrics records."""
+    accelerate_launch(
+        config, WORKERS / "train_and_dump.py", recipe, f"output_dir={out}", *overrides,
+        env=clean_env(ACCEL_TEST_DUMP_DIR=str(out), ACCEL_TEST_EXPECTED_WORLD_SIZE=str(world_size)),
+    )
+    return read_metrics(out)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def rank_parameters(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(out) / f"rank{rank}.safetensors"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Reset accelerate's process-wide singletons after a test that trained in-process."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
