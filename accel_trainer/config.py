@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -185,7 +186,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping of config values; a missing or malformed file is a one-line ConfigError."""
     path = Path(path)
     try:
-        loaded = yaml.safe_load(path.read_text())
+        loaded = yaml.load(path.read_text(), Loader=_ConfigLoader)
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
     except yaml.YAMLError as error:
@@ -225,8 +226,8 @@ def _checked(config_cls: type, values: dict[str, Any], where: str) -> dict[str, 
     fields = config_fields(config_cls)
     checked = {}
     for key, value in values.items():
-        if key not in fields:
-            hint = difflib.get_close_matches(key, fields, n=1)
+        if not isinstance(key, str) or key not in fields:
+            hint = difflib.get_close_matches(str(key), fields, n=1)
             suggestion = f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(fields)}"
             raise ConfigError(f"unknown config key {key!r} {where}{suggestion}")
         checked[key] = coerce_value(key, value, fields[key])
@@ -244,3 +245,20 @@ def _type_name(expected: Any) -> str:
 
 
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that reads only true/false as booleans (as YAML 1.2 does).
+
+    YAML 1.1 also reads yes/no/on/off as booleans, so `mixed_precision: no` would arrive as False and be
+    rejected; left as strings, bool fields still accept those words through `_BOOL_WORDS`.
+    """
+
+
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)

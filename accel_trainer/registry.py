@@ -17,6 +17,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import sys
+import types
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -78,7 +79,9 @@ def registered_recipes() -> dict[str, type[Recipe]]:
 
 def describe(recipe_cls: type[Recipe]) -> str:
     """The first line of a recipe's docstring, used by `accel-trainer list`."""
-    doc = inspect.getdoc(recipe_cls) or ""
+    # `__doc__`, not `inspect.getdoc`: getdoc falls back to the base class, so an undocumented recipe would be
+    # listed with Recipe's own docstring.
+    doc = inspect.cleandoc(recipe_cls.__doc__ or "")
     return doc.splitlines()[0] if doc else ""
 
 
@@ -137,6 +140,11 @@ def _load_entry_points() -> None:
         if isinstance(loaded, type) and issubclass(loaded, Recipe):
             if loaded not in _recipes.values():
                 add_recipe(entry_point.name, loaded)
+        elif not isinstance(loaded, types.ModuleType):
+            raise RecipeError(
+                f"entry point {entry_point.name!r} ({entry_point.value}) of group {ENTRY_POINT_GROUP!r} must name"
+                f" a module or a Recipe subclass, not {loaded!r}"
+            )
 
 
 def _identity(recipe_cls: type) -> str:

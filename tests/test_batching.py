@@ -1,0 +1,61 @@
+"""Specification of the batch arithmetic: a layout-free global batch split into micro-batches and accumulation."""
+
+from __future__ import annotations
+
+import pytest
+
+from accel_trainer.batching import BatchPlan, plan_batches
+from accel_trainer.errors import ConfigError
+
+
+@pytest.mark.parametrize(("num_processes", "accumulation_steps"), [(1, 8), (2, 4), (8, 1)])
+def test_accumulation_steps_make_up_the_global_batch_on_any_number_of_processes(num_processes, accumulation_steps):
+    plan = plan_batches(global_batch_size=64, micro_batch_size=8, num_processes=num_processes)
+    assert plan == BatchPlan(64, 8, num_processes, accumulation_steps)
+    assert plan.micro_batch_size * plan.num_processes * plan.accumulation_steps == plan.global_batch_size
+
+
+@pytest.mark.parametrize(
+    ("global_batch_size", "micro_batch_size", "num_processes", "per_step"),
+    [(64, 32, 8, 256), (64, 24, 1, 24), (100, 8, 2, 16)],
+)
+def test_sizes_that_do_not_divide_are_a_config_error_naming_the_numbers_and_the_fix(
+    global_batch_size, micro_batch_size, num_processes, per_step
+):
+    with pytest.raises(ConfigError) as caught:
+        plan_batches(global_batch_size, micro_batch_size, num_processes)
+    message = str(caught.value)
+    assert f"global_batch_size={global_batch_size}" in message
+    assert f"micro_batch_size={micro_batch_size}" in message
+    assert f"{num_processes} process(es) = {per_step}" in message
+    assert f"pick a global_batch_size divisible by {per_step}" in message
+    assert "or a smaller micro_batch_size" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(("global_batch_size", "micro_batch_size"), [(0, 8), (64, 0), (-64, 8)])
+def test_sizes_must_be_positive(global_batch_size, micro_batch_size):
+    with pytest.raises(ConfigError, match="must be positive"):
+        plan_batches(global_batch_size, micro_batch_size, 1)
+
+
+def test_steps_per_epoch_counts_whole_global_batches_and_skips_the_incomplete_last_one():
+    plan = plan_batches(global_batch_size=64, micro_batch_size=32, num_processes=1)
+    assert plan.steps_per_epoch(128) == 2
+    assert plan.steps_per_epoch(1617) == 25
+    assert plan.steps_per_epoch(64) == 1
+
+
+def test_steps_per_epoch_does_not_depend_on_the_layout():
+    layouts = [plan_batches(64, 8, num_processes) for num_processes in (1, 2, 8)]
+    assert {plan.steps_per_epoch(1000) for plan in layouts} == {15}
+
+
+def test_a_dataset_smaller_than_one_global_batch_is_a_config_error_saying_to_lower_it():
+    plan = plan_batches(global_batch_size=64, micro_batch_size=32, num_processes=2)
+    with pytest.raises(ConfigError) as caught:
+        plan.steps_per_epoch(63)
+    message = str(caught.value)
+    assert "63 samples" in message
+    assert "global_batch_size=64" in message
+    assert "lower global_batch_size" in message

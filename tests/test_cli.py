@@ -1,0 +1,90 @@
+"""Specification of the command line: `accel-trainer list`, a recipe's `--help`, and one-line user errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from accel_trainer import cli, run
+from accel_trainer.registry import describe, get_recipe
+
+
+def one_line_error(capsys) -> str:
+    """The single stderr line of a failed command, checked to be a user error and not a traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("accel-trainer: error: ")
+    return lines[0]
+
+
+def test_list_prints_each_recipe_with_its_one_line_description(capsys):
+    cli.main(["list"])
+    lines = capsys.readouterr().out.splitlines()
+    vae_lines = [line for line in lines if line.split()[0] == "vae"]
+    assert len(vae_lines) == 1
+    description = describe(get_recipe("vae"))
+    assert description  # every recipe documents itself
+    assert vae_lines[0].endswith(f"  {description}")
+
+
+def test_a_recipes_help_prints_every_config_field_with_its_docstring(capsys):
+    run.main("vae", ["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"vae: {describe(get_recipe('vae'))}")
+    assert "key=value" in out
+    for field in dataclasses.fields(get_recipe("vae").Config):
+        assert f"  {field.name}=" in out
+    assert "Dimension of the Gaussian latent code." in out  # a recipe field's docstring
+    assert "Number of optimizer steps to train for." in out  # a framework field's docstring
+
+
+def test_train_help_through_the_accel_trainer_command_is_the_recipes_help(capsys):
+    cli.main(["train", "vae", "--help"])
+    assert "  latent_dim=" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("recipe", "arguments", "expected"),
+    [
+        ("nosuch", ["max_steps=3"], "unknown recipe 'nosuch'"),
+        ("vae", ["max_stepz=3"], "did you mean 'max_steps'?"),
+        ("vae", ["max_steps=three"], "max_steps='three': expected int"),
+        ("vae", ["mixed_precision=fp32"], "mixed_precision='fp32'"),
+        ("vae", ["max_steps"], "write key=value"),
+        ("vae", ["--verbose"], "unknown option '--verbose'"),
+        ("vae", ["--config"], "--config needs a file"),
+    ],
+)
+def test_a_user_error_exits_2_with_one_line_on_stderr(capsys, recipe, arguments, expected):
+    with pytest.raises(SystemExit) as caught:
+        run.main(recipe, arguments)
+    assert caught.value.code == 2
+    assert expected in one_line_error(capsys)
+
+
+def test_a_missing_config_file_exits_2_with_one_line_on_stderr(capsys, tmp_path):
+    with pytest.raises(SystemExit) as caught:
+        run.main("vae", ["--config", str(tmp_path / "missing.yaml")])
+    assert caught.value.code == 2
+    assert "does not exist" in one_line_error(capsys)
+
+
+def test_the_installed_command_reports_a_typo_in_one_line_and_exits_2(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "accel_trainer", "train", "vae", "max_stepz=3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "accel-trainer: error: unknown config key 'max_stepz' in overrides; did you mean 'max_steps'?"
+    ]
+    assert not list(tmp_path.iterdir())  # a rejected run writes nothing
