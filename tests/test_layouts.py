@@ -1,0 +1,51 @@
+"""Every accelerate config in accelerate_configs/ parses, says what it is, and is used by a Makefile target.
+
+The CPU layouts are also run for real by tests/test_multiprocess.py (cpu.yaml and cpu_ddp.yaml); the GPU
+layouts are validated here against the machine their header describes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+# file -> (distributed_type, num_processes, mixed_precision, use_cpu) that its header promises
+EXPECTED = {
+    "cpu.yaml": ("NO", 1, "no", True),
+    "cpu_ddp.yaml": ("MULTI_GPU", 2, "no", False),
+    "gpu.yaml": ("NO", 1, "bf16", False),
+    "4gpu_ddp.yaml": ("MULTI_GPU", 4, "bf16", False),
+    "8gpu_ddp.yaml": ("MULTI_GPU", 8, "bf16", False),
+}
+
+
+def test_the_layout_folder_holds_exactly_the_known_layouts():
+    assert len(CONFIGS) == 5
+    assert {path.name for path in CONFIGS} == set(EXPECTED)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_layout_parses_and_matches_what_its_header_promises(path):
+    config = yaml.safe_load(path.read_text())
+    distributed_type, num_processes, mixed_precision, use_cpu = EXPECTED[path.name]
+    assert str(config["distributed_type"]) == distributed_type
+    assert config["num_processes"] == num_processes
+    assert config["mixed_precision"] == mixed_precision
+    assert config["use_cpu"] is use_cpu
+    header = path.read_text().split("\ncompute_environment")[0]
+    assert header.startswith("# Layout:")
+    assert f"accelerate launch --config_file accelerate_configs/{path.name}" in header
+    assert re.search(rf"\b{num_processes}\b", header.splitlines()[0]) or num_processes == 1
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_layout_is_used_by_a_makefile_target_named_in_its_header(path):
+    makefile = (REPO / "Makefile").read_text()
+    targets = re.findall(rf"^([\w-]+):[^\n]*\n\t[^\n]*accelerate_configs/{re.escape(path.name)}", makefile, re.M)
+    assert len(targets) == 1, f"no Makefile target launches {path.name}"
+    assert f"make {targets[0]}" in path.read_text()
