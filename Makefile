@@ -7,10 +7,11 @@ RECIPE ?= vae
 ARGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
-LAUNCH := $(BIN)/accelerate launch --quiet
+LAUNCH_FLAGS ?=
+LAUNCH := $(BIN)/accelerate launch --quiet $(LAUNCH_FLAGS)
 RUN_RECIPE := -m accel_trainer train $(RECIPE) $(ARGS)
 
-.PHONY: install train train-cpu-ddp train-gpu train-4gpu train-8gpu test test-fast bench lint clean
+.PHONY: install train train-cpu-ddp train-gpu train-4gpu train-8gpu test bench lint clean
 
 install: $(VENV)/.installed
 
