@@ -1,16 +1,16 @@
 """accel-trainer: write a recipe once, train it on any layout accelerate can launch.
 
-    import accel_trainer as at
+import accel_trainer as at
 
-    @at.register_recipe("demo")
-    class Demo(at.Recipe):
-        Config = DemoConfig
-        def build_model(self, cfg): ...
-        def build_datasets(self, cfg): ...
-        def compute_loss(self, model, batch): ...
+@at.register_recipe("demo")
+class Demo(at.Recipe):
+    Config = DemoConfig
+    def build_model(self, cfg): ...
+    def build_datasets(self, cfg): ...
+    def compute_loss(self, model, batch): ...
 
-    if __name__ == "__main__":
-        at.main("demo")
+if __name__ == "__main__":
+    at.main("demo")
 """
 
 from .config import TrainConfig

@@ -1,8 +1,8 @@
 """The `accel-trainer` command: `list` the registered recipes, `train` one with key=value overrides.
 
-    accel-trainer list
-    accel-trainer train vae max_steps=200
-    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accel_trainer train vae
+accel-trainer list
+accel-trainer train vae max_steps=200
+accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accel_trainer train vae
 """
 
 from __future__ import annotations

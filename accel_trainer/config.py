@@ -20,9 +20,10 @@ import re
 import textwrap
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import yaml
 
@@ -95,7 +96,7 @@ def field_docs(config_cls: type) -> dict[str, str]:
         if not isinstance(body, ast.ClassDef):
             continue
         statements = body.body
-        for stmt, nxt in zip(statements, statements[1:]):
+        for stmt, nxt in zip(statements, statements[1:], strict=False):
             if (
                 isinstance(stmt, ast.AnnAssign)
                 and isinstance(stmt.target, ast.Name)
@@ -112,7 +113,7 @@ def describe_fields(config_cls: type) -> str:
     docs = field_docs(config_cls)
     lines = []
     for f in dataclasses.fields(config_cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
         type_name = _type_name(config_fields(config_cls)[f.name])
         lines.append(f"  {f.name}={default!r}  ({type_name})  {docs.get(f.name, '')}".rstrip())
     return "\n".join(lines)
@@ -127,15 +128,14 @@ def coerce_value(name: str, value: Any, expected: Any) -> Any:
     origin = typing.get_origin(expected)
     args = typing.get_args(expected)
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        errors = []
+        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+        if is_none and type(None) in args:
+            return None
         for option in (a for a in args if a is not type(None)):
             try:
                 return coerce_value(name, value, option)
-            except ConfigError as error:
-                errors.append(error)
+            except ConfigError:
+                continue
         raise ConfigError(f"{name}={value!r}: expected {_type_name(expected)}")
     if origin is Literal:
         if value in args:

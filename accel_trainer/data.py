@@ -8,7 +8,8 @@ micro-batches r, r+N, r+2N, ... of the one global order).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data import DataLoader
 

@@ -58,7 +58,9 @@ def train_loop(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_d
     steps_per_epoch = plan.steps_per_epoch(len(train_set))
     batches = data.micro_batches(train_loader, plan, steps_per_epoch)
     log = MetricsLog(
-        run_dir, enabled=accelerator.is_main_process, total_steps=cfg.max_steps,
+        run_dir,
+        enabled=accelerator.is_main_process,
+        total_steps=cfg.max_steps,
         show_progress_bar=cfg.show_progress_bar,
     )
     window = Window.empty(accelerator.device)

@@ -18,7 +18,8 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, show_progress_bar: bool, initial: int = 0):
         self.enabled = enabled
-        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None
+        # Kept open for the whole run (line-buffered, closed by close()); a `with` block cannot span the loop.
+        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None  # noqa: SIM115
         self._bar = tqdm(
             total=total_steps,
             initial=initial,

@@ -17,7 +17,7 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import torch
 from torch.utils.data import default_collate
@@ -25,7 +25,7 @@ from torch.utils.data import default_collate
 from .config import TrainConfig
 
 Batch = dict[str, torch.Tensor]
-LossOutput = Union[torch.Tensor, tuple[torch.Tensor, Union[torch.Tensor, int]]]
+LossOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]
 
 
 class Recipe:

@@ -18,8 +18,9 @@ import importlib.util
 import inspect
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from .errors import RecipeError
 from .recipe import Recipe
@@ -112,7 +113,8 @@ def _default_folders() -> list[Path]:
 def _import_file(path: Path) -> None:
     resolved = path.resolve()
     for module in list(sys.modules.values()):
-        if getattr(module, "__file__", None) and Path(module.__file__).resolve() == resolved:
+        module_file = getattr(module, "__file__", None)
+        if module_file and Path(module_file).resolve() == resolved:
             return  # already imported, e.g. the script being run; its decorators have run
     module_name = f"accel_trainer_recipes.{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, resolved)

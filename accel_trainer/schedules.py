@@ -38,10 +38,7 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
         return 1.0
     decay_steps = max(cfg.max_steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
-    if cfg.lr_schedule == "cosine":
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        shape = 1.0 - progress
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1.0 - progress
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 

@@ -54,7 +54,10 @@ class VAE(nn.Module):
         self.encoder = nn.Sequential(nn.Linear(num_pixels, hidden_dim), nn.SiLU(), nn.Linear(hidden_dim, hidden_dim))
         self.to_mean_logvar = nn.Linear(hidden_dim, 2 * latent_dim)
         self.decoder = nn.Sequential(
-            nn.Linear(latent_dim, hidden_dim), nn.SiLU(), nn.Linear(hidden_dim, hidden_dim), nn.SiLU(),
+            nn.Linear(latent_dim, hidden_dim),
+            nn.SiLU(),
+            nn.Linear(hidden_dim, hidden_dim),
+            nn.SiLU(),
             nn.Linear(hidden_dim, num_pixels),
         )
 

@@ -35,17 +35,21 @@ def free_port() -> int:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The test process's environment without launcher or accelerate variables, one thread per worker."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("ACCELERATE_")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("ACCELERATE_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
 
 
-def run_command(args: list[str], *, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def run_command(
+    args: list[str], *, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run a launcher under a hard timeout; on an unexpected exit status show its output."""
     result = subprocess.run(
-        [str(a) for a in args], cwd=REPO, env=env or clean_env(), capture_output=True, text=True,
+        [str(a) for a in args],
+        cwd=REPO,
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
         timeout=LAUNCH_TIMEOUT_S,
     )
     if check and result.returncode != 0:
@@ -56,8 +60,17 @@ def run_command(args: list[str], *, env: dict[str, str] | None = None, check: bo
 def accelerate_launch(config: str, script: Path | str, *arguments: str, **kwargs) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/<config>.yaml` on a free port."""
     return run_command(
-        [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / f"{config}.yaml",
-         "--main_process_port", str(free_port()), script, *arguments, *TEST_OVERRIDES],
+        [
+            BIN / "accelerate",
+            "launch",
+            "--config_file",
+            REPO / "accelerate_configs" / f"{config}.yaml",
+            "--main_process_port",
+            str(free_port()),
+            script,
+            *arguments,
+            *TEST_OVERRIDES,
+        ],
         **kwargs,
     )
 
@@ -65,7 +78,11 @@ def accelerate_launch(config: str, script: Path | str, *arguments: str, **kwargs
 def train_and_dump(config: str, out: Path, recipe: str, *overrides: str, world_size: int) -> list[dict]:
     """Train `recipe` on a layout with the dumping worker; return its metrics records."""
     accelerate_launch(
-        config, WORKERS / "train_and_dump.py", recipe, f"output_dir={out}", *overrides,
+        config,
+        WORKERS / "train_and_dump.py",
+        recipe,
+        f"output_dir={out}",
+        *overrides,
         env=clean_env(ACCEL_TEST_DUMP_DIR=str(out), ACCEL_TEST_EXPECTED_WORLD_SIZE=str(world_size)),
     )
     return read_metrics(out)

@@ -9,16 +9,31 @@ import pytest
 import torch
 
 from conftest import (
-    BIN, REPO, TEST_OVERRIDES, WORKERS, accelerate_launch, clean_env, free_port, rank_parameters, read_metrics,
-    run_command, train_and_dump,
+    BIN,
+    REPO,
+    TEST_OVERRIDES,
+    WORKERS,
+    accelerate_launch,
+    clean_env,
+    free_port,
+    rank_parameters,
+    read_metrics,
+    run_command,
+    train_and_dump,
 )
 
 pytestmark = pytest.mark.multiprocess
 
 # A deterministic VAE run (posterior mean, no sampling noise) that crosses an epoch boundary: 1617 training
 # digits make 25 steps of 64 per epoch.
-DETERMINISTIC_VAE = ["sample_latent=false", "max_steps=30", "global_batch_size=64", "log_every_steps=1",
-                     "warmup_steps=5", "eval_every_steps=0"]
+DETERMINISTIC_VAE = [
+    "sample_latent=false",
+    "max_steps=30",
+    "global_batch_size=64",
+    "log_every_steps=1",
+    "warmup_steps=5",
+    "eval_every_steps=0",
+]
 
 
 def test_cpu_ddp_layout_runs_two_processes_that_end_with_identical_parameters(tmp_path):
@@ -33,8 +48,7 @@ def test_cpu_ddp_layout_runs_two_processes_that_end_with_identical_parameters(tm
 
 def test_two_processes_follow_the_one_process_trajectory_at_the_same_global_batch(tmp_path):
     one = train_and_dump("cpu", tmp_path / "one", "vae", *DETERMINISTIC_VAE, "micro_batch_size=16", world_size=1)
-    two = train_and_dump("cpu_ddp", tmp_path / "two", "vae", *DETERMINISTIC_VAE, "micro_batch_size=16",
-                         world_size=2)
+    two = train_and_dump("cpu_ddp", tmp_path / "two", "vae", *DETERMINISTIC_VAE, "micro_batch_size=16", world_size=2)
 
     # 1 process accumulates 4 micro-batches of 16, 2 processes 2 each: the same 64 samples per step.
     one_params, two_params = rank_parameters(tmp_path / "one", 0), rank_parameters(tmp_path / "two", 0)
@@ -62,17 +76,40 @@ def test_recipe_registered_in_a_standalone_script_trains_under_accelerate_launch
 
 
 def test_torchrun_launches_a_recipe_file_as_two_processes(tmp_path):
-    run_command([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
-                 REPO / "recipes" / "vae.py", "max_steps=4", "log_every_steps=2", f"output_dir={tmp_path}",
-                 *TEST_OVERRIDES])
+    run_command(
+        [
+            BIN / "torchrun",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            REPO / "recipes" / "vae.py",
+            "max_steps=4",
+            "log_every_steps=2",
+            f"output_dir={tmp_path}",
+            *TEST_OVERRIDES,
+        ]
+    )
 
     assert [r["world_size"] for r in read_metrics(tmp_path) if "loss" in r] == [2, 2]
 
 
 def test_cpu_launch_that_would_silently_start_one_process_is_refused(tmp_path):
-    result = run_command([BIN / "accelerate", "launch", "--quiet", "--cpu", "--num_processes", "2",
-                          "--main_process_port", str(free_port()), REPO / "recipes" / "vae.py",
-                          f"output_dir={tmp_path}"], check=False)
+    result = run_command(
+        [
+            BIN / "accelerate",
+            "launch",
+            "--quiet",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            str(free_port()),
+            REPO / "recipes" / "vae.py",
+            f"output_dir={tmp_path}",
+        ],
+        check=False,
+    )
 
     assert result.returncode != 0
     error_lines = [line for line in result.stderr.splitlines() if "accel-trainer: error:" in line]
@@ -83,6 +120,15 @@ def test_cpu_launch_that_would_silently_start_one_process_is_refused(tmp_path):
 
 def test_accelerate_alone_on_a_cpu_torchrun_launch_sees_a_world_of_one():
     """The trap accelerate_fixes.wants_cpu exists for: two workers training independently, no error."""
-    result = run_command([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
-                          WORKERS / "bare_accelerator_world.py"], env=clean_env())
+    result = run_command(
+        [
+            BIN / "torchrun",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            WORKERS / "bare_accelerator_world.py",
+        ],
+        env=clean_env(),
+    )
     assert result.stdout.count("world 1") == 2, result.stdout + result.stderr

@@ -42,8 +42,9 @@ def plain_pytorch_loop(cfg: at.TrainConfig) -> dict[str, torch.Tensor]:
     x, y = data["x"], data["y"]
     decayed = [p for p in model.parameters() if p.ndim >= 2]
     undecayed = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": cfg.weight_decay},
-                                   {"params": undecayed, "weight_decay": 0.0}], lr=cfg.lr)
+    optimizer = torch.optim.AdamW(
+        [{"params": decayed, "weight_decay": cfg.weight_decay}, {"params": undecayed, "weight_decay": 0.0}], lr=cfg.lr
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
     accumulation = cfg.global_batch_size // cfg.micro_batch_size
     steps_per_epoch = len(data) // cfg.global_batch_size
@@ -54,7 +55,7 @@ def plain_pytorch_loop(cfg: at.TrainConfig) -> dict[str, torch.Tensor]:
             if step == cfg.max_steps:
                 break
             for micro in range(accumulation):
-                index = order[start + micro * cfg.micro_batch_size:][: cfg.micro_batch_size]
+                index = order[start + micro * cfg.micro_batch_size :][: cfg.micro_batch_size]
                 loss = nn.functional.mse_loss(model(x[index]), y[index])
                 (loss / accumulation).backward()
             nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -67,8 +68,17 @@ def plain_pytorch_loop(cfg: at.TrainConfig) -> dict[str, torch.Tensor]:
 
 def test_one_process_run_equals_a_hand_written_pytorch_loop_bitwise(tmp_path, monkeypatch):
     monkeypatch.setattr(at.registry, "_recipes", {"tiny_regression": TinyRegression})
-    settings = dict(seed=3, max_steps=14, global_batch_size=16, micro_batch_size=8, lr=1e-2, warmup_steps=3,
-                    weight_decay=0.1, max_grad_norm=0.5, log_every_steps=0)
+    settings = dict(
+        seed=3,
+        max_steps=14,
+        global_batch_size=16,
+        micro_batch_size=8,
+        lr=1e-2,
+        warmup_steps=3,
+        weight_decay=0.1,
+        max_grad_norm=0.5,
+        log_every_steps=0,
+    )
 
     at.train("tiny_regression", output_dir=str(tmp_path), show_progress_bar=False, **settings)
 

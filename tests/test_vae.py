@@ -11,8 +11,14 @@ from conftest import read_metrics
 
 
 def test_vae_eval_loss_falls_and_the_run_folder_is_complete(tmp_path):
-    result = at.train("vae", max_steps=300, eval_every_steps=150, log_every_steps=50, output_dir=str(tmp_path),
-                      show_progress_bar=False)
+    result = at.train(
+        "vae",
+        max_steps=300,
+        eval_every_steps=150,
+        log_every_steps=50,
+        output_dir=str(tmp_path),
+        show_progress_bar=False,
+    )
 
     records = read_metrics(tmp_path)
     evals = [r for r in records if "eval/loss" in r]
@@ -21,8 +27,10 @@ def test_vae_eval_loss_falls_and_the_run_folder_is_complete(tmp_path):
     assert {"eval/reconstruction", "eval/kl"} <= evals[-1].keys()
     train_records = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_records] == [50, 100, 150, 200, 250, 300]
-    assert all({"step", "loss", "lr", "world_size", "grad_norm", "samples_per_s", "step_time_s", "epoch"} <= r.keys()
-               for r in train_records)
+    assert all(
+        {"step", "loss", "lr", "world_size", "grad_norm", "samples_per_s", "step_time_s", "epoch"} <= r.keys()
+        for r in train_records
+    )
     assert result.run_dir == tmp_path
     assert result.metrics["eval/loss"] == evals[-1]["eval/loss"]
 

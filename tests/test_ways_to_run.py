@@ -28,7 +28,15 @@ def test_console_script_trains_a_registered_recipe(tmp_path):
 
 def test_makefile_layout_target_runs_two_processes_with_recipe_and_args(tmp_path):
     arguments = " ".join([*QUICK, f"output_dir={tmp_path}", *TEST_OVERRIDES])
-    run_command(["make", "--no-print-directory", "train-cpu-ddp", "RECIPE=vae", f"ARGS={arguments}",
-                 f"LAUNCH_FLAGS=--main_process_port {free_port()}"])
+    run_command(
+        [
+            "make",
+            "--no-print-directory",
+            "train-cpu-ddp",
+            "RECIPE=vae",
+            f"ARGS={arguments}",
+            f"LAUNCH_FLAGS=--main_process_port {free_port()}",
+        ]
+    )
 
     assert [r["world_size"] for r in read_metrics(tmp_path) if "loss" in r] == [2, 2]

@@ -1,6 +1,6 @@
 """A recipe in a standalone script, registered with the decorator: the smallest complete user recipe.
 
-    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml tests/workers/standalone_recipe.py 
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml tests/workers/standalone_recipe.py
 
 Fits a line y = 3x - 1 plus noise with a 2-layer MLP; in 60 steps the logged loss falls from about 1 (the
 mean over steps 1-20) to about 0.01.
