@@ -10,8 +10,15 @@ BIN := $(VENV)/bin
 LAUNCH_FLAGS ?=
 LAUNCH := $(BIN)/accelerate launch --quiet $(LAUNCH_FLAGS)
 RUN_RECIPE := -m accel_trainer train $(RECIPE) $(ARGS)
+# Multi-node: run the same target on every node with its NODE_RANK and node 0's address.
+NODE_RANK ?= 0
+MAIN_ADDR ?= 127.0.0.1
+MAIN_PORT ?= 29500
+NODE_FLAGS = --machine_rank $(NODE_RANK) --main_process_ip $(MAIN_ADDR) --main_process_port $(MAIN_PORT)
+POWERSGD_RANK ?= 4
 
-.PHONY: install train train-cpu-ddp train-gpu train-4gpu train-8gpu test bench lint clean
+.PHONY: install train train-cpu-ddp train-cpu-fsdp train-gpu train-4gpu train-8gpu train-4gpu-fsdp train-8gpu-fsdp \
+	train-4gpu-powersgd train-2node train-2node-cpu test bench lint clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +34,9 @@ train: install  ## the default recipe on the default layout: 1 CPU process
 train-cpu-ddp: install  ## 2 gloo processes on the CPU
 	$(LAUNCH) --config_file accelerate_configs/cpu_ddp.yaml $(RUN_RECIPE)
 
+train-cpu-fsdp: install  ## 2 gloo processes on the CPU, parameters sharded with FSDP2
+	$(LAUNCH) --config_file accelerate_configs/cpu_fsdp.yaml $(RUN_RECIPE)
+
 train-gpu: install
 	$(LAUNCH) --config_file accelerate_configs/gpu.yaml $(RUN_RECIPE)
 
@@ -35,6 +45,22 @@ train-4gpu: install
 
 train-8gpu: install
 	$(LAUNCH) --config_file accelerate_configs/8gpu_ddp.yaml $(RUN_RECIPE)
+
+train-4gpu-fsdp: install
+	$(LAUNCH) --config_file accelerate_configs/4gpu_fsdp.yaml $(RUN_RECIPE)
+
+train-8gpu-fsdp: install
+	$(LAUNCH) --config_file accelerate_configs/8gpu_fsdp.yaml $(RUN_RECIPE)
+
+train-4gpu-powersgd: install
+	$(LAUNCH) --config_file accelerate_configs/4gpu_ddp_powersgd.yaml $(RUN_RECIPE) \
+		ddp_comm_hook=powersgd ddp_powersgd_rank=$(POWERSGD_RANK)
+
+train-2node: install  ## on each node: make train-2node NODE_RANK=r MAIN_ADDR=<node 0 address>
+	$(LAUNCH) --config_file accelerate_configs/2node_4gpu.yaml $(NODE_FLAGS) $(RUN_RECIPE)
+
+train-2node-cpu: install  ## the CPU twin; both node ranks may run on one machine with MAIN_ADDR=127.0.0.1
+	$(LAUNCH) --config_file accelerate_configs/2node_cpu.yaml $(NODE_FLAGS) $(RUN_RECIPE)
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

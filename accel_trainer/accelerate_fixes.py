@@ -6,6 +6,10 @@ Each function names the trap it avoids; tests/test_accelerate_fixes.py shows eac
   unless mpirun is used, and `--multi_gpu` without a GPU starts N workers that each see a world of 1. The
   launch that does work is torchrun's (used by `--multi_gpu`) with `cpu=True` in the workers, giving
   MULTI_CPU over gloo. `wants_cpu` supplies that `cpu=True`; `check_launched_world` refuses the rest.
+- FSDP on CPU: `--cpu --use_fsdp` is refused, and an FSDP plugin under MULTI_CPU is dropped, so training
+  silently becomes DDP. torch's FSDP2 (`fully_shard`) works on a gloo CPU mesh, and so does accelerate's FSDP2
+  path once `distributed_type` is FSDP on *both* `PartialState` and `AcceleratorState` (setting one alone is
+  undone when the state is re-read) and the plugin is put back on the state: `enable_fsdp_on_cpu`.
 - Optimizer overhead: `AcceleratedOptimizer.step` calls `importlib.util.find_spec` twice per step (its LOMO
   check) and `zero_grad` runs `inspect.signature` every call, about 150 us per step on CPU. The loop only
   steps on synchronising micro-batches, so without a gradient scaler it can call the wrapped torch optimizer
@@ -17,7 +21,10 @@ from __future__ import annotations
 import os
 
 import torch
+from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 from .errors import LayoutError
 
@@ -60,6 +67,27 @@ def check_launched_world(num_processes: int) -> None:
             " they would train independently; on a machine without GPUs use accelerate_configs/cpu_ddp.yaml"
             " or torchrun"
         )
+
+
+def fsdp_plugin_from_launcher() -> FullyShardedDataParallelPlugin | None:
+    """The FSDP plugin the launcher asked for (its FSDP_* environment), or None without FSDP."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
+        return None
+    return FullyShardedDataParallelPlugin()
+
+
+def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin | None) -> None:
+    """Turn a CPU run that asked for FSDP back into FSDP instead of the DDP accelerate silently falls back to."""
+    if plugin is None or accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return
+    if plugin.fsdp_version != 2:
+        raise LayoutError("FSDP on the CPU needs FSDP2: set fsdp_version: 2 in the accelerate config")
+    state = AcceleratorState()
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP
 
 
 def optimizer_step(optimizer: AcceleratedOptimizer) -> None:

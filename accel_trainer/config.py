@@ -72,6 +72,26 @@ class TrainConfig:
     """Seconds a collective may wait for a peer before the run fails instead of hanging."""
     show_progress_bar: bool = True
     """Show a tqdm progress bar on the main process."""
+    activation_checkpointing: bool = False
+    """Recompute each wrap_classes block's activations in backward: less memory, about a third more compute."""
+    fp16_init_scale: float = 65536.0
+    """Initial loss scale of the fp16 gradient scaler."""
+    fp16_growth_interval: int = 2000
+    """Optimizer steps without inf/NaN gradients before the fp16 loss scale doubles."""
+    ddp_find_unused_parameters: bool = False
+    """DDP: allow parameters that get no gradient in a step (costs a graph traversal per step)."""
+    ddp_static_graph: bool = False
+    """DDP: the set of used parameters never changes, which lets DDP overlap more communication."""
+    ddp_bucket_cap_mb: int = 25
+    """DDP: size in MB of the gradient buckets all-reduced together."""
+    ddp_gradient_as_bucket_view: bool = False
+    """DDP: gradients are views into the communication buckets, saving one gradient-sized copy."""
+    ddp_comm_hook: Literal["none", "fp16", "bf16", "powersgd", "batched_powersgd"] = "none"
+    """DDP gradient compression: all-reduce in fp16 or bf16, or PowerSGD low-rank compression."""
+    ddp_powersgd_rank: int = 1
+    """PowerSGD: rank of the low-rank gradient approximation (higher: more exact, more traffic)."""
+    ddp_powersgd_start_step: int = 10
+    """PowerSGD: optimizer steps of plain all-reduce before compression starts (at least 2)."""
 
 
 def config_fields(config_cls: type) -> dict[str, Any]:

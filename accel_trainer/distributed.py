@@ -1,19 +1,32 @@
 """Creating the Accelerator for whatever layout the launcher set up.
 
 The hardware layout comes only from the launcher (an accelerate config file, torchrun, or nothing for one
-process); this module turns it into an `Accelerator`, makes CPU multi-process runs really distributed, and
-checks that the processes that started form the world that was asked for.
+process); this module turns it into an `Accelerator`, makes CPU multi-process runs (DDP and FSDP) really
+distributed, applies the DDP and gradient-scaler settings of the config, and checks that the processes that
+started form the world that was asked for.
 """
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+)
 
 from . import accelerate_fixes
 from .config import TrainConfig
+from .errors import ConfigError
+
+_DDP_TYPES = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
 
 
 def build_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -25,13 +38,70 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
     `gradient_accumulation_steps` once the process count is known.
     """
     accelerate_fixes.refuse_single_process_cpu_launch()
+    fsdp_plugin = accelerate_fixes.fsdp_plugin_from_launcher()
     accelerator = Accelerator(
         cpu=accelerate_fixes.wants_cpu(),
+        fsdp_plugin=fsdp_plugin,
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1, sync_with_dataloader=False),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))],
+        kwargs_handlers=[
+            InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s)),
+            ddp_kwargs(cfg),
+            GradScalerKwargs(init_scale=cfg.fp16_init_scale, growth_interval=cfg.fp16_growth_interval),
+        ],
         step_scheduler_with_optimizer=False,
     )
     accelerate_fixes.check_launched_world(accelerator.num_processes)
+    accelerate_fixes.enable_fsdp_on_cpu(accelerator, fsdp_plugin)
+    warn_about_ineffective_settings(cfg, accelerator)
     return accelerator
+
+
+def ddp_kwargs(cfg: TrainConfig) -> DistributedDataParallelKwargs:
+    """DDP construction options and gradient-compression hook from the config (used only under DDP)."""
+    hooks = {
+        "none": DDPCommunicationHookType.NO,
+        "fp16": DDPCommunicationHookType.FP16,
+        "bf16": DDPCommunicationHookType.BF16,
+        "powersgd": DDPCommunicationHookType.POWER_SGD,
+        "batched_powersgd": DDPCommunicationHookType.BATCHED_POWER_SGD,
+    }
+    state = {}
+    if "powersgd" in cfg.ddp_comm_hook:
+        if cfg.ddp_powersgd_start_step < 2:
+            raise ConfigError(f"ddp_powersgd_start_step={cfg.ddp_powersgd_start_step}: PowerSGD needs at least 2")
+        state = {
+            "matrix_approximation_rank": cfg.ddp_powersgd_rank,
+            "start_powerSGD_iter": cfg.ddp_powersgd_start_step,
+        }
+    return DistributedDataParallelKwargs(
+        find_unused_parameters=cfg.ddp_find_unused_parameters,
+        static_graph=cfg.ddp_static_graph,
+        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+        gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view,
+        comm_hook=hooks[cfg.ddp_comm_hook],
+        comm_state_option=state,
+    )
+
+
+def warn_about_ineffective_settings(cfg: TrainConfig, accelerator: Accelerator) -> None:
+    """Warn once, on the main process, about settings the current hardware or layout ignores."""
+    defaults = type(cfg)()
+    ignored = []
+    if accelerator.distributed_type not in _DDP_TYPES:
+        ignored += [
+            name for name in vars(cfg) if name.startswith("ddp_") and getattr(cfg, name) != getattr(defaults, name)
+        ]
+        ignored = [f"{name} (the layout is {accelerator.distributed_type.value}, not DDP)" for name in ignored]
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        ignored.append("mixed_precision=fp16 (accelerate runs fp32 on the CPU; bf16 works there)")
+    elif accelerator.mixed_precision != "fp16":
+        ignored += [
+            f"{name} (mixed precision is {accelerator.mixed_precision}, not fp16)"
+            for name in ("fp16_init_scale", "fp16_growth_interval")
+            if getattr(cfg, name) != getattr(defaults, name)
+        ]
+    if accelerator.is_main_process:
+        for setting in ignored:
+            warnings.warn(f"accel-trainer: {setting} has no effect here", stacklevel=2)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch.distributed.tensor import DTensor
 
 from . import accelerate_fixes, data
 from .batching import BatchPlan, plan_batches
@@ -25,6 +26,7 @@ from .config import TrainConfig
 from .metrics import MetricsLog
 from .recipe import Recipe
 from .schedules import build_scheduler
+from .wrapping import prepare_blocks
 
 
 @dataclass
@@ -47,6 +49,7 @@ def train_loop(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_d
     plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
     model = recipe.build_model(cfg)
+    prepare_blocks(model, recipe, cfg, is_main_process=accelerator.is_main_process)
     train_set, eval_set = recipe.build_datasets(cfg)
     optimizer = recipe.build_optimizer(cfg, model)
     scheduler = build_scheduler(optimizer, cfg)  # deliberately not prepared: see schedules.py
@@ -64,6 +67,7 @@ def train_loop(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_d
         show_progress_bar=cfg.show_progress_bar,
     )
     window = Window.empty(accelerator.device)
+    skipped_steps = 0  # fp16 steps the gradient scaler skipped for inf/NaN gradients
     final: dict[str, Any] = {}
     if eval_loader is not None and cfg.eval_every_steps > 0:
         log.write({"step": 0, **evaluate(accelerator, recipe, model, eval_loader)})  # the untrained baseline
@@ -76,12 +80,16 @@ def train_loop(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_d
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
         lr = optimizer.param_groups[0]["lr"]
         accelerate_fixes.optimizer_step(optimizer)
-        scheduler.step()
+        if optimizer.step_was_skipped:
+            skipped_steps += 1
+        else:
+            scheduler.step()  # the schedule follows the optimizer steps actually taken
         accelerate_fixes.optimizer_zero_grad(optimizer)
         log.advance()
 
         if is_log_step:
             record = _log_record(accelerator, cfg, window, step, epoch + 1, lr, grad_norm)
+            record["skipped_steps"] = skipped_steps
             log.write(record)
             final.update(record)
             window = Window.empty(accelerator.device)
@@ -127,7 +135,8 @@ def _accumulate_gradients(
         scale = plan.accumulation_steps * plan.num_processes / total_items
         for parameter in model.parameters():
             if parameter.grad is not None:
-                parameter.grad.mul_(scale.to(parameter.grad.dtype))
+                local = parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad
+                local.mul_(scale.to(local.dtype))  # an FSDP2 shard is scaled in place like a whole gradient
     window.num_steps += 1
     return epoch
 
@@ -152,18 +161,24 @@ def _log_record(
 
 
 def evaluate(accelerator: Accelerator, recipe: Recipe, model: torch.nn.Module, loader: Any) -> dict[str, float]:
-    """Mean of the recipe's per-sample eval metrics over the whole eval set, each sample counted once."""
+    """Means of the recipe's per-sample eval metrics over the whole eval set, each sample counted once.
+
+    Metrics are divided by the number of samples, or by the total of a `num_items` entry when the recipe
+    returns one (per-sample sums over tokens, giving a token-weighted mean).
+    """
     model.eval()
     sums: dict[str, torch.Tensor] = {}
-    num_samples = 0
     with torch.no_grad():
         for batch in loader:
-            gathered = accelerator.gather_for_metrics(recipe.eval_metrics(model, batch))
+            metrics = recipe.eval_metrics(model, batch)
+            if "num_items" not in metrics:
+                metrics = {**metrics, "num_items": torch.ones(len(next(iter(metrics.values()))))}
+            gathered = accelerator.gather_for_metrics({k: v.float().to(accelerator.device) for k, v in metrics.items()})
             for name, values in gathered.items():
-                sums[name] = sums.get(name, 0) + values.float().sum()
-            num_samples += len(next(iter(gathered.values())))
+                sums[name] = sums.get(name, 0) + values.sum()
     model.train()
-    return {f"eval/{name}": (total / num_samples).item() for name, total in sums.items()}
+    num_items = sums.pop("num_items")
+    return {f"eval/{name}": (total / num_items).item() for name, total in sums.items()}
 
 
 def _save_final(

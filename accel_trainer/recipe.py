@@ -9,6 +9,7 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
     build_optimizer(cfg, model) -> optional; AdamW with decoupled weight decay by default
     eval_metrics(model, batch)  -> optional; per-sample metric tensors for evaluation
     collate(examples)           -> optional; how a list of examples becomes a batch
+    wrap_classes                -> optional class attribute: the block classes FSDP shards as units
     write_artifacts(model, eval_dataset, run_dir) -> optional; pictures or reports, main process only
 
 `self.cfg` holds the resolved config, so `compute_loss` can read recipe fields.
@@ -32,6 +33,9 @@ class Recipe:
     """Base class of recipes; subclass it, set `Config`, and implement the three required builders."""
 
     Config: ClassVar[type[TrainConfig]] = TrainConfig
+    wrap_classes: ClassVar[tuple[type[torch.nn.Module], ...]] = ()
+    """Module classes (transformer or residual blocks) that FSDP shards as units and activation checkpointing
+    recomputes; empty shards the model as one unit."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -67,7 +71,10 @@ class Recipe:
         """Per-sample evaluation metrics, each a tensor of shape [batch_size].
 
         The loop gathers them across processes with `gather_for_metrics`, which drops the samples repeated
-        to even out the last batch, and reports their means. The default reports `loss`; when
+        to even out the last batch, and reports their means. If a `num_items` entry is present (for example
+        the number of tokens of each sequence), the other entries are per-sample *sums* and are reported
+        as sum over samples divided by the total of `num_items` (a token-weighted mean). The default reports
+        `loss`; when
         `compute_loss` returns a batch mean, every sample of the batch is given that mean, so override this
         for exact per-sample values.
         """

@@ -52,7 +52,8 @@ class VAE(nn.Module):
     def __init__(self, num_pixels: int, hidden_dim: int, latent_dim: int):
         super().__init__()
         self.encoder = nn.Sequential(nn.Linear(num_pixels, hidden_dim), nn.SiLU(), nn.Linear(hidden_dim, hidden_dim))
-        self.to_mean_logvar = nn.Linear(hidden_dim, 2 * latent_dim)
+        self.to_mean = nn.Linear(hidden_dim, latent_dim)
+        self.to_logvar = nn.Linear(hidden_dim, latent_dim)
         self.decoder = nn.Sequential(
             nn.Linear(latent_dim, hidden_dim),
             nn.SiLU(),
@@ -62,7 +63,8 @@ class VAE(nn.Module):
         )
 
     def forward(self, pixels: torch.Tensor, sample: bool = True) -> tuple[torch.Tensor, ...]:
-        mean, logvar = self.to_mean_logvar(F.silu(self.encoder(pixels))).chunk(2, dim=-1)
+        features = F.silu(self.encoder(pixels))
+        mean, logvar = self.to_mean(features), self.to_logvar(features)
         latent = mean + torch.randn_like(mean) * torch.exp(0.5 * logvar) if sample else mean
         return self.decoder(latent), mean, logvar
 

@@ -75,17 +75,25 @@ def accelerate_launch(config: str, script: Path | str, *arguments: str, **kwargs
     )
 
 
+def dump_env(out: Path, world_size: int) -> dict[str, str]:
+    """Environment for the dumping worker: where to write, what world to expect, the test recipes."""
+    return clean_env(
+        ACCEL_TEST_DUMP_DIR=str(out),
+        ACCEL_TEST_EXPECTED_WORLD_SIZE=str(world_size),
+        ACCEL_TEST_RECIPE_FOLDER=str(WORKERS / "recipes"),
+    )
+
+
 def train_and_dump(config: str, out: Path, recipe: str, *overrides: str, world_size: int) -> list[dict]:
     """Train `recipe` on a layout with the dumping worker; return its metrics records."""
     accelerate_launch(
-        config,
-        WORKERS / "train_and_dump.py",
-        recipe,
-        f"output_dir={out}",
-        *overrides,
-        env=clean_env(ACCEL_TEST_DUMP_DIR=str(out), ACCEL_TEST_EXPECTED_WORLD_SIZE=str(world_size)),
+        config, WORKERS / "train_and_dump.py", recipe, f"output_dir={out}", *overrides, env=dump_env(out, world_size)
     )
     return read_metrics(out)
+
+
+def rank_summary(out: Path, rank: int) -> dict:
+    return json.loads((Path(out) / f"rank{rank}.json").read_text())
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -94,6 +102,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def rank_parameters(out: Path, rank: int) -> dict[str, torch.Tensor]:
     return load_file(str(Path(out) / f"rank{rank}.safetensors"))
+
+
+def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The consolidated weights a run exported (the same whether it trained plain, DDP or sharded)."""
+    return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
 
 
 @pytest.fixture(autouse=True)
@@ -105,3 +118,43 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+def two_node_train_and_dump(out: Path, recipe: str, *overrides: str) -> list[dict]:
+    """Two launcher invocations (machine rank 0 and 1, main address 127.0.0.1) forming one 2-"node" job."""
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            [
+                str(BIN / "accelerate"),
+                "launch",
+                "--config_file",
+                str(REPO / "accelerate_configs" / "2node_cpu.yaml"),
+                "--machine_rank",
+                str(rank),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+                str(WORKERS / "train_and_dump.py"),
+                recipe,
+                f"output_dir={out}",
+                *overrides,
+                *TEST_OVERRIDES,
+            ],
+            cwd=REPO,
+            env=dump_env(out, 2),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for rank, (node, output) in enumerate(zip(nodes, outputs)):
+        assert node.returncode == 0, f"node {rank} exited {node.returncode}\n{output}"
+    return read_metrics(out)

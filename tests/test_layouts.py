@@ -21,11 +21,17 @@ EXPECTED = {
     "gpu.yaml": ("NO", 1, "bf16", False),
     "4gpu_ddp.yaml": ("MULTI_GPU", 4, "bf16", False),
     "8gpu_ddp.yaml": ("MULTI_GPU", 8, "bf16", False),
+    "cpu_fsdp.yaml": ("FSDP", 2, "no", False),
+    "4gpu_fsdp.yaml": ("FSDP", 4, "bf16", False),
+    "8gpu_fsdp.yaml": ("FSDP", 8, "bf16", False),
+    "4gpu_ddp_powersgd.yaml": ("MULTI_GPU", 4, "bf16", False),
+    "2node_cpu.yaml": ("MULTI_GPU", 2, "no", False),
+    "2node_4gpu.yaml": ("MULTI_GPU", 8, "bf16", False),
 }
 
 
 def test_the_layout_folder_holds_exactly_the_known_layouts():
-    assert len(CONFIGS) == 5
+    assert len(CONFIGS) == 11
     assert {path.name for path in CONFIGS} == set(EXPECTED)
 
 
@@ -40,7 +46,22 @@ def test_layout_parses_and_matches_what_its_header_promises(path):
     header = path.read_text().split("\ncompute_environment")[0]
     assert header.startswith("# Layout:")
     assert f"accelerate launch --config_file accelerate_configs/{path.name}" in header
-    assert re.search(rf"\b{num_processes}\b", header.splitlines()[0]) or num_processes == 1
+    first_line = header.splitlines()[0]
+    assert re.search(rf"\b{num_processes}\b", first_line) or num_processes == 1
+    assert ("FSDP" in first_line) == (distributed_type == "FSDP")
+    assert ("DDP" in first_line) == (distributed_type == "MULTI_GPU")
+    if distributed_type == "FSDP":
+        assert config["fsdp_config"]["fsdp_version"] == 2
+    if "2node" in path.name:
+        assert config["num_machines"] == 2 and "--machine_rank" in header
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_layout_is_accepted_by_accelerates_own_config_loader(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    assert config.num_processes == EXPECTED[path.name][1]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -3,24 +3,31 @@
     ACCEL_TEST_DUMP_DIR=out ACCEL_TEST_EXPECTED_WORLD_SIZE=2 \
         accelerate launch --config_file accelerate_configs/cpu_ddp.yaml tests/workers/train_and_dump.py vae k=v
 
-Writes `out/rank<r>.safetensors` with the parameters each process holds at the end, so a test can compare
-ranks with each other and with other layouts. Exits 3 if this process sees a different world size than the
+Writes `out/rank<r>.safetensors` with the parameters this rank holds at the end (none under FSDP, whose
+consolidated weights are the run's final/model.safetensors), so a test can compare ranks with each other,
+and `out/rank<r>.json` with the number of parameter elements the rank holds itself (half of them per rank under 2-process FSDP) and the step counts in the
+optimizer's own state (one step per accumulation window, never more). ACCEL_TEST_RECIPE_FOLDER names a
+folder of extra recipes to register. Exits 3 if this process sees a different world size than the
 test expected.
 """
 
+import json
 import os
 import sys
 from pathlib import Path
 
 from accelerate.state import PartialState
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 import accel_trainer as at
 
+if os.environ.get("ACCEL_TEST_RECIPE_FOLDER"):  # extra test recipes, e.g. deliberately wrong variants
+    at.registry.discover_recipes([Path(os.environ["ACCEL_TEST_RECIPE_FOLDER"])])
 recipe_name, overrides = sys.argv[1], sys.argv[2:]
 recipe_cls = at.get_recipe(recipe_name)
-built_models = []
-build_model = recipe_cls.build_model
+built_models, built_optimizers = [], []
+build_model, build_optimizer = recipe_cls.build_model, recipe_cls.build_optimizer
 
 
 def recording_build_model(self, cfg):
@@ -29,7 +36,14 @@ def recording_build_model(self, cfg):
     return model
 
 
+def recording_build_optimizer(self, cfg, model):
+    optimizer = build_optimizer(self, cfg, model)
+    built_optimizers.append(optimizer)
+    return optimizer
+
+
 recipe_cls.build_model = recording_build_model
+recipe_cls.build_optimizer = recording_build_optimizer
 result = at.train(recipe_name, **at.config.parse_overrides(overrides))
 state = PartialState()
 expected = int(os.environ["ACCEL_TEST_EXPECTED_WORLD_SIZE"])
@@ -37,7 +51,17 @@ if state.num_processes != expected:
     print(f"rank {state.process_index} sees a world of {state.num_processes}, expected {expected}", file=sys.stderr)
     os._exit(3)
 trained = built_models[0]  # the first model built is the one trained; later ones are exports
-parameters = {name: p.detach().contiguous() for name, p in trained.named_parameters()}
-save_file(parameters, str(Path(os.environ["ACCEL_TEST_DUMP_DIR"]) / f"rank{state.process_index}.safetensors"))
+parameters, local_elements = {}, 0
+for name, parameter in trained.named_parameters():
+    if isinstance(parameter.data, DTensor):  # an FSDP2 shard: count what this rank holds
+        local_elements += parameter.data.to_local().numel()
+    else:
+        local_elements += parameter.numel()
+        parameters[name.replace("_checkpoint_wrapped_module.", "")] = parameter.detach().contiguous()
+optimizer_steps = {int(s["step"]) for s in built_optimizers[0].state.values()}  # AdamW's own count
+out = Path(os.environ["ACCEL_TEST_DUMP_DIR"])
+save_file(parameters, str(out / f"rank{state.process_index}.safetensors"))
+summary = {"local_elements": local_elements, "optimizer_steps": sorted(optimizer_steps)}
+(out / f"rank{state.process_index}.json").write_text(json.dumps(summary))
 sys.stdout.flush()
 os._exit(0)
