@@ -155,6 +155,6 @@ def two_node_train_and_dump(out: Path, recipe: str, *overrides: str) -> list[dic
     finally:
         for node in nodes:
             node.kill()
-    for rank, (node, output) in enumerate(zip(nodes, outputs)):
+    for rank, (node, output) in enumerate(zip(nodes, outputs, strict=True)):
         assert node.returncode == 0, f"node {rank} exited {node.returncode}\n{output}"
     return read_metrics(out)

@@ -5,10 +5,10 @@
 
 Writes `out/rank<r>.safetensors` with the parameters this rank holds at the end (none under FSDP, whose
 consolidated weights are the run's final/model.safetensors), so a test can compare ranks with each other,
-and `out/rank<r>.json` with the number of parameter elements the rank holds itself (half of them per rank under 2-process FSDP) and the step counts in the
-optimizer's own state (one step per accumulation window, never more). ACCEL_TEST_RECIPE_FOLDER names a
-folder of extra recipes to register. Exits 3 if this process sees a different world size than the
-test expected.
+and `out/rank<r>.json` with the number of parameter elements the rank holds itself (half of them per rank
+under 2-process FSDP) and the step counts in the optimizer's own state (one step per accumulation window,
+never more). ACCEL_TEST_RECIPE_FOLDER names a folder of extra recipes to register. Exits 3 if this process
+sees a different world size than the test expected.
 """
 
 import json
