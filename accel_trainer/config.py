@@ -63,7 +63,17 @@ class TrainConfig:
     eval_every_steps: int = 0
     """Evaluate every this many optimizer steps; 0 evaluates only at the end."""
     output_dir: str = ""
-    """Run folder; empty means outputs/<recipe>/<date-time>."""
+    """Run folder; empty means outputs/<recipe>/<date-time>. Set it to resume or restart a run."""
+    resume: str = "auto"
+    """auto: continue from output_dir's newest complete checkpoint, if any; none: start fresh; or a checkpoint path."""
+    save_every_steps: int = 0
+    """Save a checkpoint every this many optimizer steps; 0 saves only at the end and on preemption."""
+    keep_last: int = 3
+    """Keep the newest this many checkpoints (0 keeps all); the newest complete one is never deleted."""
+    keep_best_metric: str = ""
+    """Also keep the checkpoint with the best value of this eval metric (e.g. eval/loss); empty: off."""
+    keep_best_mode: Literal["min", "max"] = "min"
+    """Whether the best keep_best_metric is the smallest or the largest."""
     mixed_precision: Literal["no", "bf16", "fp16"] | None = None
     """Autocast precision; None takes the launcher's setting (the accelerate config), which defaults to no."""
     num_dataloader_workers: int = 0

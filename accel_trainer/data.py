@@ -8,7 +8,7 @@ micro-batches r, r+N, r+2N, ... of the one global order).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -44,19 +44,40 @@ def eval_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int)
 
 
 def micro_batches(
-    loader: Any, plan: BatchPlan, steps_per_epoch: int, start_epoch: int = 0
+    loader: Any,
+    plan: BatchPlan,
+    steps_per_epoch: int,
+    *,
+    start_step: int = 0,
+    skip_first_batches: Callable[[Any, int], Any] | None = None,
+    resume_rng: Callable[[], None] | None = None,
 ) -> Iterator[tuple[int, Any]]:
     """Yield `(epoch, micro_batch)` forever, `steps_per_epoch * accumulation_steps` micro-batches an epoch.
 
     Each epoch calls `set_epoch` first (the permutation depends on seed and epoch only) and runs the loader
     to its end, so accelerate's end-of-loader bookkeeping stays consistent; the few micro-batches past the
     last complete global batch are read and dropped.
+
+    Resuming after `start_step` optimizer steps skips the micro-batches this process already consumed in
+    that epoch (`skip_first_batches` reads no skipped data) and calls `resume_rng` to restore the saved RNG
+    states when the uninterrupted run had them: creating a loader iterator draws from the global RNG, which
+    the uninterrupted run did mid-epoch only at the epoch's start, so mid-epoch the states are restored
+    *after* the first fetch, while at an epoch boundary they are restored before it (FINDINGS.md).
     """
     per_epoch = steps_per_epoch * plan.accumulation_steps
-    epoch = start_epoch
+    epoch, steps_done = divmod(start_step, steps_per_epoch)
+    skip = steps_done * plan.accumulation_steps
+    if resume_rng is not None and skip == 0:
+        resume_rng()
+        resume_rng = None
     while True:
         loader.set_epoch(epoch)
-        for index, batch in enumerate(loader):
+        source = skip_first_batches(loader, skip) if skip and skip_first_batches else loader
+        for index, batch in enumerate(source, start=skip):
+            if resume_rng is not None:
+                resume_rng()
+                resume_rng = None
             if index < per_epoch:
                 yield epoch, batch
+        skip = 0
         epoch += 1

@@ -2,7 +2,7 @@
 
 Step order, once per optimizer step:
     accumulation_steps x (forward, loss, backward under `accumulate`)  ->  normalise  ->  clip
-    ->  optimizer step  ->  LR schedule  ->  zero grad  ->  log  ->  evaluate
+    ->  optimizer step  ->  LR schedule  ->  zero grad  ->  log  ->  evaluate  ->  checkpoint / stop
 
 Nothing here reads a tensor back to the host except on logging and evaluation steps, so the device never
 waits on Python between them.
@@ -10,7 +10,9 @@ waits on Python between them.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,11 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.distributed.tensor import DTensor
 
-from . import accelerate_fixes, data
+from . import accelerate_fixes, checkpoint, checkpoint_files, data
 from .batching import BatchPlan, plan_batches
 from .config import TrainConfig
 from .metrics import MetricsLog
+from .preemption import Preempted, PreemptionWatcher
 from .recipe import Recipe
 from .schedules import build_scheduler
 from .wrapping import prepare_blocks
@@ -43,8 +46,51 @@ class Window:
         return cls(torch.zeros((), device=device), torch.zeros((), device=device))
 
 
-def train_loop(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_dir: Path) -> dict[str, Any]:
-    """Train `recipe` for `cfg.max_steps` optimizer steps and return the final metrics."""
+@dataclass
+class Run:
+    """The prepared objects of one run, as the step loop and checkpointing need them."""
+
+    recipe: Recipe
+    recipe_name: str
+    cfg: TrainConfig
+    accelerator: Accelerator
+    run_dir: Path
+    plan: BatchPlan
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_loader: Any
+    eval_loader: Any
+    eval_set: Any
+    steps_per_epoch: int
+
+
+def train_loop(
+    recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_dir: Path, recipe_name: str
+) -> dict[str, Any]:
+    """Train `recipe` up to `cfg.max_steps` optimizer steps, resuming if asked, and return the final metrics.
+
+    Raises:
+        Preempted: a signal stopped the run after it saved a checkpoint.
+    """
+    run = _prepare(recipe, cfg, accelerator, run_dir, recipe_name)
+    start_step, resume_rng, progress = _resume(run)
+    batches = data.micro_batches(
+        run.train_loader, run.plan, run.steps_per_epoch, start_step=start_step,
+        skip_first_batches=accelerator.skip_first_batches, resume_rng=resume_rng,
+    )  # fmt: skip
+    log = MetricsLog(run_dir, enabled=accelerator.is_main_process, total_steps=cfg.max_steps,
+                     show_progress_bar=cfg.show_progress_bar, initial=start_step)  # fmt: skip
+    try:
+        with PreemptionWatcher(accelerator.num_processes) as preemption:
+            final = _train_steps(run, batches, log, preemption, start_step, progress)
+    finally:
+        log.close()
+    _save_final(accelerator, recipe, cfg, run.model, run.eval_set, run_dir)
+    return final
+
+
+def _prepare(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_dir: Path, recipe_name: str) -> Run:
     set_seed(cfg.seed)  # the same initial weights on every process and layout
     plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
@@ -57,50 +103,91 @@ def train_loop(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_d
     eval_loader = data.eval_loader(recipe, eval_set, plan, cfg.num_dataloader_workers) if eval_set else None
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     set_seed(cfg.seed, device_specific=True)  # independent dropout streams per process
-
     steps_per_epoch = plan.steps_per_epoch(len(train_set))
-    batches = data.micro_batches(train_loader, plan, steps_per_epoch)
-    log = MetricsLog(
-        run_dir,
-        enabled=accelerator.is_main_process,
-        total_steps=cfg.max_steps,
-        show_progress_bar=cfg.show_progress_bar,
-    )
+    return Run(recipe, recipe_name, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_loader,
+               eval_loader, eval_set, steps_per_epoch)  # fmt: skip
+
+
+def _resume(run: Run) -> tuple[int, Callable[[], None] | None, dict[str, Any]]:
+    """Restore the checkpoint `cfg.resume` points at; returns the step, an RNG restorer and the progress."""
+    progress: dict[str, Any] = {"skipped_steps": 0, "best_metric": None, "best_checkpoint": None}
+    folder = checkpoint.resume_point(run.accelerator, run.cfg, run.run_dir)
+    if folder is None:
+        return 0, None, progress
+    state, rng_states = checkpoint.restore(
+        run.accelerator, folder, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+        recipe_name=run.recipe_name, cfg=run.cfg,
+    )  # fmt: skip
+    progress.update({key: state[key] for key in progress if key in state})
+    if run.accelerator.is_main_process:
+        print(f"resuming from {folder} at step {state['step']}", flush=True)
+    restore_rng = functools.partial(checkpoint.apply_rng_states, rng_states) if rng_states else None
+    return state["step"], restore_rng, progress
+
+
+def _train_steps(
+    run: Run, batches: Any, log: MetricsLog, preemption: PreemptionWatcher, start_step: int, progress: dict
+) -> dict[str, Any]:
+    """The step loop: accumulate, clip, step, schedule, log, evaluate, checkpoint, stop on a signal."""
+    cfg, accelerator, model, optimizer = run.cfg, run.accelerator, run.model, run.optimizer
     window = Window.empty(accelerator.device)
-    skipped_steps = 0  # fp16 steps the gradient scaler skipped for inf/NaN gradients
     final: dict[str, Any] = {}
-    if eval_loader is not None and cfg.eval_every_steps > 0:
-        log.write({"step": 0, **evaluate(accelerator, recipe, model, eval_loader)})  # the untrained baseline
+    if run.eval_loader is not None and cfg.eval_every_steps > 0 and start_step == 0:
+        log.write({"step": 0, **evaluate(accelerator, run.recipe, model, run.eval_loader)})  # the baseline
     model.train()
-    for step in range(1, cfg.max_steps + 1):
-        epoch = _accumulate_gradients(accelerator, recipe, model, batches, plan, window)
+    for step in range(start_step + 1, cfg.max_steps + 1):
+        epoch = _accumulate_gradients(accelerator, run.recipe, model, batches, run.plan, window)
         is_log_step = step == cfg.max_steps or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
         grad_norm = None
         if cfg.max_grad_norm > 0 or is_log_step:
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
         lr = optimizer.param_groups[0]["lr"]
         accelerate_fixes.optimizer_step(optimizer)
-        if optimizer.step_was_skipped:
-            skipped_steps += 1
+        if optimizer.step_was_skipped:  # fp16: the gradient scaler found inf/NaN gradients
+            progress["skipped_steps"] += 1
         else:
-            scheduler.step()  # the schedule follows the optimizer steps actually taken
+            run.scheduler.step()  # the schedule follows the optimizer steps actually taken
         accelerate_fixes.optimizer_zero_grad(optimizer)
         log.advance()
 
         if is_log_step:
             record = _log_record(accelerator, cfg, window, step, epoch + 1, lr, grad_norm)
-            record["skipped_steps"] = skipped_steps
+            record["skipped_steps"] = progress["skipped_steps"]
             log.write(record)
             final.update(record)
             window = Window.empty(accelerator.device)
-        is_eval_step = step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)
-        if eval_loader is not None and is_eval_step:
-            scores = evaluate(accelerator, recipe, model, eval_loader)
+        scores = None
+        if run.eval_loader is not None and (
+            step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)
+        ):
+            scores = evaluate(accelerator, run.recipe, model, run.eval_loader)
             log.write({"step": step, **scores})
             final.update(scores)
-    log.close()
-    _save_final(accelerator, recipe, cfg, model, eval_set, run_dir)
+        stop = preemption.should_stop()
+        if stop or step == cfg.max_steps or (cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0):
+            folder = _save_checkpoint(run, step, progress, scores)
+            if stop:
+                raise Preempted(preemption.signal_name, step, folder)
     return final
+
+
+def _save_checkpoint(run: Run, step: int, progress: dict[str, Any], scores: dict[str, float] | None) -> Path:
+    """Save, track the best checkpoint by `keep_best_metric`, and apply retention."""
+    cfg = run.cfg
+    value = (scores or {}).get(cfg.keep_best_metric) if cfg.keep_best_metric else None
+    best = progress["best_metric"]
+    if value is not None and (best is None or (value < best if cfg.keep_best_mode == "min" else value > best)):
+        progress.update(best_metric=value, best_checkpoint=checkpoint_files.step_folder_name(step))
+    folder = checkpoint.save(
+        run.accelerator, run.run_dir, step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
+        recipe_name=run.recipe_name, cfg=cfg, extra=dict(progress),
+    )  # fmt: skip
+    if run.accelerator.is_main_process:
+        best_folder = progress["best_checkpoint"]
+        keep = checkpoint_files.checkpoints_dir(run.run_dir) / best_folder if best_folder else None
+        checkpoint_files.apply_retention(run.run_dir, cfg.keep_last, keep)
+    run.accelerator.wait_for_everyone()
+    return folder
 
 
 def _accumulate_gradients(

@@ -22,6 +22,7 @@ from .config import config_to_yaml, describe_fields, parse_overrides, resolve_co
 from .distributed import build_accelerator
 from .errors import UserError
 from .loop import train_loop
+from .preemption import EXIT_PREEMPTED, Preempted
 from .registry import describe, get_recipe
 
 
@@ -54,7 +55,7 @@ def train(recipe_name: str, *, config_file: str | Path | None = None, **override
     if accelerator.is_main_process:
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
     recipe = recipe_cls(cfg)
-    metrics = train_loop(recipe, cfg, accelerator, run_dir)
+    metrics = train_loop(recipe, cfg, accelerator, run_dir, recipe_name)
     accelerator.end_training()
     return TrainResult(metrics=metrics, run_dir=run_dir)
 
@@ -62,7 +63,8 @@ def train(recipe_name: str, *, config_file: str | Path | None = None, **override
 def main(recipe_name: str, argv: list[str] | None = None) -> None:
     """Command-line entry for a recipe script: `[--config FILE] [--help] key=value ...`.
 
-    Errors the user can fix are printed as one line (exit status 2). A multi-process run ends with
+    Errors the user can fix are printed as one line (exit status 2). A run stopped by SIGTERM, SIGINT or
+    SIGUSR1 saves a checkpoint and exits with status 75 (`EXIT_PREEMPTED`). A multi-process run ends with
     `os._exit(0)` once everything is flushed: about 1 in 20 clean 2-process gloo runs otherwise aborted at
     interpreter exit (FINDINGS.md).
     """
@@ -73,14 +75,19 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
             return
         config_file = _pop_config_flag(arguments)
         result = train(recipe_name, config_file=config_file, **parse_overrides(arguments))
+        print(f"run folder: {result.run_dir}")
+        status = 0
     except UserError as error:
         print(f"accel-trainer: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Preempted as stop:
+        print(f"accel-trainer: {stop}", file=sys.stderr)
+        status = EXIT_PREEMPTED
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    print(f"run folder: {result.run_dir}")
+        os._exit(status)
+    raise SystemExit(status)
 
 
 def _print_help(recipe_name: str) -> None:

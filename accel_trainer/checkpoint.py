@@ -1,0 +1,210 @@
+"""What a checkpoint holds, and saving and restoring it on any layout.
+
+A checkpoint folder (`checkpoints/step_00000120/`) holds:
+    model.safetensors + optimizer.pt   full tensors (1 process or DDP), or
+    distributed/                       a sharded torch.distributed.checkpoint (FSDP), model and optimizer
+    trainer.pt                         LR scheduler and fp16 gradient-scaler state
+    rng_rank<r>.pt                     every process's RNG states (python, numpy, torch, cuda)
+    train_state.json                   step, epoch, samples seen, recipe, config and its hash, world size,
+                                       layout, parameter shapes; the data position is derived from the step
+    config.yaml, manifest.json         the resolved config; sizes and checksums, written last
+
+Model and optimizer go through torch's layout-independent state-dict API (`get_state_dict` /
+`set_state_dict`, keyed by parameter names without DDP, FSDP or checkpoint-wrapper prefixes), and a sharded
+checkpoint is resharded on load, so a checkpoint written on one layout resumes on another: FSDP to 1 process
+or DDP and back. accelerate's `save_state` is not used because its non-FSDP files cannot be loaded into FSDP
+and it restores RNG states at the wrong moment for an exact mid-epoch resume (FINDINGS.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, broadcast_object_list
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from . import checkpoint_files as files
+from .checkpoint_files import CheckpointError
+from .config import TrainConfig, config_to_dict, config_to_yaml
+
+TRAIN_STATE = "train_state.json"
+SHARDED = "distributed"
+
+
+def save(
+    accelerator: Accelerator, run_dir: Path, step: int, *, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+    recipe_name: str, cfg: TrainConfig, extra: dict[str, Any] | None = None,
+) -> Path:  # fmt: skip
+    """Write and publish the checkpoint of `step` (every process takes part); returns its folder."""
+    temporary = files.temporary_folder(run_dir, step)
+    if accelerator.is_main_process:
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    model_state: Any
+    model_state, optimizer_state = get_state_dict(model, optimizer.optimizer)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary / SHARDED)
+    elif accelerator.is_main_process:
+        save_file(_unshared(model_state), str(temporary / "model.safetensors"))
+        torch.save(optimizer_state, temporary / "optimizer.pt")
+    torch.save(_rng_states(), temporary / f"rng_rank{accelerator.process_index}.pt")
+    if accelerator.is_main_process:
+        scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
+        torch.save({"scheduler": scheduler.state_dict(), "scaler": scaler}, temporary / "trainer.pt")
+        state = {
+            "step": step,
+            "samples_seen": step * cfg.global_batch_size,
+            "recipe": recipe_name,
+            "config_hash": config_hash(cfg),
+            "world_size": accelerator.num_processes,
+            "layout": {"distributed_type": accelerator.distributed_type.value,
+                       "mixed_precision": accelerator.mixed_precision},
+            "parameter_shapes": {name: list(t.shape) for name, t in model_state.items()},
+            "config": config_to_dict(cfg),
+            **(extra or {}),
+        }  # fmt: skip
+        (temporary / TRAIN_STATE).write_text(json.dumps(state, indent=1))
+        (temporary / "config.yaml").write_text(config_to_yaml(cfg))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        files.publish(temporary)
+    accelerator.wait_for_everyone()
+    return files.final_folder(run_dir, step)
+
+
+def restore(
+    accelerator: Accelerator, folder: Path, *, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+    recipe_name: str, cfg: TrainConfig,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:  # fmt: skip
+    """Load a verified checkpoint into the prepared objects.
+
+    Returns its train state and this process's saved RNG states, which the caller applies at the moment that
+    matches the uninterrupted run (see loop.py); None when the process count changed, after a warning.
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete or corrupt, or belongs to another recipe or model shape.
+    """
+    problem: list[str | None] = [None]
+    if accelerator.is_main_process:
+        try:
+            files.verify(folder)
+        except CheckpointError as error:
+            problem[0] = str(error)
+    if accelerator.num_processes > 1:
+        broadcast_object_list(problem)
+    if problem[0]:
+        raise CheckpointError(problem[0])
+    state = json.loads((folder / TRAIN_STATE).read_text())
+    model_state: Any
+    model_state, optimizer_state = get_state_dict(model, optimizer.optimizer)
+    check_compatible(state, recipe_name, cfg, model_state)
+    if (folder / SHARDED).is_dir():
+        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / SHARDED)
+        options = None
+    else:  # full tensors, which set_state_dict shards itself when this run is FSDP
+        model_state = load_file(str(folder / "model.safetensors"))
+        optimizer_state = torch.load(folder / "optimizer.pt", weights_only=False)
+        options = StateDictOptions(full_state_dict=True)
+    set_state_dict(model, optimizer.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                   options=options)  # fmt: skip
+    trainer = torch.load(folder / "trainer.pt", weights_only=False)
+    scheduler.load_state_dict(trainer["scheduler"])
+    if accelerator.scaler is not None and trainer["scaler"] is not None:
+        accelerator.scaler.load_state_dict(trainer["scaler"])
+    rng_file = folder / f"rng_rank{accelerator.process_index}.pt"
+    if state["world_size"] != accelerator.num_processes or not rng_file.is_file():
+        if accelerator.is_main_process:
+            warnings.warn(
+                f"accel-trainer: resuming on {accelerator.num_processes} processes from a checkpoint of"
+                f" {state['world_size']}: weights, optimizer and data order continue exactly, random streams"
+                " (dropout, sampling) restart from the seed",
+                stacklevel=2,
+            )
+        return state, None
+    return state, torch.load(rng_file, weights_only=False)
+
+
+def check_compatible(state: dict[str, Any], recipe_name: str, cfg: TrainConfig, model_state: dict) -> None:
+    """Refuse another recipe or model shape by name; warn about config keys that changed."""
+    if state["recipe"] != recipe_name:
+        raise CheckpointError(f"the checkpoint was written by recipe {state['recipe']!r}, not {recipe_name!r}")
+    current = {name: list(t.shape) for name, t in model_state.items()}
+    saved = state["parameter_shapes"]
+    for name in sorted(set(saved) | set(current)):
+        if saved.get(name) != current.get(name):
+            raise CheckpointError(
+                f"the checkpoint's model differs from this run's: parameter {name!r} has shape"
+                f" {saved.get(name, 'absent')} in the checkpoint and {current.get(name, 'absent')} here"
+            )
+    changed = [k for k, v in config_to_dict(cfg).items() if state["config"].get(k) != v and k != "resume"]
+    if changed:
+        warnings.warn(f"accel-trainer: config keys changed since the checkpoint: {', '.join(changed)}", stacklevel=2)
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    return hashlib.sha256(config_to_yaml(cfg).encode()).hexdigest()[:16]
+
+
+def apply_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _rng_states() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors safetensors can write: contiguous, and tied weights stored as separate copies."""
+    seen: set[int] = set()
+    result = {}
+    for name, tensor in state.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        result[name] = tensor.detach().clone() if pointer in seen else tensor.detach().contiguous()
+        seen.add(pointer)
+    return result
+
+
+def resume_point(accelerator: Accelerator, cfg: TrainConfig, run_dir: Path) -> Path | None:
+    """The checkpoint folder `cfg.resume` names, decided on the main process and shared with the others.
+
+    `auto` takes the newest complete checkpoint of the run folder (skipping incomplete or corrupt ones with a
+    warning) or None; `none` is None; a path is a checkpoint folder (checked on load, so a broken one is a
+    clear error) or a run folder, whose newest complete checkpoint is taken.
+    """
+    choice: list[str | None] = [None]
+    if accelerator.is_main_process:
+        files.remove_stale_temporaries(run_dir)
+        if cfg.resume == "auto":
+            found = files.newest_valid_checkpoint(run_dir)
+            choice[0] = str(found) if found else None
+        elif cfg.resume != "none":
+            path = Path(cfg.resume)
+            if files.checkpoints_dir(path).is_dir():
+                found = files.newest_valid_checkpoint(path)
+                choice[0] = str(found) if found else str(path)
+            else:
+                choice[0] = str(path)
+    if accelerator.num_processes > 1:
+        broadcast_object_list(choice)
+    return Path(choice[0]) if choice[0] else None
