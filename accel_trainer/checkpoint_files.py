@@ -53,9 +53,11 @@ def publish(temporary: Path) -> Path:
         _fsync_file(path)
     _write_durably(temporary / MANIFEST, json.dumps({"files": manifest}, indent=1))
     final = temporary.with_name(temporary.name[len(TMP_PREFIX) :])
-    if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it whole
-        shutil.rmtree(final)
+    replaced = final.with_name(f"{TMP_PREFIX}replaced-{final.name}")
+    if final.exists():  # the same step from an earlier attempt: move it aside first, so a crash leaves a .tmp-
+        os.replace(final, replaced)
     os.replace(temporary, final)
+    shutil.rmtree(replaced, ignore_errors=True)
     _fsync_dir(final.parent)
     _write_durably(final.parent / LATEST, final.name, atomic=True)
     return final
@@ -69,18 +71,20 @@ def verify(folder: Path) -> None:
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {folder} is incomplete (no {MANIFEST}: the save was interrupted)")
     try:
-        files = json.loads(manifest_path.read_text())["files"]
-    except (ValueError, KeyError):
+        files = {
+            str(name): (int(entry["bytes"]), str(entry["sha256"]))
+            for name, entry in json.loads(manifest_path.read_text())["files"].items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or JSON of the wrong shape
         raise CheckpointError(f"checkpoint {folder} has a corrupt {MANIFEST}") from None
-    for name, expected in files.items():
+    for name, (size, sha256) in files.items():
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint {folder} is missing {name}")
-        if path.stat().st_size != expected["bytes"]:
-            raise CheckpointError(
-                f"checkpoint {folder}: {name} has {path.stat().st_size} bytes, not {expected['bytes']}"
-            )
-        if _sha256(path) != expected["sha256"]:
+        if path.stat().st_size != size:
+            actual = path.stat().st_size
+            raise CheckpointError(f"checkpoint {folder}: {name} has {actual} bytes, not {size} (truncated or altered)")
+        if _sha256(path) != sha256:
             raise CheckpointError(f"checkpoint {folder}: {name} does not match its checksum (corrupt)")
 
 
@@ -125,7 +129,13 @@ def apply_retention(run_dir: Path, keep_last: int, best: Path | None) -> None:
     if keep_last <= 0:
         return
     checkpoints = complete_checkpoints(run_dir)
-    keep = set(checkpoints[-keep_last:]) | {checkpoints[-1]} if checkpoints else set()
+    if not checkpoints:
+        return
+    # The checkpoint just published is the one `latest` names; after resuming past a corrupt checkpoint it
+    # is not the highest recorded step, and deleting it would leave nothing valid to resume from.
+    pointer = checkpoints_dir(run_dir) / LATEST
+    newest = checkpoints_dir(run_dir) / pointer.read_text().strip() if pointer.is_file() else checkpoints[-1]
+    keep = set(checkpoints[-keep_last:]) | {newest}
     if best is not None:
         keep.add(best)
     for folder in checkpoints:

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from .errors import UserError
+from .export import export
 from .registry import describe, registered_recipes
 from .run import main as run_recipe
 
@@ -22,18 +23,25 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("list", help="print the registered recipes with a one-line description each")
     train = commands.add_parser("train", help="train a recipe: accel-trainer train NAME [--config FILE] key=value ...")
     train.add_argument("recipe")
-    known, rest = parser.parse_known_args(arguments[:2] if arguments[:1] == ["train"] else arguments)
-    if known.command == "list":
-        try:
-            recipes = registered_recipes()
-        except UserError as error:
-            print(f"accel-trainer: error: {error}", file=sys.stderr)
-            raise SystemExit(2) from None
-        width = max((len(name) for name in recipes), default=0)
-        for name, recipe_cls in recipes.items():
-            print(f"{name:<{width}}  {describe(recipe_cls)}")
+    exporter = commands.add_parser("export", help="write model.safetensors + config.yaml from a run or checkpoint")
+    exporter.add_argument("source", help="a run folder (its newest complete checkpoint) or a checkpoint folder")
+    exporter.add_argument("--output", help="where to write (default: <run>/export/<step>)")
+    if arguments[:1] == ["train"]:
+        known = parser.parse_args(arguments[:2])
+        run_recipe(known.recipe, arguments[2:])
         return
-    run_recipe(known.recipe, arguments[2:])
+    known = parser.parse_args(arguments)
+    try:
+        if known.command == "list":
+            recipes = registered_recipes()
+            width = max((len(name) for name in recipes), default=0)
+            for name, recipe_cls in recipes.items():
+                print(f"{name:<{width}}  {describe(recipe_cls)}")
+        else:
+            print(f"exported to {export(known.source, known.output)}")
+    except UserError as error:
+        print(f"accel-trainer: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

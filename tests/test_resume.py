@@ -1,0 +1,106 @@
+"""Train N steps uninterrupted == train k, stop, resume, train to N: identical losses and parameters.
+
+On 1 process (in-process), 2-process DDP and 2-process FSDP (real launches); mid-epoch, at an epoch boundary,
+with and without random sampling in the loss (the VAE's reparameterisation noise plays the role of dropout).
+The digits make 25 steps of 64 per epoch, so step 13 is mid-epoch and step 25 an epoch boundary. A negative
+control shows the test fails when the data position is not restored.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import accel_trainer as at
+from accel_trainer import data
+from conftest import final_parameters, read_metrics, train_and_dump
+
+STEPS = 30
+SAVE_ALL = [f"max_steps={STEPS}", "log_every_steps=1", "eval_every_steps=0", "save_every_steps=1", "keep_last=0",
+            "warmup_steps=5"]  # fmt: skip
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def as_kwargs(overrides: list[str]) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in overrides)
+
+
+def assert_same_run(full_dir, resumed_dir, resumed_from: int) -> None:
+    full, resumed = losses(full_dir), losses(resumed_dir)
+    assert sorted(resumed) == list(range(resumed_from + 1, STEPS + 1))
+    assert [resumed[s] for s in resumed] == [full[s] for s in resumed]  # bitwise, every step
+    expected, actual = final_parameters(full_dir), final_parameters(resumed_dir)
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+
+
+def checkpoint(run_dir, step: int):
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+@pytest.fixture(scope="module", params=["sampling", "deterministic"])
+def one_process_full_run(request, tmp_path_factory):
+    overrides = [*SAVE_ALL, f"sample_latent={request.param == 'sampling'}"]
+    run_dir = tmp_path_factory.mktemp(f"full_{request.param}")
+    at.train("vae", output_dir=str(run_dir), show_progress_bar=False, **as_kwargs(overrides))
+    _reset_accelerate()
+    return run_dir, overrides
+
+
+@pytest.mark.parametrize("stop_step", [13, 25], ids=["mid_epoch", "epoch_boundary"])
+def test_one_process_resume_is_bitwise_identical(one_process_full_run, stop_step, tmp_path):
+    full_dir, overrides = one_process_full_run
+    at.train("vae", output_dir=str(tmp_path), resume=str(checkpoint(full_dir, stop_step)), show_progress_bar=False,
+             **as_kwargs(overrides))  # fmt: skip
+
+    assert_same_run(full_dir, tmp_path, stop_step)
+
+
+def test_negative_control_resume_without_the_data_position_differs(one_process_full_run, tmp_path, monkeypatch):
+    full_dir, overrides = one_process_full_run
+    original = data.micro_batches
+    monkeypatch.setattr(data, "micro_batches", lambda *args, **kwargs: original(*args, **{**kwargs, "start_step": 0}))
+
+    at.train("vae", output_dir=str(tmp_path), resume=str(checkpoint(full_dir, 13)), show_progress_bar=False,
+             **as_kwargs(overrides))  # fmt: skip
+
+    with pytest.raises(AssertionError):
+        assert_same_run(full_dir, tmp_path, 13)
+
+
+def test_resume_auto_continues_a_run_folder_from_its_newest_checkpoint(one_process_full_run, tmp_path):
+    full_dir, overrides = one_process_full_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(full_dir, run_dir)
+    for later in range(14, STEPS + 1):
+        shutil.rmtree(checkpoint(run_dir, later))
+    (run_dir / "metrics.jsonl").unlink()
+    shutil.rmtree(run_dir / "final")
+
+    at.train("vae", output_dir=str(run_dir), show_progress_bar=False, **as_kwargs(overrides))  # resume=auto
+
+    assert_same_run(full_dir, run_dir, 13)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
+def test_two_process_resume_is_bitwise_identical_mid_epoch_and_at_an_epoch_boundary(layout, tmp_path):
+    overrides = [*SAVE_ALL, "sample_latent=true", "micro_batch_size=16"]  # accumulation 2, sampling noise
+    train_and_dump(layout, tmp_path / "full", "vae", *overrides, world_size=2)
+    for stop_step in (13, 25):
+        resumed = tmp_path / f"resumed_{stop_step}"
+        train_and_dump(layout, resumed, "vae", *overrides, f"resume={checkpoint(tmp_path / 'full', stop_step)}",
+                       world_size=2)  # fmt: skip
+        assert_same_run(tmp_path / "full", resumed, stop_step)
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
