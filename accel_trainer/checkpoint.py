@@ -40,6 +40,8 @@ from .config import TrainConfig, config_to_dict, config_to_yaml
 
 TRAIN_STATE = "train_state.json"
 SHARDED = "distributed"
+# Keys that say where and how a run is driven, not what it trains: changing them on resume is routine.
+_RUN_CONTROL_KEYS = {"output_dir", "resume", "show_progress_bar", "collective_timeout_s"}
 
 
 def save(
@@ -148,7 +150,10 @@ def check_compatible(state: dict[str, Any], recipe_name: str, cfg: TrainConfig, 
                 f"the checkpoint's model differs from this run's: parameter {name!r} has shape"
                 f" {saved.get(name, 'absent')} in the checkpoint and {current.get(name, 'absent')} here"
             )
-    changed = [k for k, v in config_to_dict(cfg).items() if state["config"].get(k) != v and k != "resume"]
+    changed = [
+        key for key, value in config_to_dict(cfg).items()
+        if state["config"].get(key) != value and key not in _RUN_CONTROL_KEYS
+    ]  # fmt: skip
     if changed:
         warnings.warn(f"accel-trainer: config keys changed since the checkpoint: {', '.join(changed)}", stacklevel=2)
 

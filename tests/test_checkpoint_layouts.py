@@ -1,0 +1,111 @@
+"""A checkpoint written on one layout resumes on another, exports from any layout, and refuses a wrong model.
+
+FSDP's sharded checkpoint resumes on 1 process and on 2-process DDP, and a DDP checkpoint resumes under FSDP;
+each continues the trajectory of the uninterrupted run (allclose: summation order differs between layouts).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import BIN, REPO, WORKERS, clean_env, final_parameters, read_metrics, train_and_dump
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 20
+RUN = [f"max_steps={STEPS}", "log_every_steps=1", "eval_every_steps=0", "save_every_steps=10", "keep_last=0",
+       "sample_latent=false", "micro_batch_size=16", "warmup_steps=3"]  # fmt: skip
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def checkpoint(run_dir, step: int):
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("fsdp")
+    train_and_dump("cpu_fsdp", run_dir, "vae", *RUN, world_size=2)
+    return run_dir
+
+
+@pytest.mark.parametrize(("layout", "world_size"), [("cpu", 1), ("cpu_ddp", 2)])
+def test_fsdp_checkpoint_resumes_on_another_layout_and_continues_the_trajectory(fsdp_run, layout, world_size,
+                                                                                  tmp_path):  # fmt: skip
+    assert (checkpoint(fsdp_run, 10) / "distributed").is_dir()  # really a sharded checkpoint
+
+    train_and_dump(layout, tmp_path, "vae", *RUN, f"resume={checkpoint(fsdp_run, 10)}", world_size=world_size)
+
+    expected, actual = final_parameters(fsdp_run), final_parameters(tmp_path)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **TOLERANCE)
+    full = {r["step"]: r["loss"] for r in read_metrics(fsdp_run) if "loss" in r}
+    resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path) if "loss" in r}
+    assert sorted(resumed) == list(range(11, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([resumed[s] for s in resumed]), torch.tensor([full[s] for s in resumed]),
+                               rtol=1e-5, atol=0)  # fmt: skip
+
+
+def test_ddp_checkpoint_resumes_under_fsdp(fsdp_run, tmp_path):
+    train_and_dump("cpu_ddp", tmp_path / "ddp", "vae", *RUN, "max_steps=20", world_size=2)
+    assert (checkpoint(tmp_path / "ddp", 10) / "model.safetensors").is_file()
+
+    train_and_dump("cpu_fsdp", tmp_path / "fsdp", "vae", *RUN, f"resume={checkpoint(tmp_path / 'ddp', 10)}",
+                   world_size=2)  # fmt: skip
+
+    expected, actual = final_parameters(tmp_path / "ddp"), final_parameters(tmp_path / "fsdp")
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **TOLERANCE)
+
+
+def test_export_of_a_sharded_checkpoint_equals_the_runs_consolidated_weights(fsdp_run, tmp_path):
+    subprocess.run([BIN / "accel-trainer", "export", str(fsdp_run), "--output", str(tmp_path)], check=True,
+                   env=clean_env(), cwd=REPO, timeout=120)  # fmt: skip
+
+    exported, final = load_file(str(tmp_path / "model.safetensors")), final_parameters(fsdp_run)
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[name], final[name]) for name in final)
+    assert (tmp_path / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize(
+    ("script", "overrides", "message"),
+    [
+        (REPO / "recipes" / "vae.py", ["latent_dim=4"],
+         r"parameter 'decoder.0.weight' has shape \[256, 8\] in the checkpoint and \[256, 4\] here"),
+        (WORKERS / "standalone_recipe.py", [], "written by recipe 'vae', not 'line'"),
+    ],
+    ids=["model_shape", "recipe"],
+)  # fmt: skip
+def test_a_checkpoint_of_another_model_or_recipe_is_refused_naming_the_difference(
+    fsdp_run, script, overrides, message, tmp_path
+):
+    command = [BIN / "python", script, *overrides, f"resume={checkpoint(fsdp_run, 10)}", f"output_dir={tmp_path}",
+               "show_progress_bar=false"]  # fmt: skip
+    result = subprocess.run([str(c) for c in command], env=clean_env(), cwd=REPO, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("accel-trainer: error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_naming_a_corrupt_checkpoint_explicitly_is_a_one_line_error(fsdp_run, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint(fsdp_run, 10), broken)
+    shard = next((broken / "distributed").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+
+    result = subprocess.run([str(BIN / "python"), str(REPO / "recipes" / "vae.py"), f"resume={broken}",
+                             f"output_dir={tmp_path / 'run'}", "show_progress_bar=false"],
+                            env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    assert result.returncode == 2
+    assert "truncated or altered" in result.stderr and "Traceback" not in result.stderr
