@@ -10,6 +10,10 @@ Each function names the trap it avoids; tests/test_accelerate_fixes.py shows eac
   silently becomes DDP. torch's FSDP2 (`fully_shard`) works on a gloo CPU mesh, and so does accelerate's FSDP2
   path once `distributed_type` is FSDP on *both* `PartialState` and `AcceleratorState` (setting one alone is
   undone when the state is re-read) and the plugin is put back on the state: `enable_fsdp_on_cpu`.
+- Elastic restarts: after `torchrun --max_restarts` restarts a group, its workers often (about half the time on
+  a 2-core machine) read the dead attempt's addresses from the rendezvous store and fail to connect
+  (pytorch#167288), using up the restart. `init_process_group_per_attempt` keys this attempt's rendezvous
+  under its restart count before accelerate initialises (it then reuses the group).
 - Optimizer overhead: `AcceleratedOptimizer.step` calls `importlib.util.find_spec` twice per step (its LOMO
   check) and `zero_grad` runs `inspect.signature` every call, about 150 us per step on CPU. The loop only
   steps on synchronising micro-batches, so without a gradient scaler it can call the wrapped torch optimizer
@@ -19,8 +23,10 @@ Each function names the trap it avoids; tests/test_accelerate_fixes.py shows eac
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, PartialState
@@ -88,6 +94,26 @@ def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParalle
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
     PartialState().distributed_type = DistributedType.FSDP
+
+
+def init_process_group_per_attempt(timeout_s: float) -> None:
+    """Initialise the default process group on a store prefixed with the elastic restart attempt."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if attempt is None or world_size < 2 or dist.is_initialized():
+        return
+    rank = int(os.environ["RANK"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=rank == 0 and not agent_hosts_store, timeout=timeout,
+    )  # fmt: skip
+    dist.init_process_group(
+        backend="gloo" if wants_cpu() else "nccl",
+        store=dist.PrefixStore(f"accel_trainer/attempt_{attempt}", store),
+        rank=rank, world_size=world_size, timeout=timeout,
+    )  # fmt: skip
 
 
 def optimizer_step(optimizer: AcceleratedOptimizer) -> None:

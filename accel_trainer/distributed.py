@@ -38,6 +38,7 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
     `gradient_accumulation_steps` once the process count is known.
     """
     accelerate_fixes.refuse_single_process_cpu_launch()
+    accelerate_fixes.init_process_group_per_attempt(cfg.collective_timeout_s)
     fsdp_plugin = accelerate_fixes.fsdp_plugin_from_launcher()
     accelerator = Accelerator(
         cpu=accelerate_fixes.wants_cpu(),

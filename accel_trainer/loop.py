@@ -82,7 +82,7 @@ def train_loop(
     log = MetricsLog(run_dir, enabled=accelerator.is_main_process, total_steps=cfg.max_steps,
                      show_progress_bar=cfg.show_progress_bar, initial=start_step)  # fmt: skip
     try:
-        with PreemptionWatcher(accelerator.num_processes) as preemption:
+        with PreemptionWatcher(accelerator.num_processes, cfg.collective_timeout_s) as preemption:
             final = _train_steps(run, batches, log, preemption, start_step, progress)
     finally:
         log.close()

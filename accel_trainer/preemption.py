@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -29,12 +30,24 @@ class Preempted(Exception):
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
 
 
+def _cpu_group(timeout_s: float) -> Any:
+    """A process group whose collectives run on CPU tensors: the default one when it is gloo.
+
+    A side group is created only for other backends (NCCL). Creating one on gloo was also wrong after an
+    elastic restart: its rendezvous read the dead attempt's addresses from the launcher's store. The side
+    group gets the run's collective timeout, not the 30-minute default.
+    """
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 class PreemptionWatcher:
     """Installs the signal handlers for the duration of a run (a context manager)."""
 
-    def __init__(self, num_processes: int):
+    def __init__(self, num_processes: int, timeout_s: float):
         self.signal_name = ""
-        self._group = dist.new_group(backend="gloo") if num_processes > 1 else None
+        self._group = _cpu_group(timeout_s) if num_processes > 1 else None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> PreemptionWatcher:

@@ -81,7 +81,8 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
         print(f"accel-trainer: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     except Preempted as stop:
-        print(f"accel-trainer: {stop}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"accel-trainer: {stop}", file=sys.stderr)
         status = EXIT_PREEMPTED
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stdout.flush()
