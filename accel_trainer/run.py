@@ -75,7 +75,8 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
             return
         config_file = _pop_config_flag(arguments)
         result = train(recipe_name, config_file=config_file, **parse_overrides(arguments))
-        print(f"run folder: {result.run_dir}")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"run folder: {result.run_dir}")
         status = 0
     except UserError as error:
         print(f"accel-trainer: error: {error}", file=sys.stderr)

@@ -22,7 +22,8 @@ from conftest import (
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-QUICK_GPT = ["n_layer=2", "d_model=64", "block_size=64", "log_every_steps=10", "eval_every_steps=0"]
+QUICK_GPT = ["n_layer=2", "d_model=64", "block_size=64", "log_every_steps=10", "eval_every_steps=0",
+             "global_batch_size=32", "micro_batch_size=8"]  # fmt: skip
 
 
 def launch_on_gpus(layout: str, out, recipe: str, *overrides: str, num_processes: int = 1) -> list[dict]:
@@ -56,7 +57,7 @@ def test_bf16_on_cuda_trains_and_reports_its_speed(tmp_path):
 
 
 def test_fsdp_on_cuda_shards_and_trains(tmp_path):
-    processes = min(torch.cuda.device_count(), 4)
+    processes = max(n for n in (1, 2, 4) if n <= torch.cuda.device_count())  # divides the global batch of 32
     records = launch_on_gpus("4gpu_fsdp", tmp_path, "gpt", *QUICK_GPT, "max_steps=30", num_processes=processes)
 
     losses = [r["loss"] for r in records if "loss" in r]

@@ -1,0 +1,106 @@
+"""The byte-level GPT recipe: a deterministic variable-length corpus, padding that costs nothing, real training."""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+import accel_trainer as at
+from conftest import read_metrics
+
+TINY = {"n_layer": 1, "n_head": 2, "d_model": 32, "block_size": 64, "max_source_bytes": 200_000}
+
+
+def recipe_and_config(**overrides):
+    recipe_cls = at.get_recipe("gpt")
+    cfg = recipe_cls.Config(**{**TINY, **overrides})
+    return recipe_cls(cfg), cfg
+
+
+def gpt_module():
+    import sys
+
+    return sys.modules[at.get_recipe("gpt").__module__]
+
+
+def test_the_corpus_is_sorted_stdlib_modules_within_the_byte_cap():
+    files = [Path(f) for f in gpt_module().source_files(max_source_bytes=300_000)]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    assert files == sorted(files)
+    assert all(f.parent == stdlib and "a" <= f.name[0] <= "m" and f.suffix == ".py" for f in files)
+    assert 0 < sum(f.stat().st_size for f in files) <= 300_000
+
+
+def test_a_long_paragraph_is_cut_into_chunks_of_block_size_plus_one_that_overlap_by_one_byte():
+    chunks = gpt_module().chunk_paragraphs({"text": ["abcdefghij", "x", "yz"]}, block_size=4)["input_ids"]
+    assert [bytes(c) for c in chunks] == [b"abcde", b"efghi", b"ij", b"yz"]  # "x" predicts nothing: dropped
+
+
+def test_the_dataset_is_deterministic_and_its_sequences_vary_in_length():
+    recipe, cfg = recipe_and_config()
+    train, eval_ = recipe.build_datasets(cfg)
+    train_again, eval_again = recipe.build_datasets(cfg)
+    assert train["input_ids"] == train_again["input_ids"]
+    assert eval_["input_ids"] == eval_again["input_ids"]
+    lengths = {len(ids) for ids in train["input_ids"]}
+    assert min(lengths) >= 2 and max(lengths) == cfg.block_size + 1 and len(lengths) > cfg.block_size // 2
+    assert 0.02 < len(eval_) / (len(train) + len(eval_)) < 0.1  # eval_fraction of the paragraphs, 0.05
+
+
+def test_collate_pads_to_the_longest_sequence_and_the_loss_ignores_the_padding():
+    recipe, cfg = recipe_and_config()
+    sequences = [torch.tensor(list(b"def f(x):\n    return x\n")), torch.tensor(list(b"pass")), torch.tensor([7, 9])]
+    batch = recipe.collate([{"input_ids": s} for s in sequences])
+
+    assert batch["input_ids"].shape == batch["targets"].shape == (3, len(sequences[0]) - 1)
+    assert batch["input_ids"][1].tolist() == list(b"pas") + [gpt_module().PAD_ID] * (len(sequences[0]) - 4)
+    assert batch["targets"][2].tolist() == [9] + [-100] * (len(sequences[0]) - 2)
+
+    torch.manual_seed(0)
+    model = recipe.build_model(cfg).eval()
+    loss_sum, num_tokens = recipe.compute_loss(model, batch)
+    one_by_one = [recipe.compute_loss(model, recipe.collate([{"input_ids": s}])) for s in sequences]
+    assert int(num_tokens) == sum(len(s) - 1 for s in sequences) == sum(int(n) for _, n in one_by_one)
+    torch.testing.assert_close(loss_sum, sum(loss for loss, _ in one_by_one))
+
+
+def test_eval_metrics_are_per_sequence_sums_with_bits_per_char_the_loss_in_bits():
+    recipe, cfg = recipe_and_config()
+    sequences = [torch.tensor(list(b"import os\n")), torch.tensor(list(b"x = 1"))]
+    batch = recipe.collate([{"input_ids": s} for s in sequences])
+    torch.manual_seed(0)
+    model = recipe.build_model(cfg).eval()
+
+    metrics = recipe.eval_metrics(model, batch)
+
+    assert metrics["num_items"].tolist() == [len(s) - 1 for s in sequences]
+    torch.testing.assert_close(metrics["bits_per_char"], metrics["loss"] / math.log(2))
+    loss_sum, _ = recipe.compute_loss(model, batch)
+    torch.testing.assert_close(metrics["loss"].sum(), loss_sum)
+
+
+def test_a_short_run_lowers_eval_bits_per_char(tmp_path):
+    at.train(
+        "gpt",
+        **TINY,
+        max_steps=40,
+        global_batch_size=16,
+        micro_batch_size=8,
+        lr=3e-3,
+        warmup_steps=5,
+        eval_every_steps=40,
+        log_every_steps=20,
+        output_dir=str(tmp_path),
+        show_progress_bar=False,
+    )
+
+    evals = [r for r in read_metrics(tmp_path) if "eval/bits_per_char" in r]
+    assert [r["step"] for r in evals] == [0, 40]
+    assert evals[0]["eval/bits_per_char"] == pytest.approx(8.0, abs=0.5)  # near a uniform guess over 256 bytes
+    assert evals[-1]["eval/bits_per_char"] < evals[0]["eval/bits_per_char"] - 2.0
+    assert evals[-1]["eval/loss"] == pytest.approx(evals[-1]["eval/bits_per_char"] * math.log(2))
+    assert (tmp_path / "samples.txt").read_text().startswith("def ")
