@@ -65,8 +65,9 @@ train-2node-cpu: install  ## the CPU twin; both node ranks may run on one machin
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-bench: install
+bench: install  ## per-step overhead against a plain loop, then checkpoint throughput (docs/benchmarks.md)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/checkpoint_speed.py
 
 lint: install
 	$(BIN)/ruff check accel_trainer recipes tests benchmarks

@@ -10,6 +10,7 @@ waits on Python between them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -37,7 +38,8 @@ class Window:
     """Device-side sums over the optimizer steps since the last log, read back only when logging."""
 
     loss_sum: torch.Tensor
-    num_items: torch.Tensor
+    num_items: torch.Tensor  # items counted on the device: (loss_sum, num_items) recipes
+    num_host_items: int = 0  # items of mean-loss recipes, known on the host without a sync
     num_steps: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -140,7 +142,9 @@ def _train_steps(
         is_log_step = step == cfg.max_steps or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
         grad_norm = None
         if cfg.max_grad_norm > 0 or is_log_step:
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+            grad_norm = accelerate_fixes.clip_grad_norm(
+                accelerator, model.parameters(), cfg.max_grad_norm or float("inf")
+            )
         lr = optimizer.param_groups[0]["lr"]
         accelerate_fixes.optimizer_step(optimizer)
         if optimizer.step_was_skipped:  # fp16: the gradient scaler found inf/NaN gradients
@@ -202,19 +206,22 @@ def _accumulate_gradients(
     step_items: torch.Tensor | None = None
     for _ in range(plan.accumulation_steps):
         epoch, batch = next(batches)
-        with accelerator.accumulate(model):
+        # With one micro-batch per step there is nothing to accumulate and no synchronisation to skip.
+        context = accelerator.accumulate(model) if plan.accumulation_steps > 1 else contextlib.nullcontext()
+        with context:
             output = recipe.compute_loss(model, batch)
             if isinstance(output, tuple):
                 loss_sum, num_items = output
                 num_items = torch.as_tensor(num_items, device=accelerator.device, dtype=torch.float32)
                 step_items = num_items if step_items is None else step_items + num_items
-                accelerator.backward(loss_sum)
+                accelerate_fixes.backward(accelerator, loss_sum)
+                window.loss_sum += loss_sum.detach().float()
+                window.num_items += num_items
             else:
-                num_items = len(next(iter(batch.values())))
-                loss_sum = output.detach() * num_items
-                accelerator.backward(output)  # accelerate divides by accumulation_steps
-        window.loss_sum += loss_sum.detach().float()
-        window.num_items += num_items
+                batch_size = len(next(iter(batch.values())))
+                accelerate_fixes.backward(accelerator, output)  # divided by the accumulation steps
+                window.loss_sum.add_(output.detach().float(), alpha=batch_size)
+                window.num_host_items += batch_size
     if step_items is not None:
         # accelerate scaled each sum by 1/accumulation_steps and the gradient all-reduce averaged over
         # processes; undo both and divide by the true item count of the step instead.
@@ -234,6 +241,7 @@ def _log_record(
     """Read the window back (the only host synchronisation of a training step) and build a log record."""
     totals = accelerator.reduce(torch.stack([window.loss_sum, window.num_items.float()]), reduction="sum")
     loss_sum, num_items = totals.tolist()
+    num_items += window.num_host_items * accelerator.num_processes  # every process ran equal micro-batches
     elapsed = time.perf_counter() - window.started
     return {
         "step": step,

@@ -1,0 +1,77 @@
+"""Checkpoint save and load throughput against the disk's raw write speed, and training time lost per save.
+
+    make bench      # runs this after overhead.py; about a minute
+
+1. Raw disk: `dd if=/dev/zero bs=1M count=N conv=fsync` into the output folder, the ceiling for any save.
+2. A model of about 50M parameters (200 MB) with AdamW state (400 MB more) on one CPU process: the time of
+   `accel_trainer.checkpoint.save` (write, fsync, sha256 manifest, rename) and of `restore` (verify, load),
+   as MB/s of checkpoint bytes and as a fraction of the raw disk speed.
+3. Training time lost per save: a save is synchronous, so every process waits for it; the figure is the save
+   time, and the share of a run it costs at a given cadence is printed for a 1-second step.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from accel_trainer import checkpoint
+from accel_trainer.config import TrainConfig
+from accel_trainer.schedules import build_scheduler
+
+
+def raw_disk_mb_per_s(folder: Path, megabytes: int = 512) -> float:
+    result = subprocess.run(
+        ["dd", "if=/dev/zero", f"of={folder / 'dd.bin'}", "bs=1M", f"count={megabytes}", "conv=fsync"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    (folder / "dd.bin").unlink()
+    seconds = float(re.search(r"([\d.]+) s,", result.stderr).group(1))
+    return megabytes / seconds
+
+
+def folder_megabytes(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(dir=".") as scratch:
+        run_dir = Path(scratch)
+        disk = raw_disk_mb_per_s(run_dir)
+        accelerator = Accelerator(cpu=True)
+        model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(12)])  # 50M parameters
+        optimizer = torch.optim.AdamW(model.parameters())
+        cfg = TrainConfig(max_steps=100)
+        scheduler = build_scheduler(optimizer, cfg)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        model(torch.randn(4, 2048)).sum().backward()
+        optimizer.step()  # creates the AdamW state, as in a real run
+        objects = dict(model=model, optimizer=optimizer, scheduler=scheduler, recipe_name="bench", cfg=cfg)
+
+        saves, loads = [], []
+        for step in (1, 2, 3):
+            started = time.perf_counter()
+            folder = checkpoint.save(accelerator, run_dir, step, **objects)
+            saves.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            checkpoint.restore(accelerator, folder, **objects)
+            loads.append(time.perf_counter() - started)
+        size = folder_megabytes(folder)
+        save_s, load_s = sorted(saves)[1], sorted(loads)[1]  # medians of 3
+        print(f"raw disk write (dd, fsync):  {disk:8.0f} MB/s")
+        print(f"checkpoint size:             {size:8.0f} MB (50M parameters + AdamW state)")
+        print(f"save: {save_s:6.2f} s  {size / save_s:8.0f} MB/s  = {size / save_s / disk:.2f} of raw disk speed")
+        print(f"load: {load_s:6.2f} s  {size / load_s:8.0f} MB/s  (verify checksums + load)")
+        for every in (100, 1000):
+            print(f"training time lost saving every {every} steps of 1 s: {save_s / (save_s + every):.2%}")
+
+
+if __name__ == "__main__":
+    main()
