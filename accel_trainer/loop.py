@@ -1,6 +1,7 @@
-"""The training loop: one function, read top to bottom, speaking Accelerator verbs.
+"""The training loop: one module, read top to bottom, speaking Accelerator verbs.
 
-Step order, once per optimizer step:
+`train_loop` prepares the run, resumes it if asked, and hands over to `_train_steps`, whose body is the step
+order, once per optimizer step:
     accumulation_steps x (forward, loss, backward under `accumulate`)  ->  normalise  ->  clip
     ->  optimizer step  ->  LR schedule  ->  zero grad  ->  log  ->  evaluate  ->  checkpoint / stop
 
