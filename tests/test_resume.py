@@ -104,3 +104,48 @@ def _reset_accelerate() -> None:
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+def test_resuming_with_changed_config_keys_lists_them_in_a_warning(one_process_full_run, tmp_path):
+    full_dir, overrides = one_process_full_run
+    changed = {**as_kwargs(overrides), "lr": "0.01", "weight_decay": "0.1"}
+
+    with pytest.warns(UserWarning, match="config keys changed since the checkpoint: lr, weight_decay$"):
+        at.train("vae", output_dir=str(tmp_path), resume=str(checkpoint(full_dir, 13)), show_progress_bar=False,
+                 **changed)  # fmt: skip
+
+
+def test_retention_keeps_the_last_checkpoints_and_the_best_by_an_eval_metric(tmp_path):
+    at.train("vae", max_steps=12, save_every_steps=2, eval_every_steps=2, keep_last=2, keep_best_metric="eval/loss",
+             keep_best_mode="max", log_every_steps=0, output_dir=str(tmp_path), show_progress_bar=False)  # fmt: skip
+
+    evals = {r["step"]: r["eval/loss"] for r in read_metrics(tmp_path) if "eval/loss" in r and r["step"] > 0}
+    worst_step = max(evals, key=evals.get)  # keep_best_mode=max keeps the highest loss: an early step
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
+    assert kept == sorted({f"step_{s:08d}" for s in (10, 12, worst_step)})
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000012"
+
+
+def test_a_signal_during_evaluation_stops_at_that_step_with_a_checkpoint(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from accel_trainer import checkpoint_files
+    from accel_trainer.preemption import Preempted
+
+    class SignalledDuringSecondEval(at.get_recipe("vae")):
+        eval_batches = 0
+
+        def eval_metrics(self, model, batch):
+            SignalledDuringSecondEval.eval_batches += 1
+            if SignalledDuringSecondEval.eval_batches == 7:  # the step-0 eval has 6 batches of 32
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return super().eval_metrics(model, batch)
+
+    monkeypatch.setitem(at.registry._recipes, "vae_signalled", SignalledDuringSecondEval)
+    with pytest.raises(Preempted) as stopped:
+        at.train("vae_signalled", max_steps=20, eval_every_steps=6, output_dir=str(tmp_path), show_progress_bar=False)
+
+    assert (stopped.value.signal_name, stopped.value.step) == ("SIGUSR1", 6)
+    [saved] = checkpoint_files.complete_checkpoints(tmp_path)
+    assert checkpoint_files.recorded_step(saved) == 6
