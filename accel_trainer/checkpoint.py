@@ -18,11 +18,15 @@ and it restores RNG states at the wrong moment for an exact mid-epoch resume (FI
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import random
 import shutil
+import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +48,51 @@ SHARDED = "distributed"
 _RUN_CONTROL_KEYS = {"output_dir", "resume", "show_progress_bar", "collective_timeout_s"}
 
 
+class BackgroundWriter:
+    """At most one checkpoint write in flight, on the main process's background thread.
+
+    Only file work runs there (writing, fsync, checksums, publication, retention); every collective stays on
+    the training thread. `wait` is called before the next save, before the run ends and before a preemption
+    exit, so a run never finishes with a checkpoint half written, and a failed write is raised there.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, work: Callable[[], None]) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._capture, args=(work,), name="accel-trainer-checkpoint")
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"writing a checkpoint in the background failed: {error}") from error
+
+    def _capture(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as error:  # re-raised on the training thread by wait()
+            self._error = error
+
+
 def save(
     accelerator: Accelerator, run_dir: Path, step: int, *, model: torch.nn.Module, optimizer: Any, scheduler: Any,
     recipe_name: str, cfg: TrainConfig, extra: dict[str, Any] | None = None,
+    writer: BackgroundWriter | None = None, after_publish: Callable[[], None] | None = None,
 ) -> Path:  # fmt: skip
-    """Write and publish the checkpoint of `step` (every process takes part); returns its folder."""
+    """Write and publish the checkpoint of `step` (every process takes part); returns its folder.
+
+    With a `writer`, the main process snapshots the full model and optimizer state in host memory and writes
+    them, publishes and runs `after_publish` (retention) in the background, so training continues during
+    the write. A sharded (FSDP) save is always synchronous: it needs collectives.
+    """
+    if writer is not None and accelerator.is_main_process:
+        writer.wait()
     temporary = files.temporary_folder(run_dir, step)
     if accelerator.is_main_process:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -56,34 +100,57 @@ def save(
     accelerator.wait_for_everyone()
     model_state: Any
     model_state, optimizer_state = get_state_dict(model, optimizer.optimizer)
+    heavy_writes: list[Callable[[], None]] = []
     if accelerator.distributed_type == DistributedType.FSDP:
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary / SHARDED)
     elif accelerator.is_main_process:
-        save_file(_unshared(model_state), str(temporary / "model.safetensors"))
-        torch.save(optimizer_state, temporary / "optimizer.pt")
+        weights = _host_copy(model_state) if writer else _unshared(model_state)
+        optimizer_copy = _host_copy(optimizer_state) if writer else optimizer_state
+        heavy_writes = [
+            functools.partial(save_file, weights, str(temporary / "model.safetensors")),
+            functools.partial(torch.save, optimizer_copy, temporary / "optimizer.pt"),
+        ]
     torch.save(_rng_states(), temporary / f"rng_rank{accelerator.process_index}.pt")
     if accelerator.is_main_process:
-        scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
-        torch.save({"scheduler": scheduler.state_dict(), "scaler": scaler}, temporary / "trainer.pt")
-        state = {
-            "step": step,
-            "samples_seen": step * cfg.global_batch_size,
-            "recipe": recipe_name,
-            "config_hash": config_hash(cfg),
-            "world_size": accelerator.num_processes,
-            "layout": {"distributed_type": accelerator.distributed_type.value,
-                       "mixed_precision": accelerator.mixed_precision},
-            "parameter_shapes": {name: list(t.shape) for name, t in model_state.items()},
-            "config": config_to_dict(cfg),
-            **(extra or {}),
-        }  # fmt: skip
-        (temporary / TRAIN_STATE).write_text(json.dumps(state, indent=1))
-        (temporary / "config.yaml").write_text(config_to_yaml(cfg))
+        _write_small_files(accelerator, temporary, step, scheduler, recipe_name, cfg, model_state, extra)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        files.publish(temporary)
+
+        def finish() -> None:
+            for write in heavy_writes:
+                write()
+            files.publish(temporary)
+            if after_publish is not None:
+                after_publish()
+
+        if writer is not None and heavy_writes:
+            writer.start(finish)
+        else:
+            finish()
     accelerator.wait_for_everyone()
     return files.final_folder(run_dir, step)
+
+
+def _write_small_files(
+    accelerator: Accelerator, temporary: Path, step: int, scheduler: Any, recipe_name: str, cfg: TrainConfig,
+    model_state: dict[str, Any], extra: dict[str, Any] | None,
+) -> None:  # fmt: skip
+    scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
+    torch.save({"scheduler": scheduler.state_dict(), "scaler": scaler}, temporary / "trainer.pt")
+    state = {
+        "step": step,
+        "samples_seen": step * cfg.global_batch_size,
+        "recipe": recipe_name,
+        "config_hash": config_hash(cfg),
+        "world_size": accelerator.num_processes,
+        "layout": {"distributed_type": accelerator.distributed_type.value,
+                   "mixed_precision": accelerator.mixed_precision},
+        "parameter_shapes": {name: list(t.shape) for name, t in model_state.items()},
+        "config": config_to_dict(cfg),
+        **(extra or {}),
+    }  # fmt: skip
+    (temporary / TRAIN_STATE).write_text(json.dumps(state, indent=1))
+    (temporary / "config.yaml").write_text(config_to_yaml(cfg))
 
 
 def restore(
@@ -177,6 +244,17 @@ def _rng_states() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
+
+
+def _host_copy(value: Any) -> Any:
+    """A snapshot in host memory of a (nested) state dict, for writing while training changes the original."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _host_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host_copy(item) for item in value)
+    return copy.deepcopy(value)
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -74,6 +74,8 @@ class TrainConfig:
     """Also keep the checkpoint with the best value of this eval metric (e.g. eval/loss); empty: off."""
     keep_best_mode: Literal["min", "max"] = "min"
     """Whether the best keep_best_metric is the smallest or the largest."""
+    async_save: bool = False
+    """Write checkpoints in a background thread from a snapshot in host memory (not under FSDP)."""
     mixed_precision: Literal["no", "bf16", "fp16"] | None = None
     """Autocast precision; None takes the launcher's setting (the accelerate config), which defaults to no."""
     num_dataloader_workers: int = 0

@@ -95,6 +95,8 @@ def warn_about_ineffective_settings(cfg: TrainConfig, accelerator: Accelerator) 
             name for name in vars(cfg) if name.startswith("ddp_") and getattr(cfg, name) != getattr(defaults, name)
         ]
         ignored = [f"{name} (the layout is {accelerator.distributed_type.value}, not DDP)" for name in ignored]
+    if cfg.async_save and accelerator.distributed_type == DistributedType.FSDP:
+        ignored.append("async_save (a sharded FSDP save needs collectives, so it stays synchronous)")
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         ignored.append("mixed_precision=fp16 (accelerate runs fp32 on the CPU; bf16 works there)")
     elif accelerator.mixed_precision != "fp16":

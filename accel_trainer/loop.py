@@ -66,6 +66,7 @@ class Run:
     eval_loader: Any
     eval_set: Any
     steps_per_epoch: int
+    writer: checkpoint.BackgroundWriter | None = None
 
 
 def train_loop(
@@ -84,11 +85,14 @@ def train_loop(
     )  # fmt: skip
     log = MetricsLog(run_dir, enabled=accelerator.is_main_process, total_steps=cfg.max_steps,
                      show_progress_bar=cfg.show_progress_bar, initial=start_step)  # fmt: skip
+    run.writer = checkpoint.BackgroundWriter() if cfg.async_save else None
     try:
         with PreemptionWatcher(accelerator.num_processes, cfg.collective_timeout_s) as preemption:
             final = _train_steps(run, batches, log, preemption, start_step, progress)
     finally:
         log.close()
+        if run.writer is not None:
+            run.writer.wait()  # never leave with a checkpoint half written, preempted or not
     _save_final(accelerator, recipe, cfg, run.model, run.eval_set, run_dir)
     return final
 
@@ -183,16 +187,13 @@ def _save_checkpoint(run: Run, step: int, progress: dict[str, Any], scores: dict
     best = progress["best_metric"]
     if value is not None and (best is None or (value < best if cfg.keep_best_mode == "min" else value > best)):
         progress.update(best_metric=value, best_checkpoint=checkpoint_files.step_folder_name(step))
-    folder = checkpoint.save(
+    best_folder = progress["best_checkpoint"]
+    keep = checkpoint_files.checkpoints_dir(run.run_dir) / best_folder if best_folder else None
+    return checkpoint.save(
         run.accelerator, run.run_dir, step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-        recipe_name=run.recipe_name, cfg=cfg, extra=dict(progress),
+        recipe_name=run.recipe_name, cfg=cfg, extra=dict(progress), writer=run.writer,
+        after_publish=functools.partial(checkpoint_files.apply_retention, run.run_dir, cfg.keep_last, keep),
     )  # fmt: skip
-    if run.accelerator.is_main_process:
-        best_folder = progress["best_checkpoint"]
-        keep = checkpoint_files.checkpoints_dir(run.run_dir) / best_folder if best_folder else None
-        checkpoint_files.apply_retention(run.run_dir, cfg.keep_last, keep)
-    run.accelerator.wait_for_everyone()
-    return folder
 
 
 def _accumulate_gradients(

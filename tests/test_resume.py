@@ -149,3 +149,41 @@ def test_a_signal_during_evaluation_stops_at_that_step_with_a_checkpoint(tmp_pat
     assert (stopped.value.signal_name, stopped.value.step) == ("SIGUSR1", 6)
     [saved] = checkpoint_files.complete_checkpoints(tmp_path)
     assert checkpoint_files.recorded_step(saved) == 6
+
+
+def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
+    from safetensors.torch import load_file
+
+    from accel_trainer import checkpoint_files
+
+    settings = dict(max_steps=12, save_every_steps=4, keep_last=0, log_every_steps=0, eval_every_steps=0,
+                    show_progress_bar=False)  # fmt: skip
+    at.train("vae", output_dir=str(tmp_path / "sync"), **settings)
+    _reset_accelerate()
+    at.train("vae", output_dir=str(tmp_path / "async"), async_save=True, **settings)
+
+    for step in (4, 8, 12):
+        sync, background = checkpoint(tmp_path / "sync", step), checkpoint(tmp_path / "async", step)
+        checkpoint_files.verify(background)
+        a, b = load_file(str(sync / "model.safetensors")), load_file(str(background / "model.safetensors"))
+        assert all(torch.equal(a[name], b[name]) for name in a)
+        a, b = torch.load(sync / "optimizer.pt"), torch.load(background / "optimizer.pt")
+        assert all(torch.equal(a["state"][k]["exp_avg"], b["state"][k]["exp_avg"]) for k in a["state"])
+    sync_final, async_final = final_parameters(tmp_path / "sync"), final_parameters(tmp_path / "async")
+    assert all(torch.equal(sync_final[name], async_final[name]) for name in sync_final)
+
+
+@pytest.mark.multiprocess
+def test_async_saves_on_two_processes_publish_verified_checkpoints_and_resume(tmp_path):
+    from accel_trainer import checkpoint_files
+
+    run = ["max_steps=10", "save_every_steps=3", "keep_last=2", "async_save=true", "log_every_steps=1",
+           "eval_every_steps=0", "sample_latent=false"]  # fmt: skip
+    train_and_dump("cpu_ddp", tmp_path, "vae", *run, world_size=2)
+
+    kept = checkpoint_files.complete_checkpoints(tmp_path)
+    assert [checkpoint_files.recorded_step(p) for p in kept] == [9, 10]
+    for folder in kept:
+        checkpoint_files.verify(folder)
+    records = train_and_dump("cpu_ddp", tmp_path, "vae", *run, "max_steps=12", world_size=2)  # resume=auto
+    assert [r["step"] for r in records if "loss" in r][-2:] == [11, 12]
