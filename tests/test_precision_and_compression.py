@@ -41,3 +41,41 @@ def test_fp16_on_cpu_warns_once_that_it_has_no_effect(tmp_path):
 def test_ddp_settings_on_a_single_process_warn_that_they_have_no_effect(tmp_path):
     with pytest.warns(UserWarning, match="ddp_comm_hook .*not DDP.* has no effect"):
         at.train("vae", max_steps=1, ddp_comm_hook="powersgd", output_dir=str(tmp_path), show_progress_bar=False)
+
+
+def test_ddp_settings_become_accelerates_ddp_kwargs():
+    from accelerate.utils import DDPCommunicationHookType
+
+    from accel_trainer.distributed import ddp_kwargs
+
+    cfg = at.TrainConfig(ddp_find_unused_parameters=True, ddp_static_graph=True, ddp_bucket_cap_mb=4,
+                         ddp_gradient_as_bucket_view=True, ddp_comm_hook="powersgd", ddp_powersgd_rank=3,
+                         ddp_powersgd_start_step=5)  # fmt: skip
+    kwargs = ddp_kwargs(cfg)
+
+    assert kwargs.to_dict() == {
+        "find_unused_parameters": True,
+        "static_graph": True,
+        "bucket_cap_mb": 4,
+        "gradient_as_bucket_view": True,
+    }  # the values that differ from DDP's defaults
+    assert kwargs.comm_hook == DDPCommunicationHookType.POWER_SGD
+    assert kwargs.comm_state_option == {"matrix_approximation_rank": 3, "start_powerSGD_iter": 5}
+
+
+def test_powersgd_needs_at_least_two_plain_steps_first():
+    from accel_trainer.distributed import ddp_kwargs
+
+    with pytest.raises(at.ConfigError, match="ddp_powersgd_start_step=1"):
+        ddp_kwargs(at.TrainConfig(ddp_comm_hook="powersgd", ddp_powersgd_start_step=1))
+
+
+@pytest.mark.multiprocess
+def test_ddp_runs_with_every_tuning_option_set(tmp_path):
+    records = train_and_dump(
+        "cpu_ddp", tmp_path, "vae", *QUICK_VAE, "ddp_find_unused_parameters=true", "ddp_static_graph=true",
+        "ddp_bucket_cap_mb=1", "ddp_gradient_as_bucket_view=true", world_size=2,
+    )  # fmt: skip
+
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < 0.8 * losses[0]
