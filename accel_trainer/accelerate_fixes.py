@@ -1,6 +1,8 @@
 """Workarounds for measured accelerate 1.15 problems, all in this one module (see FINDINGS.md).
 
-Each function names the trap it avoids; tests/test_accelerate_fixes.py shows each trap and the fix.
+Each function names the trap it avoids, and a test shows each trap and the fix: test_accelerate_fixes.py and
+test_multiprocess.py (launches, overhead), test_layout_equivalence.py (FSDP on the CPU really shards and
+matches), test_preemption.py (elastic restarts).
 
 - CPU launches: `accelerate launch --cpu --num_processes N` (or a MULTI_CPU config) starts one process
   unless mpirun is used, and `--multi_gpu` without a GPU starts N workers that each see a world of 1. The
