@@ -18,6 +18,7 @@ from typing import Any
 
 from accelerate.utils import broadcast_object_list
 
+from .accelerate_fixes import launched_world_size
 from .config import config_to_yaml, describe_fields, parse_overrides, resolve_config
 from .distributed import build_accelerator
 from .errors import UserError
@@ -69,23 +70,24 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
     interpreter exit (FINDINGS.md).
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
+    is_rank_zero = int(os.environ.get("RANK", "0")) == 0
     try:
         if "--help" in arguments or "-h" in arguments:
             _print_help(recipe_name)
             return
         config_file = _pop_config_flag(arguments)
         result = train(recipe_name, config_file=config_file, **parse_overrides(arguments))
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_rank_zero:
             print(f"run folder: {result.run_dir}")
         status = 0
     except UserError as error:
         print(f"accel-trainer: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     except Preempted as stop:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_rank_zero:
             print(f"accel-trainer: {stop}", file=sys.stderr)
         status = EXIT_PREEMPTED
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if (launched_world_size() or 1) > 1:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

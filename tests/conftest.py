@@ -109,15 +109,20 @@ def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Reset accelerate's process-wide singletons after a test that trained in-process."""
-    yield
+def reset_accelerate_state() -> None:
+    """Forget accelerate's process-wide singletons, so the next in-process run builds its own."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Reset accelerate's process-wide singletons after a test that trained in-process."""
+    yield
+    reset_accelerate_state()
 
 
 def two_node_train_and_dump(out: Path, recipe: str, *overrides: str) -> list[dict]:

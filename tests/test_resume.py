@@ -15,7 +15,7 @@ import torch
 
 import accel_trainer as at
 from accel_trainer import data
-from conftest import final_parameters, read_metrics, train_and_dump
+from conftest import final_parameters, read_metrics, reset_accelerate_state, train_and_dump
 
 STEPS = 30
 SAVE_ALL = [f"max_steps={STEPS}", "log_every_steps=1", "eval_every_steps=0", "save_every_steps=1", "keep_last=0",
@@ -47,7 +47,7 @@ def one_process_full_run(request, tmp_path_factory):
     overrides = [*SAVE_ALL, f"sample_latent={request.param == 'sampling'}"]
     run_dir = tmp_path_factory.mktemp(f"full_{request.param}")
     at.train("vae", output_dir=str(run_dir), show_progress_bar=False, **as_kwargs(overrides))
-    _reset_accelerate()
+    reset_accelerate_state()
     return run_dir, overrides
 
 
@@ -96,14 +96,6 @@ def test_two_process_resume_is_bitwise_identical_mid_epoch_and_at_an_epoch_bound
         train_and_dump(layout, resumed, "vae", *overrides, f"resume={checkpoint(tmp_path / 'full', stop_step)}",
                        world_size=2)  # fmt: skip
         assert_same_run(tmp_path / "full", resumed, stop_step)
-
-
-def _reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
 
 
 def test_resuming_with_changed_config_keys_lists_them_in_a_warning(one_process_full_run, tmp_path):
@@ -159,7 +151,7 @@ def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
     settings = dict(max_steps=12, save_every_steps=4, keep_last=0, log_every_steps=0, eval_every_steps=0,
                     show_progress_bar=False)  # fmt: skip
     at.train("vae", output_dir=str(tmp_path / "sync"), **settings)
-    _reset_accelerate()
+    reset_accelerate_state()
     at.train("vae", output_dir=str(tmp_path / "async"), async_save=True, **settings)
 
     for step in (4, 8, 12):
