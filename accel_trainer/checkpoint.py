@@ -1,19 +1,24 @@
 """What a checkpoint holds, and saving and restoring it on any layout.
 
-A checkpoint folder (`checkpoints/step_00000120/`) holds:
-    model.safetensors + optimizer.pt   full tensors (1 process or DDP), or
-    distributed/                       a sharded torch.distributed.checkpoint (FSDP), model and optimizer
-    trainer.pt                         LR scheduler and fp16 gradient-scaler state
-    rng_rank<r>.pt                     every process's RNG states (python, numpy, torch, cuda)
-    train_state.json                   step, epoch, samples seen, recipe, config and its hash, world size,
-                                       layout, parameter shapes; the data position is derived from the step
+A checkpoint folder (`checkpoints/step_00000120/`) holds no pickle, so loading one cannot run code:
+    model.safetensors                  full weights (1 process or DDP), or
+    distributed/                       per-rank safetensors shards of model and optimizer (FSDP), written and
+                                       resharded on load by torch.distributed.checkpoint's HF storage
+    optimizer.safetensors              the optimizer state (state_files.py: tensors, JSON structure); under
+                                       FSDP only its structure, the tensors being in distributed/
+    trainer.safetensors                LR scheduler and fp16 gradient-scaler state
+    rng_rank<r>.safetensors            every process's RNG states (python, numpy, torch, cuda)
+    train_state.json                   format, step, epoch, samples seen, recipe, config and its hash, world
+                                       size, layout, parameter shapes; the data position is derived from the step
     config.yaml, manifest.json         the resolved config; sizes and checksums, written last
 
 Model and optimizer go through torch's layout-independent state-dict API (`get_state_dict` /
 `set_state_dict`, keyed by parameter names without DDP, FSDP or checkpoint-wrapper prefixes), and a sharded
 checkpoint is resharded on load, so a checkpoint written on one layout resumes on another: FSDP to 1 process
-or DDP and back. accelerate's `save_state` is not used because its non-FSDP files cannot be loaded into FSDP
-and it restores RNG states at the wrong moment for an exact mid-epoch resume (FINDINGS.md).
+or DDP and back. accelerate's `save_state` is not used because its non-FSDP files cannot be loaded into FSDP,
+it pickles (torch.save, and DCP's default format pickles its metadata), and it restores RNG states at the
+wrong moment for an exact mid-epoch resume (docs/accelerate-traps.md). A checkpoint of the earlier pickle
+format, or one holding any file accel-trainer does not write, is refused with one line.
 """
 
 from __future__ import annotations
@@ -36,14 +41,23 @@ import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from . import checkpoint_files as files
+from . import state_files
 from .checkpoint_files import CheckpointError
 from .config import TrainConfig, config_to_dict, config_to_yaml
 
 TRAIN_STATE = "train_state.json"
 SHARDED = "distributed"
+OPTIMIZER = "optimizer.safetensors"
+TRAINER = "trainer.safetensors"
+MODEL_PREFIX = "model/"  # keys of the model's tensors among the sharded files' (the optimizer's: "optimizer/")
+# The checkpoint format: 2 is pickle-free. Format 1 (accel-trainer 0.1, no "format" key) pickled optimizer,
+# scheduler, RNG and DCP metadata, and is refused on resume.
+FORMAT = 2
+SAFE_SUFFIXES = (".safetensors", ".json", ".yaml")
 # Keys that say where and how a run is driven, not what it trains: changing them on resume is routine.
 _RUN_CONTROL_KEYS = {"output_dir", "resume", "show_progress_bar", "collective_timeout_s"}
 
@@ -102,15 +116,22 @@ def save(
     model_state, optimizer_state = get_state_dict(model, optimizer.optimizer)
     heavy_writes: list[Callable[[], None]] = []
     if accelerator.distributed_type == DistributedType.FSDP:
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary / SHARDED)
+        optimizer_skeleton, optimizer_tensors = state_files.split(optimizer_state, "optimizer")
+        sharded = {**{MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}, **optimizer_tensors}
+        dcp.save(
+            state_files.writable(sharded),
+            storage_writer=HuggingFaceStorageWriter(str(temporary / SHARDED), save_distributed=True),
+        )
+        if accelerator.is_main_process:
+            state_files.save_skeleton(optimizer_skeleton, temporary / OPTIMIZER)
     elif accelerator.is_main_process:
-        weights = _host_copy(model_state) if writer else _unshared(model_state)
+        weights = _host_copy(model_state) if writer else state_files.writable(model_state)
         optimizer_copy = _host_copy(optimizer_state) if writer else optimizer_state
         heavy_writes = [
             functools.partial(save_file, weights, str(temporary / "model.safetensors")),
-            functools.partial(torch.save, optimizer_copy, temporary / "optimizer.pt"),
+            functools.partial(state_files.save, optimizer_copy, temporary / OPTIMIZER, "optimizer"),
         ]
-    torch.save(_rng_states(), temporary / f"rng_rank{accelerator.process_index}.pt")
+    state_files.save(_rng_states(), temporary / rng_file_name(accelerator.process_index))
     if accelerator.is_main_process:
         _write_small_files(accelerator, temporary, step, scheduler, recipe_name, cfg, model_state, extra)
     accelerator.wait_for_everyone()
@@ -136,8 +157,9 @@ def _write_small_files(
     model_state: dict[str, Any], extra: dict[str, Any] | None,
 ) -> None:  # fmt: skip
     scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
-    torch.save({"scheduler": scheduler.state_dict(), "scaler": scaler}, temporary / "trainer.pt")
+    state_files.save({"scheduler": scheduler.state_dict(), "scaler": scaler}, temporary / TRAINER)
     state = {
+        "format": FORMAT,
         "step": step,
         "samples_seen": step * cfg.global_batch_size,
         "recipe": recipe_name,
@@ -169,6 +191,7 @@ def restore(
     if accelerator.is_main_process:
         try:
             files.verify(folder)
+            check_format(folder)
         except CheckpointError as error:
             problem[0] = str(error)
     if accelerator.num_processes > 1:
@@ -179,20 +202,21 @@ def restore(
     model_state: Any
     model_state, optimizer_state = get_state_dict(model, optimizer.optimizer)
     check_compatible(state, recipe_name, cfg, model_state)
+    optimizer_skeleton = state_files.load_skeleton(folder / OPTIMIZER)
     if (folder / SHARDED).is_dir():
-        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / SHARDED)
+        optimizer_state = _load_sharded(folder, model_state, optimizer_state, optimizer_skeleton)
         options = None
     else:  # full tensors, which set_state_dict shards itself when this run is FSDP
         model_state = load_file(str(folder / "model.safetensors"))
-        optimizer_state = torch.load(folder / "optimizer.pt", weights_only=False)
+        optimizer_state = state_files.load(folder / OPTIMIZER)
         options = StateDictOptions(full_state_dict=True)
     set_state_dict(model, optimizer.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                    options=options)  # fmt: skip
-    trainer = torch.load(folder / "trainer.pt", weights_only=False)
+    trainer = state_files.load(folder / TRAINER)
     scheduler.load_state_dict(trainer["scheduler"])
     if accelerator.scaler is not None and trainer["scaler"] is not None:
         accelerator.scaler.load_state_dict(trainer["scaler"])
-    rng_file = folder / f"rng_rank{accelerator.process_index}.pt"
+    rng_file = folder / rng_file_name(accelerator.process_index)
     if state["world_size"] != accelerator.num_processes or not rng_file.is_file():
         if accelerator.is_main_process:
             warnings.warn(
@@ -202,7 +226,51 @@ def restore(
                 stacklevel=2,
             )
         return state, None
-    return state, torch.load(rng_file, weights_only=False)
+    return state, state_files.load(rng_file)
+
+
+def _load_sharded(folder: Path, model_state: dict[str, Any], optimizer_state: dict[str, Any],
+                  optimizer_skeleton: Any) -> dict[str, Any]:  # fmt: skip
+    """Load the sharded tensors in place into this run's (possibly sharded) state; returns the optimizer's."""
+    _, live_optimizer_tensors = state_files.split(optimizer_state, "optimizer")
+    saved_keys = state_files.tensor_keys(optimizer_skeleton)
+    unknown = [key for key in saved_keys if key not in live_optimizer_tensors]
+    if unknown:
+        raise CheckpointError(
+            f"checkpoint {folder}: its optimizer state does not fit this run's optimizer ({unknown[0]} has no"
+            " counterpart here): was it written with another optimizer?"
+        )
+    targets = {MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}
+    targets.update({key: live_optimizer_tensors[key] for key in saved_keys})
+    dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder / SHARDED)))
+    return state_files.join(optimizer_skeleton, live_optimizer_tensors)
+
+
+def check_format(folder: Path) -> None:
+    """Refuse a checkpoint of the pickle format, or one holding any file accel-trainer does not write.
+
+    Raises:
+        CheckpointError: naming the files, why they are refused and what to do instead.
+    """
+    try:
+        version = json.loads((folder / TRAIN_STATE).read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        raise CheckpointError(f"checkpoint {folder} has no readable {TRAIN_STATE}") from None
+    if version is None:
+        raise CheckpointError(
+            f"checkpoint {folder} has the format of accel-trainer 0.1, whose optimizer, RNG and sharded files are"
+            " pickles that could run code when loaded, so it is not loaded; start a new run (a new output_dir),"
+            f" and keep the weights of an unsharded one with `accel-trainer export {folder}`"
+        )
+    if version != FORMAT:
+        raise CheckpointError(f"checkpoint {folder} has format {version}; this accel-trainer reads format {FORMAT}")
+    foreign = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                     if p.is_file() and not p.name.endswith(SAFE_SUFFIXES))  # fmt: skip
+    if foreign:
+        raise CheckpointError(
+            f"checkpoint {folder} holds {', '.join(foreign)}, which accel-trainer never writes (it could be a"
+            " pickle that runs code when loaded), so it is refused; remove the file if you know where it came from"
+        )
 
 
 def check_compatible(state: dict[str, Any], recipe_name: str, cfg: TrainConfig, model_state: dict) -> None:
@@ -237,6 +305,10 @@ def apply_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+def rng_file_name(process_index: int) -> str:
+    return f"rng_rank{process_index}.safetensors"
+
+
 def _rng_states() -> dict[str, Any]:
     return {
         "python": random.getstate(),
@@ -255,17 +327,6 @@ def _host_copy(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_host_copy(item) for item in value)
     return copy.deepcopy(value)
-
-
-def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensors safetensors can write: contiguous, and tied weights stored as separate copies."""
-    seen: set[int] = set()
-    result = {}
-    for name, tensor in state.items():
-        pointer = tensor.untyped_storage().data_ptr()
-        result[name] = tensor.detach().clone() if pointer in seen else tensor.detach().contiguous()
-        seen.add(pointer)
-    return result
 
 
 def resume_point(accelerator: Accelerator, cfg: TrainConfig, run_dir: Path) -> Path | None:

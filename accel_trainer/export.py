@@ -3,21 +3,25 @@
     accel-trainer export outputs/gpt/run1                      # the run's newest complete checkpoint
     accel-trainer export outputs/gpt/run1/checkpoints/step_00000500 --output exported/gpt
 
-Runs in one process without a process group: a sharded (FSDP) checkpoint is read through torch's
-`dcp_to_torch_save`, which gathers the shards of every rank from disk.
+Runs in one process without a process group: the shards of a sharded (FSDP) checkpoint are read from disk
+by torch.distributed.checkpoint's HF safetensors reader into full-size tensors. Only safetensors, JSON and
+YAML are read, so an export runs no code from the checkpoint; that makes it the way to keep the weights of
+an unsharded checkpoint of the earlier pickle format, which `resume=` refuses.
 """
 
 from __future__ import annotations
 
 import shutil
-import tempfile
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from . import checkpoint, checkpoint_files
+from . import checkpoint, checkpoint_files, state_files
 from .checkpoint_files import CheckpointError
 
 
@@ -31,7 +35,7 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
     checkpoint_files.verify(folder)
     target = Path(output) if output else folder.parent.parent / "export" / folder.name
     target.mkdir(parents=True, exist_ok=True)
-    save_file(checkpoint._unshared(_model_state(folder)), str(target / "model.safetensors"))
+    save_file(state_files.writable(_model_state(folder)), str(target / "model.safetensors"))
     shutil.copyfile(folder / "config.yaml", target / "config.yaml")
     return target
 
@@ -48,9 +52,21 @@ def _checkpoint_folder(source: Path) -> Path:
 
 
 def _model_state(folder: Path) -> dict[str, torch.Tensor]:
-    if (folder / checkpoint.SHARDED).is_dir():
-        with tempfile.TemporaryDirectory() as scratch:
-            whole = Path(scratch) / "whole.pt"
-            dcp_to_torch_save(folder / checkpoint.SHARDED, whole)
-            return torch.load(whole, weights_only=False)["model"]
-    return load_file(str(folder / "model.safetensors"))
+    sharded = folder / checkpoint.SHARDED
+    if not sharded.is_dir():
+        return load_file(str(folder / "model.safetensors"))
+    if not any(sharded.glob("*.safetensors")):
+        raise CheckpointError(
+            f"checkpoint {folder} is a sharded checkpoint of accel-trainer 0.1, whose metadata is a pickle that"
+            " could run code when loaded; it is not read"
+        )
+    reader = HuggingFaceStorageReader(str(sharded))
+    model = {
+        name: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for name, entry in reader.read_metadata().state_dict_metadata.items()
+        if name.startswith(checkpoint.MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(model, storage_reader=reader, no_dist=True)
+    return {name[len(checkpoint.MODEL_PREFIX) :]: tensor for name, tensor in model.items()}

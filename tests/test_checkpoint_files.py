@@ -29,7 +29,7 @@ from accel_trainer.checkpoint_files import (
     verify,
 )
 
-DATA_FILES = ("model.safetensors", "optimizer.pt", "sharded/shard_0.distcp")
+DATA_FILES = ("model.safetensors", "optimizer.safetensors", "distributed/shard-00001.safetensors")
 
 
 def write_checkpoint_files(folder: Path, step: int) -> None:
@@ -167,7 +167,7 @@ def _remove_manifest(folder: Path) -> None:
 
 
 def _remove_a_file(folder: Path) -> None:
-    (folder / "optimizer.pt").unlink()
+    (folder / "optimizer.safetensors").unlink()
 
 
 def _truncate_a_file(folder: Path) -> None:
@@ -196,7 +196,7 @@ def _write_a_manifest_without_a_file_list(folder: Path) -> None:
         pytest.param(
             _remove_manifest, r"is incomplete \(no manifest\.json: the save was interrupted\)", id="no-manifest"
         ),
-        pytest.param(_remove_a_file, r"is missing optimizer\.pt$", id="missing-file"),
+        pytest.param(_remove_a_file, r"is missing optimizer\.safetensors$", id="missing-file"),
         pytest.param(
             _truncate_a_file, r"model\.safetensors has 5 bytes, not 200 \(truncated or altered\)$", id="truncated-file"
         ),

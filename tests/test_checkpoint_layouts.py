@@ -52,6 +52,14 @@ def test_fsdp_checkpoint_resumes_on_another_layout_and_continues_the_trajectory(
                                rtol=1e-5, atol=0)  # fmt: skip
 
 
+def test_a_sharded_checkpoint_holds_no_pickle(fsdp_run):
+    folder = checkpoint(fsdp_run, 10)
+    shards = sorted(p.name for p in (folder / "distributed").iterdir())
+
+    assert shards == ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
+    assert all(p.name.endswith((".safetensors", ".json", ".yaml")) for p in folder.rglob("*") if p.is_file())
+
+
 def test_ddp_checkpoint_resumes_under_fsdp(fsdp_run, tmp_path):
     train_and_dump("cpu_ddp", tmp_path / "ddp", "vae", *RUN, "max_steps=20", world_size=2)
     assert (checkpoint(tmp_path / "ddp", 10) / "model.safetensors").is_file()
@@ -100,7 +108,7 @@ def test_a_checkpoint_of_another_model_or_recipe_is_refused_naming_the_differenc
 def test_naming_a_corrupt_checkpoint_explicitly_is_a_one_line_error(fsdp_run, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(checkpoint(fsdp_run, 10), broken)
-    shard = next((broken / "distributed").glob("*.distcp"))
+    shard = next((broken / "distributed").glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-10])
 
     result = subprocess.run([str(BIN / "python"), str(REPO / "recipes" / "vae.py"), f"resume={broken}",

@@ -146,7 +146,7 @@ def test_a_signal_during_evaluation_stops_at_that_step_with_a_checkpoint(tmp_pat
 def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
     from safetensors.torch import load_file
 
-    from accel_trainer import checkpoint_files
+    from accel_trainer import checkpoint_files, state_files
 
     settings = dict(max_steps=12, save_every_steps=4, keep_last=0, log_every_steps=0, eval_every_steps=0,
                     show_progress_bar=False)  # fmt: skip
@@ -159,7 +159,7 @@ def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
         checkpoint_files.verify(background)
         a, b = load_file(str(sync / "model.safetensors")), load_file(str(background / "model.safetensors"))
         assert all(torch.equal(a[name], b[name]) for name in a)
-        a, b = torch.load(sync / "optimizer.pt"), torch.load(background / "optimizer.pt")
+        a, b = state_files.load(sync / "optimizer.safetensors"), state_files.load(background / "optimizer.safetensors")
         assert all(torch.equal(a["state"][k]["exp_avg"], b["state"][k]["exp_avg"]) for k in a["state"])
     sync_final, async_final = final_parameters(tmp_path / "sync"), final_parameters(tmp_path / "async")
     assert all(torch.equal(sync_final[name], async_final[name]) for name in sync_final)
