@@ -7,7 +7,7 @@ class Demo(at.Recipe):
     Config = DemoConfig
     def build_model(self, cfg): ...
     def build_datasets(self, cfg): ...
-    def compute_loss(self, model, batch): ...
+    def compute_loss(self, model, batch): ...   # a mean loss, or at.token_cross_entropy(logits, labels)
 
 if __name__ == "__main__":
     at.main("demo")
@@ -15,6 +15,7 @@ if __name__ == "__main__":
 
 from .config import TrainConfig
 from .errors import ConfigError, LayoutError, RecipeError, UserError
+from .losses import token_cross_entropy
 from .recipe import Recipe
 from .registry import add_recipe, get_recipe, register_recipe, registered_recipes
 from .run import TrainResult, main, train
@@ -32,5 +33,6 @@ __all__ = [
     "main",
     "register_recipe",
     "registered_recipes",
+    "token_cross_entropy",
     "train",
 ]

@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import re
 import textwrap
 import types
@@ -242,7 +243,49 @@ def resolve_config(
     if config_file is not None:
         values.update(_checked(config_cls, load_config_file(config_file), f"in {config_file}"))
     values.update(_checked(config_cls, dict(overrides or {}), "in overrides"))
-    return config_cls(**values)
+    config = config_cls(**values)
+    validate_config(config)
+    return config
+
+
+# The smallest value each framework field accepts, and whether the bound itself is allowed. A count below
+# it would not fail later: max_steps=-5 trained nothing and exited 0.
+_LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
+    "max_steps": (1, True), "global_batch_size": (1, True), "micro_batch_size": (1, True),
+    "warmup_steps": (0, True), "log_every_steps": (0, True), "eval_every_steps": (0, True),
+    "save_every_steps": (0, True), "keep_last": (0, True), "num_dataloader_workers": (0, True),
+    "reference_batch_size": (0, True), "lr": (0, True), "weight_decay": (0, True), "max_grad_norm": (0, True),
+    "min_lr_ratio": (0, True), "collective_timeout_s": (0, False), "fp16_init_scale": (0, False),
+    "fp16_growth_interval": (1, True), "ddp_bucket_cap_mb": (1, True), "ddp_powersgd_rank": (1, True),
+}  # fmt: skip
+
+
+def validate_config(config: TrainConfig) -> None:
+    """Check the framework fields' ranges up front, so a bad value is a one-line error before any work.
+
+    Raises:
+        ConfigError: naming the field, its value and the range it must be in.
+    """
+    for name, (bound, inclusive) in _LOWER_BOUNDS.items():
+        value = getattr(config, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}={value}: expected a finite number")
+        if value < bound or (value == bound and not inclusive):
+            relation = "at least" if inclusive else "more than"
+            raise ConfigError(f"{name}={value}: must be {relation} {bound}")
+    if config.min_lr_ratio > 1:
+        raise ConfigError(f"min_lr_ratio={config.min_lr_ratio}: must be at most 1 (a fraction of the peak lr)")
+
+
+def config_warnings(config: TrainConfig) -> list[str]:
+    """Values that are valid but probably not what was meant."""
+    problems = []
+    if config.warmup_steps > config.max_steps:
+        problems.append(
+            f"warmup_steps={config.warmup_steps} is beyond max_steps={config.max_steps}: the learning rate never"
+            " reaches its peak"
+        )
+    return problems
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:

@@ -27,10 +27,11 @@ from torch.distributed.tensor import DTensor
 from . import accelerate_fixes, checkpoint, checkpoint_files, data
 from .batching import BatchPlan, plan_batches
 from .config import TrainConfig
+from .losses import LossOutput, read_loss_output
 from .metrics import MetricsLog
 from .preemption import Preempted, PreemptionWatcher
 from .recipe import Recipe
-from .schedules import build_scheduler
+from .schedules import recipe_scheduler
 from .wrapping import prepare_blocks
 
 
@@ -39,14 +40,23 @@ class Window:
     """Device-side sums over the optimizer steps since the last log, read back only when logging."""
 
     loss_sum: torch.Tensor
-    num_items: torch.Tensor  # items counted on the device: (loss_sum, num_items) recipes
+    num_items: torch.Tensor  # items counted on the device: recipes that return num_items
     num_host_items: int = 0  # items of mean-loss recipes, known on the host without a sync
     num_steps: int = 0
+    term_sums: dict[str, torch.Tensor] = field(default_factory=dict)  # the recipe's extra terms, like loss_sum
     started: float = field(default_factory=time.perf_counter)
 
     @classmethod
     def empty(cls, device: torch.device) -> Window:
         return cls(torch.zeros((), device=device), torch.zeros((), device=device))
+
+    def add(self, output: LossOutput, weight: float = 1.0) -> None:
+        """Add a micro-batch's loss and terms, each multiplied by `weight` (the batch size for batch means)."""
+        self.loss_sum.add_(output.loss.detach().float(), alpha=weight)
+        for name, value in output.terms.items():
+            if name not in self.term_sums:
+                self.term_sums[name] = torch.zeros_like(self.loss_sum)
+            self.term_sums[name].add_(value.float(), alpha=weight)
 
 
 @dataclass
@@ -105,7 +115,8 @@ def _prepare(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_dir
     prepare_blocks(model, recipe, cfg, is_main_process=accelerator.is_main_process)
     train_set, eval_set = recipe.build_datasets(cfg)
     optimizer = recipe.build_optimizer(cfg, model)
-    scheduler = build_scheduler(optimizer, cfg)  # deliberately not prepared: see schedules.py
+    # deliberately not prepared: see schedules.py
+    scheduler = recipe_scheduler(recipe, cfg, optimizer, warn=accelerator.is_main_process)
     train_loader = data.train_loader(recipe, train_set, plan, cfg.num_dataloader_workers)
     eval_loader = data.eval_loader(recipe, eval_set, plan, cfg.num_dataloader_workers) if eval_set else None
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
@@ -150,7 +161,7 @@ def _train_steps(
             grad_norm = accelerate_fixes.clip_grad_norm(
                 accelerator, model.parameters(), cfg.max_grad_norm or float("inf")
             )
-        lr = optimizer.param_groups[0]["lr"]
+        lrs = [group["lr"] for group in optimizer.param_groups] if is_log_step else []  # the LRs of this step
         accelerate_fixes.optimizer_step(optimizer)
         if optimizer.step_was_skipped:  # fp16: the gradient scaler found inf/NaN gradients
             progress["skipped_steps"] += 1
@@ -160,7 +171,7 @@ def _train_steps(
         log.advance()
 
         if is_log_step:
-            record = _log_record(accelerator, cfg, window, step, epoch + 1, lr, grad_norm)
+            record = _log_record(accelerator, cfg, window, step, epoch + 1, lrs, grad_norm)
             record["skipped_steps"] = progress["skipped_steps"]
             log.write(record)
             final.update(record)
@@ -201,9 +212,9 @@ def _accumulate_gradients(
 ) -> int:
     """Run the micro-batches of one optimizer step; gradients are synchronised on the last one only.
 
-    A recipe returning `(loss_sum, num_items)` is back-propagated as a sum and its gradients are divided by
-    the item count of the whole step over all micro-batches and processes, which makes a token loss exact on
-    any layout (the gradient-accumulation bug class of transformers #34191). Returns the epoch.
+    A loss returned with `num_items` is back-propagated as a sum and its gradients are divided by the item
+    count of the whole step over all micro-batches and processes, which makes a token loss exact on any
+    layout (the gradient-accumulation bug class of transformers #34191). Returns the epoch.
     """
     step_items: torch.Tensor | None = None
     for _ in range(plan.accumulation_steps):
@@ -211,18 +222,17 @@ def _accumulate_gradients(
         # With one micro-batch per step there is nothing to accumulate and no synchronisation to skip.
         context = accelerator.accumulate(model) if plan.accumulation_steps > 1 else contextlib.nullcontext()
         with context:
-            output = recipe.compute_loss(model, batch)
-            if isinstance(output, tuple):
-                loss_sum, num_items = output
-                num_items = torch.as_tensor(num_items, device=accelerator.device, dtype=torch.float32)
+            output = read_loss_output(recipe.compute_loss(model, batch))
+            if output.num_items is not None:
+                num_items = output.num_items.to(accelerator.device, torch.float32)
                 step_items = num_items if step_items is None else step_items + num_items
-                accelerate_fixes.backward(accelerator, loss_sum)
-                window.loss_sum += loss_sum.detach().float()
+                accelerate_fixes.backward(accelerator, output.loss)
+                window.add(output)
                 window.num_items += num_items
             else:
                 batch_size = len(next(iter(batch.values())))
-                accelerate_fixes.backward(accelerator, output)  # divided by the accumulation steps
-                window.loss_sum.add_(output.detach().float(), alpha=batch_size)
+                accelerate_fixes.backward(accelerator, output.loss)  # divided by the accumulation steps
+                window.add(output, weight=batch_size)
                 window.num_host_items += batch_size
     if step_items is not None:
         # accelerate scaled each sum by 1/accumulation_steps and the gradient all-reduce averaged over
@@ -238,18 +248,28 @@ def _accumulate_gradients(
 
 
 def _log_record(
-    accelerator: Accelerator, cfg: TrainConfig, window: Window, step: int, epoch: int, lr: float, grad_norm: Any
+    accelerator: Accelerator,
+    cfg: TrainConfig,
+    window: Window,
+    step: int,
+    epoch: int,
+    lrs: list[float],
+    grad_norm: Any,
 ) -> dict[str, Any]:
     """Read the window back (the only host synchronisation of a training step) and build a log record."""
-    totals = accelerator.reduce(torch.stack([window.loss_sum, window.num_items.float()]), reduction="sum")
-    loss_sum, num_items = totals.tolist()
+    names = sorted(window.term_sums)  # the same terms on every process: the reduce needs equal shapes
+    sums = [window.loss_sum, window.num_items.float(), *(window.term_sums[name] for name in names)]
+    totals = accelerator.reduce(torch.stack(sums), reduction="sum").tolist()
+    loss_sum, num_items = totals[:2]
     num_items += window.num_host_items * accelerator.num_processes  # every process ran equal micro-batches
     elapsed = time.perf_counter() - window.started
     return {
         "step": step,
         "epoch": epoch,
         "loss": loss_sum / num_items,
-        "lr": lr,
+        **{name: total / num_items for name, total in zip(names, totals[2:], strict=True)},
+        "lr": lrs[0],
+        **{f"lr/{index}": lr for index, lr in enumerate(lrs[1:], start=1)},
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "samples_per_s": window.num_steps * cfg.global_batch_size / elapsed,
         "step_time_s": elapsed / window.num_steps,

@@ -5,8 +5,10 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
 
     build_model(cfg)            -> torch.nn.Module (on the CPU; the loop places it)
     build_datasets(cfg)         -> (train, eval or None), each a `datasets.Dataset`
-    compute_loss(model, batch)  -> a mean loss, or (loss_sum, num_items) for exact normalisation
-    build_optimizer(cfg, model) -> optional; AdamW with decoupled weight decay by default
+    compute_loss(model, batch)  -> a mean loss, or {"loss": sum, "num_items": n, "<term>": t} (losses.py)
+    build_optimizer(cfg, model) -> optional; AdamW with decoupled weight decay by default; each param
+                                   group's own lr is its peak, which the schedule multiplies
+    build_scheduler(cfg, optimizer) -> optional; any torch LR scheduler, stepped once per optimizer step
     eval_metrics(model, batch)  -> optional; per-sample metric tensors for evaluation
     collate(examples)           -> optional; how a list of examples becomes a batch
     wrap_classes                -> optional class attribute: the block classes FSDP shards as units
@@ -17,6 +19,7 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,9 +27,10 @@ import torch
 from torch.utils.data import default_collate
 
 from .config import TrainConfig
+from .losses import read_loss_output
 
 Batch = dict[str, torch.Tensor]
-LossOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]
+LossReturn = torch.Tensor | Mapping[str, Any]
 
 
 class Recipe:
@@ -48,12 +52,14 @@ class Recipe:
         """Return `(train, eval)` as `datasets.Dataset` objects; eval may be None."""
         raise NotImplementedError(f"{type(self).__name__} must define build_datasets(self, cfg)")
 
-    def compute_loss(self, model: torch.nn.Module, batch: Batch) -> LossOutput:
-        """Return the mean loss of the batch, or `(loss_sum, num_items)`.
+    def compute_loss(self, model: torch.nn.Module, batch: Batch) -> LossReturn:
+        """Return the mean loss of the batch (a scalar), or a mapping `{"loss": ..., "num_items": ...}`.
 
-        With `(loss_sum, num_items)` (for example a token loss summed over the tokens of variable-length
-        sequences) the loop divides by the item count of the whole optimizer step, over all micro-batches
-        and processes, so the gradient is that of one big batch on any layout.
+        With `num_items` (for example a token loss summed over the tokens of variable-length sequences, as
+        `at.token_cross_entropy` returns it) the loop divides by the item count of the whole optimizer step,
+        over all micro-batches and processes, so the gradient is that of one big batch on any layout. Other
+        keys of the mapping are extra scalar terms (reconstruction, KL, ...), logged beside `loss` with the
+        same normalisation; return the same terms from every micro-batch (a missing one counts as 0).
         """
         raise NotImplementedError(f"{type(self).__name__} must define compute_loss(self, model, batch)")
 
@@ -67,6 +73,14 @@ class Recipe:
         ]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
 
+    def build_scheduler(self, cfg: Any, optimizer: torch.optim.Optimizer) -> Any:
+        """Return a torch LR scheduler to replace the built-in one (warmup, then cosine, linear or constant).
+
+        The loop steps it once per optimizer step taken (never per process or per micro-batch), saves it in
+        each checkpoint and restores it on resume. None (the default) keeps the built-in schedule.
+        """
+        return None
+
     def eval_metrics(self, model: torch.nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-sample evaluation metrics, each a tensor of shape [batch_size].
 
@@ -78,10 +92,8 @@ class Recipe:
         `compute_loss` returns a batch mean, every sample of the batch is given that mean, so override this
         for exact per-sample values.
         """
-        loss = self.compute_loss(model, batch)
-        if isinstance(loss, tuple):
-            loss_sum, num_items = loss
-            loss = loss_sum / num_items
+        output = read_loss_output(self.compute_loss(model, batch))
+        loss = output.loss if output.num_items is None else output.loss / output.num_items
         size = _batch_size(batch)
         return {"loss": loss.detach().float().expand(size)}
 

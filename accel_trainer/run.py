@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from typing import Any
 from accelerate.utils import broadcast_object_list
 
 from .accelerate_fixes import launched_world_size
-from .config import config_to_yaml, describe_fields, parse_overrides, resolve_config
+from .config import config_to_yaml, config_warnings, describe_fields, parse_overrides, resolve_config
 from .distributed import build_accelerator
 from .errors import UserError
 from .loop import train_loop
@@ -52,6 +54,9 @@ def train(recipe_name: str, *, config_file: str | Path | None = None, **override
     recipe_cls = get_recipe(recipe_name)
     cfg = resolve_config(recipe_cls.Config, config_file, overrides)
     accelerator = build_accelerator(cfg)
+    if accelerator.is_main_process:
+        for problem in config_warnings(cfg):
+            warnings.warn(f"accel-trainer: {problem}", stacklevel=2)
     run_dir = _make_run_dir(accelerator, recipe_name, cfg.output_dir)
     if accelerator.is_main_process:
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
@@ -123,7 +128,16 @@ def _make_run_dir(accelerator: Any, recipe_name: str, output_dir: str) -> Path:
     if accelerator.num_processes > 1:
         broadcast_object_list(name)
     run_dir = Path(name[0])
+    problem: list[str | None] = [None]
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=run_dir):  # writable, which root's os.access would not tell
+                pass
+        except OSError as error:
+            problem[0] = f"cannot write the run folder {run_dir}: {error.strerror}; choose another output_dir"
+    if accelerator.num_processes > 1:
+        broadcast_object_list(problem)
+    if problem[0]:
+        raise UserError(problem[0])
     return run_dir

@@ -1,5 +1,11 @@
 """Learning-rate schedules: linear warmup, then cosine, linear or constant, stepped once per optimizer step.
 
+Each parameter group's own learning rate is its peak: the default optimizer gives every group `lr`, and a
+recipe's `build_optimizer` may give each group its own (a small LR for a pretrained body, a large one for a
+new head); the batch-size scaling rule and the schedule multiply each group's peak. A recipe may instead
+return any torch LR scheduler from `build_scheduler(cfg, optimizer)`; the loop steps it the same way and
+checkpoints it.
+
 The schedule is a plain `LambdaLR` on the unwrapped optimizer and is *not* passed to `accelerator.prepare`:
 a prepared scheduler is stepped once per process per step (accelerate #2926, #1398), which would end the
 schedule early on N processes. Stepping it once per optimizer step keeps the LR at step k identical on any
@@ -8,26 +14,37 @@ number of processes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
+from typing import Any
 
 import torch
 
 from .config import TrainConfig
-from .errors import ConfigError
+from .errors import ConfigError, RecipeError
+
+# Fields that shape the built-in schedule, and so do nothing when a recipe builds its own scheduler.
+_SCHEDULE_FIELDS = ("lr_schedule", "warmup_steps", "min_lr_ratio", "lr_scaling", "reference_batch_size")
 
 
-def peak_lr(cfg: TrainConfig) -> float:
-    """The learning rate after the optional batch-size scaling rule.
+def lr_scale(cfg: TrainConfig) -> float:
+    """The factor of the optional batch-size scaling rule, applied to every group's learning rate.
 
-    `linear` multiplies lr by global_batch_size / reference_batch_size (Goyal et al. 2017); `sqrt` by its
-    square root (the rule often used with Adam, Malladi et al. 2022).
+    `linear` is global_batch_size / reference_batch_size (Goyal et al. 2017); `sqrt` its square root (the
+    rule often used with Adam, Malladi et al. 2022).
     """
     if cfg.lr_scaling == "none":
-        return cfg.lr
+        return 1.0
     if cfg.reference_batch_size <= 0:
         raise ConfigError(f"lr_scaling={cfg.lr_scaling} needs reference_batch_size=<batch size lr was tuned at>")
     ratio = cfg.global_batch_size / cfg.reference_batch_size
-    return cfg.lr * (ratio if cfg.lr_scaling == "linear" else math.sqrt(ratio))
+    return ratio if cfg.lr_scaling == "linear" else math.sqrt(ratio)
+
+
+def peak_lr(cfg: TrainConfig) -> float:
+    """The peak learning rate of the default optimizer: `lr` after the batch-size scaling rule."""
+    return cfg.lr * lr_scale(cfg)
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:
@@ -43,8 +60,44 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """Set every group's LR to the (scaled) peak and return the per-step schedule on top of it."""
+    """Scale each group's own LR (its peak) by the batch-size rule; return the per-step schedule on top."""
+    scale = lr_scale(cfg)
     for group in optimizer.param_groups:
-        group["lr"] = peak_lr(cfg)
+        group["lr"] = group["lr"] * scale
         group["initial_lr"] = group["lr"]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+
+
+def recipe_scheduler(recipe: Any, cfg: TrainConfig, optimizer: torch.optim.Optimizer, *, warn: bool) -> Any:
+    """The run's scheduler: the recipe's `build_scheduler` if it returns one, else the built-in schedule.
+
+    Warns (when `warn`, on the main process) about settings the user changed that cannot take effect: `lr`
+    when the recipe's own optimizer uses none of it, schedule fields when the recipe brings its scheduler.
+
+    Raises:
+        RecipeError: `build_scheduler` returned something that is not an LR scheduler.
+    """
+    defaults = type(cfg)()
+    changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)}
+    custom = recipe.build_scheduler(cfg, optimizer)
+    if custom is None:
+        group_lrs = [group["lr"] for group in optimizer.param_groups]
+        if warn and "lr" in changed and cfg.lr not in group_lrs:
+            warnings.warn(
+                f"accel-trainer: lr={cfg.lr} has no effect: the recipe's build_optimizer sets its own learning rates"
+                f" ({', '.join(f'{lr:g}' for lr in group_lrs)}), which the schedule multiplies",
+                stacklevel=2,
+            )
+        return build_scheduler(optimizer, cfg)
+    if not isinstance(custom, torch.optim.lr_scheduler.LRScheduler):
+        raise RecipeError(
+            f"build_scheduler returned {type(custom).__name__}, not a torch.optim.lr_scheduler.LRScheduler"
+            " (return None to use the built-in schedule)"
+        )
+    ignored = [name for name in _SCHEDULE_FIELDS if name in changed]
+    if warn and ignored:
+        warnings.warn(
+            f"accel-trainer: {', '.join(ignored)} have no effect: the recipe's build_scheduler builds the schedule",
+            stacklevel=2,
+        )
+    return custom

@@ -10,8 +10,9 @@ on 2 idle cores; Python 3.11's stdlib). `samples.txt` in the run folder holds wh
 after a few prompts: indented, Python-shaped text with made-up names.
 
 Examples are paragraphs of source (split at blank lines) cut into chunks of at most block_size + 1 bytes,
-so micro-batches hold different numbers of tokens: `compute_loss` returns (summed loss, token count) and the
-loop divides by the token count of the whole optimizer step, which is exact on any layout.
+so micro-batches hold different numbers of tokens: `compute_loss` returns `at.token_cross_entropy(...)`, the
+summed loss with its token count, and the loop divides by the token count of the whole optimizer step, which
+is exact on any layout.
 """
 
 from __future__ import annotations
@@ -245,9 +246,8 @@ class ByteGPT(at.Recipe):
             targets[row, : len(sequence) - 1] = sequence[1:]
         return {"input_ids": input_ids, "targets": targets}
 
-    def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        losses, mask = token_losses(model, batch)
-        return losses.sum(), mask.sum()
+    def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return at.token_cross_entropy(model(batch["input_ids"]), batch["targets"], IGNORE_INDEX)
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-sequence sums; the loop divides them by the total of `num_items`, the eval token count."""

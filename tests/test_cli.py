@@ -58,6 +58,13 @@ def test_train_help_through_the_accel_trainer_command_is_the_recipes_help(capsys
         ("vae", ["max_steps"], "write key=value"),
         ("vae", ["--verbose"], "unknown option '--verbose'"),
         ("vae", ["--config"], "--config needs a file"),
+        ("vae", ["max_steps=-5"], "max_steps=-5: must be at least 1"),
+        ("vae", ["max_steps=0"], "max_steps=0: must be at least 1"),
+        ("vae", ["warmup_steps=-1"], "warmup_steps=-1: must be at least 0"),
+        ("vae", ["lr=nan"], "lr=nan: expected a finite number"),
+        ("vae", ["min_lr_ratio=1.5"], "min_lr_ratio=1.5: must be at most 1"),
+        ("vae", ["collective_timeout_s=0"], "collective_timeout_s=0.0: must be more than 0"),
+        ("vae", ["save_every_steps=-1"], "save_every_steps=-1: must be at least 0"),
     ],
 )
 def test_a_user_error_exits_2_with_one_line_on_stderr(capsys, recipe, arguments, expected):
@@ -65,6 +72,23 @@ def test_a_user_error_exits_2_with_one_line_on_stderr(capsys, recipe, arguments,
         run.main(recipe, arguments)
     assert caught.value.code == 2
     assert expected in one_line_error(capsys)
+
+
+def test_an_unwritable_output_dir_exits_2_with_one_line_on_stderr(capsys, tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+
+    with pytest.raises(SystemExit) as caught:
+        run.main("vae", [f"output_dir={tmp_path / 'a_file' / 'run'}", "max_steps=1"])
+
+    assert caught.value.code == 2
+    assert f"cannot write the run folder {tmp_path / 'a_file' / 'run'}: Not a directory" in one_line_error(capsys)
+
+
+def test_warmup_beyond_max_steps_is_warned_about(tmp_path):
+    import accel_trainer as at
+
+    with pytest.warns(UserWarning, match="warmup_steps=50 is beyond max_steps=2"):
+        at.train("vae", output_dir=str(tmp_path), max_steps=2, warmup_steps=50, show_progress_bar=False)
 
 
 def test_a_missing_config_file_exits_2_with_one_line_on_stderr(capsys, tmp_path):

@@ -62,10 +62,10 @@ def test_collate_pads_to_the_longest_sequence_and_the_loss_ignores_the_padding()
 
     torch.manual_seed(0)
     model = recipe.build_model(cfg).eval()
-    loss_sum, num_tokens = recipe.compute_loss(model, batch)
+    whole = recipe.compute_loss(model, batch)
     one_by_one = [recipe.compute_loss(model, recipe.collate([{"input_ids": s}])) for s in sequences]
-    assert int(num_tokens) == sum(len(s) - 1 for s in sequences) == sum(int(n) for _, n in one_by_one)
-    torch.testing.assert_close(loss_sum, sum(loss for loss, _ in one_by_one))
+    assert int(whole["num_items"]) == sum(len(s) - 1 for s in sequences) == sum(int(o["num_items"]) for o in one_by_one)
+    torch.testing.assert_close(whole["loss"], sum(o["loss"] for o in one_by_one))
 
 
 def test_eval_metrics_are_per_sequence_sums_with_bits_per_char_the_loss_in_bits():
@@ -79,8 +79,7 @@ def test_eval_metrics_are_per_sequence_sums_with_bits_per_char_the_loss_in_bits(
 
     assert metrics["num_items"].tolist() == [len(s) - 1 for s in sequences]
     torch.testing.assert_close(metrics["bits_per_char"], metrics["loss"] / math.log(2))
-    loss_sum, _ = recipe.compute_loss(model, batch)
-    torch.testing.assert_close(metrics["loss"].sum(), loss_sum)
+    torch.testing.assert_close(metrics["loss"].sum(), recipe.compute_loss(model, batch)["loss"])
 
 
 def test_a_short_run_lowers_eval_bits_per_char(tmp_path):

@@ -86,7 +86,7 @@ def test_a_scaling_rule_without_reference_batch_size_is_a_config_error_saying_wh
 
 
 @pytest.mark.parametrize("lr_schedule", ["cosine", "linear", "constant"])
-def test_the_built_scheduler_gives_the_scaled_peak_times_lr_multiplier_at_every_step(lr_schedule):
+def test_the_built_scheduler_gives_each_groups_scaled_peak_times_lr_multiplier_at_every_step(lr_schedule):
     cfg = TrainConfig(
         max_steps=25,
         warmup_steps=5,
@@ -97,13 +97,15 @@ def test_the_built_scheduler_gives_the_scaled_peak_times_lr_multiplier_at_every_
         global_batch_size=128,
         reference_batch_size=64,
     )
-    parameter = torch.nn.Parameter(torch.zeros(2))
-    optimizer = torch.optim.SGD([parameter], lr=123.0)  # overwritten by the scheduler
+    body, head = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([{"params": [body], "lr": 1e-3}, {"params": [head], "lr": 5e-2}])
     scheduler = build_scheduler(optimizer, cfg)
     used = []
     for _ in range(cfg.max_steps):
-        used.append(optimizer.param_groups[0]["lr"])
+        used.append([group["lr"] for group in optimizer.param_groups])
         optimizer.step()
         scheduler.step()
-    assert used == pytest.approx([2e-3 * lr_multiplier(step, cfg) for step in range(cfg.max_steps)])
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * lr_multiplier(cfg.max_steps, cfg))
+    # Each group's own LR is its peak; the batch-size rule doubles it (128 / 64).
+    for group, peak in enumerate([2e-3, 1e-1]):
+        assert [lrs[group] for lrs in used] == pytest.approx([peak * lr_multiplier(k, cfg) for k in range(25)])
+        assert optimizer.param_groups[group]["lr"] == pytest.approx(peak * lr_multiplier(cfg.max_steps, cfg))

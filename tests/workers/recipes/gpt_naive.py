@@ -15,5 +15,5 @@ class NaiveGPT(GPT):
     """GPT with the loss averaged per micro-batch (wrong under accumulation; test only)."""
 
     def compute_loss(self, model, batch):
-        loss_sum, num_tokens = super().compute_loss(model, batch)
-        return loss_sum / num_tokens
+        output = super().compute_loss(model, batch)
+        return output["loss"] / output["num_items"]
