@@ -55,6 +55,20 @@ def launched_world_size() -> int | None:
     return None
 
 
+def forget_accelerate_state() -> None:
+    """Forget accelerate's process-wide singletons, so that the next Accelerator is built from its own settings.
+
+    `AcceleratorState` is a singleton: a second `Accelerator(mixed_precision=...)` with another value in the
+    same process raises "restart your runtime", which made a second `at.train` in a notebook or a sweep fail.
+    Only called when no process group is up (one process), where there is nothing else to keep.
+    """
+    from accelerate.state import GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
 def refuse_single_process_cpu_launch() -> None:
     """Stop an `accelerate launch --cpu --num_processes N` that silently started a single process.
 

@@ -48,6 +48,7 @@ from . import checkpoint_files as files
 from . import state_files
 from .checkpoint_files import CheckpointError
 from .config import TrainConfig, config_to_dict, config_to_yaml
+from .run_folder import RUN_CONTROL_KEYS
 
 TRAIN_STATE = "train_state.json"
 SHARDED = "distributed"
@@ -58,8 +59,15 @@ MODEL_PREFIX = "model/"  # keys of the model's tensors among the sharded files' 
 # scheduler, RNG and DCP metadata, and is refused on resume.
 FORMAT = 2
 SAFE_SUFFIXES = (".safetensors", ".json", ".yaml")
-# Keys that say where and how a run is driven, not what it trains: changing them on resume is routine.
-_RUN_CONTROL_KEYS = {"output_dir", "resume", "show_progress_bar", "collective_timeout_s"}
+# Keys that change how a run is driven or recorded, not its trajectory: changing them on resume is routine.
+_BOOKKEEPING_KEYS = RUN_CONTROL_KEYS | {
+    "log_every_steps", "eval_every_steps", "save_every_steps", "keep_last", "keep_best_metric", "keep_best_mode",
+    "async_save", "num_dataloader_workers",
+}  # fmt: skip
+# Keys of the hardware layout (a checkpoint resumes on another layout) and max_steps (extending a run):
+# changing them continues the run, with a warning.
+_CONTINUABLE_KEYS = {"max_steps", "mixed_precision", "activation_checkpointing", "fp16_init_scale",
+                     "fp16_growth_interval"}  # fmt: skip
 
 
 class BackgroundWriter:
@@ -201,7 +209,7 @@ def restore(
     state = json.loads((folder / TRAIN_STATE).read_text())
     model_state: Any
     model_state, optimizer_state = get_state_dict(model, optimizer.optimizer)
-    check_compatible(state, recipe_name, cfg, model_state)
+    check_compatible(state, recipe_name, cfg, model_state, same_run=cfg.resume == "auto")
     optimizer_skeleton = state_files.load_skeleton(folder / OPTIMIZER)
     if (folder / SHARDED).is_dir():
         optimizer_state = _load_sharded(folder, model_state, optimizer_state, optimizer_skeleton)
@@ -273,8 +281,15 @@ def check_format(folder: Path) -> None:
         )
 
 
-def check_compatible(state: dict[str, Any], recipe_name: str, cfg: TrainConfig, model_state: dict) -> None:
-    """Refuse another recipe or model shape by name; warn about config keys that changed."""
+def check_compatible(
+    state: dict[str, Any], recipe_name: str, cfg: TrainConfig, model_state: dict, *, same_run: bool
+) -> None:
+    """Refuse another recipe or model shape by name; refuse or warn about config keys that changed.
+
+    With `same_run` (resume=auto: continuing the run in its own folder) a changed key that alters the
+    trajectory (lr, seed, batch sizes, recipe fields) is refused, since the folder would then mix two runs;
+    a checkpoint named explicitly (resume=<path>) is a starting point, and such changes are only warned about.
+    """
     if state["recipe"] != recipe_name:
         raise CheckpointError(f"the checkpoint was written by recipe {state['recipe']!r}, not {recipe_name!r}")
     current = {name: list(t.shape) for name, t in model_state.items()}
@@ -285,12 +300,19 @@ def check_compatible(state: dict[str, Any], recipe_name: str, cfg: TrainConfig, 
                 f"the checkpoint's model differs from this run's: parameter {name!r} has shape"
                 f" {saved.get(name, 'absent')} in the checkpoint and {current.get(name, 'absent')} here"
             )
-    changed = [
-        key for key, value in config_to_dict(cfg).items()
-        if state["config"].get(key) != value and key not in _RUN_CONTROL_KEYS
-    ]  # fmt: skip
+    changed = {
+        key: (state["config"].get(key), value) for key, value in config_to_dict(cfg).items()
+        if state["config"].get(key) != value and key not in _BOOKKEEPING_KEYS
+    }  # fmt: skip
+    listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
+    if same_run and set(changed) - _CONTINUABLE_KEYS - {k for k in changed if k.startswith("ddp_")}:
+        raise CheckpointError(
+            f"the run in this output_dir was trained with another config ({listed}); resume=auto continues only"
+            " the same run: use a new output_dir for a new run, or resume=<checkpoint> with a new output_dir to"
+            " start from that checkpoint with the new values"
+        )
     if changed:
-        warnings.warn(f"accel-trainer: config keys changed since the checkpoint: {', '.join(changed)}", stacklevel=2)
+        warnings.warn(f"accel-trainer: config keys changed since the checkpoint: {listed}", stacklevel=2)
 
 
 def config_hash(cfg: TrainConfig) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from datetime import timedelta
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import (
     DataLoaderConfiguration,
@@ -37,6 +38,8 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
     order a function of seed and epoch alone, the same on any number of processes. The caller sets
     `gradient_accumulation_steps` once the process count is known.
     """
+    if (accelerate_fixes.launched_world_size() or 1) == 1 and not torch.distributed.is_initialized():
+        accelerate_fixes.forget_accelerate_state()  # a second at.train() in one process may change any setting
     accelerate_fixes.refuse_single_process_cpu_launch()
     accelerate_fixes.init_process_group_per_attempt(cfg.collective_timeout_s)
     fsdp_plugin = accelerate_fixes.fsdp_plugin_from_launcher()

@@ -26,9 +26,9 @@ from torch.distributed.tensor import DTensor
 
 from . import accelerate_fixes, checkpoint, checkpoint_files, data
 from .batching import BatchPlan, plan_batches
-from .config import TrainConfig
+from .config import TrainConfig, config_to_yaml
 from .losses import LossOutput, read_loss_output
-from .metrics import MetricsLog
+from .metrics import MetricsLog, drop_records_after
 from .preemption import Preempted, PreemptionWatcher
 from .recipe import Recipe
 from .schedules import recipe_scheduler
@@ -89,6 +89,15 @@ def train_loop(
     """
     run = _prepare(recipe, cfg, accelerator, run_dir, recipe_name)
     start_step, resume_rng, progress = _resume(run)
+    if accelerator.is_main_process:  # only once the checkpoint (if any) has been accepted
+        (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        drop_records_after(run_dir, start_step)
+    if start_step >= cfg.max_steps:
+        if accelerator.is_main_process:
+            print(f"{run_dir} already reached step {start_step} of max_steps={cfg.max_steps}: nothing to train;"
+                  " its final metrics are returned", flush=True)  # fmt: skip
+        _save_final(accelerator, recipe, cfg, run.model, run.eval_set, run_dir)
+        return progress["metrics"]
     batches = data.micro_batches(
         run.train_loader, run.plan, run.steps_per_epoch, start_step=start_step,
         skip_first_batches=accelerator.skip_first_batches, resume_rng=resume_rng,
@@ -128,7 +137,7 @@ def _prepare(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_dir
 
 def _resume(run: Run) -> tuple[int, Callable[[], None] | None, dict[str, Any]]:
     """Restore the checkpoint `cfg.resume` points at; returns the step, an RNG restorer and the progress."""
-    progress: dict[str, Any] = {"skipped_steps": 0, "best_metric": None, "best_checkpoint": None}
+    progress: dict[str, Any] = {"skipped_steps": 0, "best_metric": None, "best_checkpoint": None, "metrics": {}}
     folder = checkpoint.resume_point(run.accelerator, run.cfg, run.run_dir)
     if folder is None:
         return 0, None, progress
@@ -149,7 +158,7 @@ def _train_steps(
     """The step loop: accumulate, clip, step, schedule, log, evaluate, checkpoint, stop on a signal."""
     cfg, accelerator, model, optimizer = run.cfg, run.accelerator, run.model, run.optimizer
     window = Window.empty(accelerator.device)
-    final: dict[str, Any] = {}
+    final: dict[str, Any] = progress["metrics"]  # the latest record and evaluation, saved in each checkpoint
     if run.eval_loader is not None and cfg.eval_every_steps > 0 and start_step == 0:
         log.write({"step": 0, **evaluate(accelerator, run.recipe, model, run.eval_loader)})  # the baseline
     model.train()
@@ -307,8 +316,6 @@ def _save_final(
     plain, DDP-wrapped or sharded, and which safetensors can save with tied weights.
     """
     from safetensors.torch import save_model
-
-    from .config import config_to_yaml
 
     state = accelerator.get_state_dict(model)  # a collective under FSDP: every process takes part
     if accelerator.is_main_process:

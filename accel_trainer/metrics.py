@@ -48,6 +48,31 @@ class MetricsLog:
             self._file.close()
 
 
+def drop_records_after(run_dir: Path, step: int) -> None:
+    """Make `metrics.jsonl` end at `step`, where a run resumes, so its steps are never logged twice.
+
+    A run killed after its last checkpoint logged steps it will train again; those records are dropped
+    (the file is replaced atomically). Starting from step 0 in a folder that has records (the first
+    attempt died before its first checkpoint) sets the old file aside as `metrics.abandoned.jsonl`.
+    """
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    if step == 0:
+        path.replace(run_dir / "metrics.abandoned.jsonl")
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+            continue
+    temporary = path.with_name("metrics.jsonl.tmp")
+    temporary.write_text("".join(line + "\n" for line in kept))
+    temporary.replace(path)
+
+
 def _format(key: str, value: Any) -> str:
     if isinstance(value, float):
         return f"{key} {value:.4g}"

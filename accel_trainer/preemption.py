@@ -26,8 +26,13 @@ class Preempted(Exception):
     """Training stopped early on a signal after saving a checkpoint."""
 
     def __init__(self, signal_name: str, step: int, checkpoint: Any):
-        super().__init__(f"stopped by {signal_name} after step {step}; checkpoint {checkpoint}; rerun with resume=auto")
+        super().__init__(signal_name, step, checkpoint)
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+        self.how_to_continue = "rerun the same command to continue"
+
+    def __str__(self) -> str:
+        where = f"stopped by {self.signal_name} after step {self.step}; checkpoint {self.checkpoint}"
+        return f"{where}; {self.how_to_continue}"
 
 
 def _cpu_group(timeout_s: float) -> Any:

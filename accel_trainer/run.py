@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,9 @@ from typing import Any
 
 from accelerate.utils import broadcast_object_list
 
+from . import run_folder
 from .accelerate_fixes import launched_world_size
-from .config import config_to_yaml, config_warnings, describe_fields, parse_overrides, resolve_config
+from .config import config_warnings, describe_fields, parse_overrides, resolve_config
 from .distributed import build_accelerator
 from .errors import UserError
 from .loop import train_loop
@@ -57,11 +57,18 @@ def train(recipe_name: str, *, config_file: str | Path | None = None, **override
     if accelerator.is_main_process:
         for problem in config_warnings(cfg):
             warnings.warn(f"accel-trainer: {problem}", stacklevel=2)
-    run_dir = _make_run_dir(accelerator, recipe_name, cfg.output_dir)
-    if accelerator.is_main_process:
-        (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    run_dir = _make_run_dir(accelerator, recipe_name, cfg)
     recipe = recipe_cls(cfg)
-    metrics = train_loop(recipe, cfg, accelerator, run_dir, recipe_name)
+    try:
+        metrics = train_loop(recipe, cfg, accelerator, run_dir, recipe_name)
+    except Preempted as stop:
+        if accelerator.is_main_process:
+            run_folder.remember_preempted(recipe_name, cfg, run_dir)
+        if cfg.resume != "auto":
+            stop.how_to_continue = f"continue with resume=auto output_dir={run_dir}"
+        raise
+    if accelerator.is_main_process:
+        run_folder.forget_preempted(recipe_name, cfg)
     accelerator.end_training()
     return TrainResult(metrics=metrics, run_dir=run_dir)
 
@@ -122,22 +129,23 @@ def _pop_config_flag(arguments: list[str]) -> str | None:
     return None
 
 
-def _make_run_dir(accelerator: Any, recipe_name: str, output_dir: str) -> Path:
-    """The run folder, named once on the main process and shared so every process writes to the same one."""
-    name = [output_dir or str(Path("outputs") / recipe_name / time.strftime("%Y%m%d-%H%M%S"))]
-    if accelerator.num_processes > 1:
-        broadcast_object_list(name)
-    run_dir = Path(name[0])
-    problem: list[str | None] = [None]
+def _make_run_dir(accelerator: Any, recipe_name: str, cfg: Any) -> Path:
+    """The run folder (run_folder.py), chosen on the main process and shared so every process uses it."""
+    answer: list[str | None] = [None, None]  # the folder, or a problem
     if accelerator.is_main_process:
         try:
+            run_dir = run_folder.choose(recipe_name, cfg)
             run_dir.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=run_dir):  # writable, which root's os.access would not tell
                 pass
+            answer[0] = str(run_dir)
         except OSError as error:
-            problem[0] = f"cannot write the run folder {run_dir}: {error.strerror}; choose another output_dir"
+            folder = cfg.output_dir or run_folder.OUTPUTS
+            answer[1] = f"cannot write the run folder {folder}: {error.strerror}; choose another output_dir"
+        except UserError as error:
+            answer[1] = str(error)
     if accelerator.num_processes > 1:
-        broadcast_object_list(problem)
-    if problem[0]:
-        raise UserError(problem[0])
-    return run_dir
+        broadcast_object_list(answer)
+    if answer[1]:
+        raise UserError(answer[1])
+    return Path(str(answer[0]))

@@ -111,11 +111,9 @@ def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def reset_accelerate_state() -> None:
     """Forget accelerate's process-wide singletons, so the next in-process run builds its own."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accel_trainer.accelerate_fixes import forget_accelerate_state
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+    forget_accelerate_state()
 
 
 @pytest.fixture(autouse=True)

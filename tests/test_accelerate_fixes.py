@@ -75,3 +75,14 @@ def test_a_single_process_started_for_a_multi_process_cpu_launch_is_refused(monk
         accelerate_fixes.refuse_single_process_cpu_launch()
     monkeypatch.delenv("MASTER_ADDR")
     accelerate_fixes.refuse_single_process_cpu_launch()  # a 1-process CPU launch is fine
+
+
+def test_canary_a_second_accelerator_with_another_precision_needs_a_state_reset():
+    """accelerate's AcceleratorState is a singleton; when this stops raising, forget_accelerate_state can go."""
+    Accelerator(cpu=True, mixed_precision="no")
+    with pytest.raises(ValueError, match="restart your runtime"):
+        Accelerator(cpu=True, mixed_precision="bf16")
+
+    accelerate_fixes.forget_accelerate_state()
+
+    assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"

@@ -1,0 +1,128 @@
+"""Run folders never mix runs and never train silently nothing.
+
+Default folders are unique even for runs started in the same second; `resume=auto` continues only the same
+run (another lr is refused, a longer max_steps extends it); a finished run says so and returns its metrics;
+`resume=none` never appends to a folder holding a run; re-running a preempted command without `output_dir`
+continues it; and metrics.jsonl never holds a step twice after a resume.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import pytest
+
+import accel_trainer as at
+from accel_trainer import checkpoint_files
+from accel_trainer.checkpoint_files import CheckpointError
+from accel_trainer.errors import UserError
+from accel_trainer.preemption import Preempted
+from conftest import read_metrics
+
+QUICK = dict(max_steps=4, warmup_steps=0, eval_every_steps=0, log_every_steps=1, show_progress_bar=False)
+
+
+def logged_steps(run_dir) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def test_six_runs_in_one_second_get_six_folders_that_all_train(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    results = [at.train("vae", lr=lr, max_steps=2, eval_every_steps=0, show_progress_bar=False)
+               for lr in (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)]  # fmt: skip
+
+    folders = {result.run_dir for result in results}
+    assert len(folders) == 6
+    assert all(logged_steps(result.run_dir)[-1] == 2 for result in results)
+    assert all(result.metrics["step"] == 2 for result in results)
+
+
+def test_the_same_folder_with_another_lr_is_refused_naming_the_change(tmp_path):
+    at.train("vae", output_dir=str(tmp_path), **QUICK)
+    config_before = (tmp_path / "config.yaml").read_text()
+
+    with pytest.raises(CheckpointError, match=r"trained with another config \(lr 0.002 -> 0.01\).*new output_dir"):
+        at.train("vae", output_dir=str(tmp_path), **{**QUICK, "lr": 1e-2})
+
+    assert (tmp_path / "config.yaml").read_text() == config_before
+
+
+def test_a_finished_run_says_so_and_returns_its_final_metrics(tmp_path, capsys):
+    first = at.train("vae", output_dir=str(tmp_path), **QUICK)
+    records_before = read_metrics(tmp_path)
+
+    again = at.train("vae", output_dir=str(tmp_path), **QUICK)
+
+    assert "already reached step 4 of max_steps=4: nothing to train" in capsys.readouterr().out
+    assert again.metrics == first.metrics and again.metrics["step"] == 4
+    assert read_metrics(tmp_path) == records_before
+
+
+def test_a_longer_max_steps_extends_the_run(tmp_path):
+    at.train("vae", output_dir=str(tmp_path), **QUICK)
+
+    with pytest.warns(UserWarning, match="max_steps 4 -> 6"):
+        result = at.train("vae", output_dir=str(tmp_path), **{**QUICK, "max_steps": 6})
+
+    assert result.metrics["step"] == 6
+    assert logged_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_none_into_a_folder_holding_a_run_is_refused(tmp_path):
+    at.train("vae", output_dir=str(tmp_path), **QUICK)
+
+    with pytest.raises(UserError, match="already holds a run and resume=none would mix a second one into it"):
+        at.train("vae", output_dir=str(tmp_path), resume="none", **QUICK)
+
+
+def test_rerunning_a_preempted_command_without_output_dir_continues_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    class StoppedOnce(at.get_recipe("vae")):
+        calls = 0
+
+        def compute_loss(self, model, batch):
+            StoppedOnce.calls += 1
+            if StoppedOnce.calls == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return super().compute_loss(model, batch)
+
+    monkeypatch.setitem(at.registry._recipes, "vae_stopped_once", StoppedOnce)
+    with pytest.raises(Preempted) as stopped:
+        at.train("vae_stopped_once", **QUICK)
+    result = at.train("vae_stopped_once", **QUICK)
+
+    assert "rerun the same command to continue" in str(stopped.value)
+    assert result.run_dir == stopped.value.checkpoint.parent.parent
+    assert logged_steps(result.run_dir) == [1, 2, 3, 4]
+    assert not list((tmp_path / "outputs" / "vae_stopped_once" / ".preempted").iterdir())  # the marker is gone
+
+
+def test_after_a_resume_metrics_never_hold_a_step_twice(tmp_path):
+    at.train("vae", output_dir=str(tmp_path), save_every_steps=2, keep_last=0, **QUICK)
+    # A kill after step 4 was logged but before its checkpoint: the run resumes from step 2.
+    shutil.rmtree(checkpoint_files.final_folder(tmp_path, 4))
+
+    at.train("vae", output_dir=str(tmp_path), save_every_steps=2, keep_last=0, **QUICK)
+
+    assert logged_steps(tmp_path) == [1, 2, 3, 4]
+
+
+def test_a_run_that_died_before_its_first_checkpoint_starts_over_with_its_old_records_set_aside(tmp_path):
+    at.train("vae", output_dir=str(tmp_path), **QUICK)
+    shutil.rmtree(tmp_path / "checkpoints")
+
+    at.train("vae", output_dir=str(tmp_path), **QUICK)
+
+    assert logged_steps(tmp_path) == [1, 2, 3, 4]
+    assert (tmp_path / "metrics.abandoned.jsonl").is_file()
+
+
+def test_two_different_settings_of_mixed_precision_train_one_after_another_in_one_process(tmp_path):
+    at.train("vae", output_dir=str(tmp_path / "a"), mixed_precision="no", **QUICK)
+    result = at.train("vae", output_dir=str(tmp_path / "b"), mixed_precision="bf16", **QUICK)
+
+    assert result.metrics["step"] == 4
