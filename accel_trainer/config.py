@@ -36,7 +36,8 @@ class TrainConfig:
     """Framework fields shared by every recipe; recipes subclass it to add fields and change defaults."""
 
     seed: int = 0
-    """Seed for model initialisation, data order and dropout; the same seed gives the same run on any layout."""
+    """Seed of model initialisation, data order and random streams. Dropout and sampling streams differ per
+    process, so only runs without them follow the same trajectory on every layout."""
     max_steps: int = 1000
     """Number of optimizer steps to train for."""
     global_batch_size: int = 64
@@ -87,6 +88,8 @@ class TrainConfig:
     """Show a tqdm progress bar on the main process."""
     activation_checkpointing: bool = False
     """Recompute each wrap_classes block's activations in backward: less memory, about a third more compute."""
+    sync_batchnorm: bool = False
+    """Normalise BatchNorm with the statistics of all processes' micro-batches (SyncBatchNorm; CUDA only)."""
     fp16_init_scale: float = 65536.0
     """Initial loss scale of the fp16 gradient scaler."""
     fp16_growth_interval: int = 2000

@@ -1,4 +1,6 @@
-"""Data loaders over `datasets.Dataset`, and the stream of micro-batches the loop consumes.
+"""Data loaders over map-style sets (`datasets.Dataset`, torch `Dataset`), and the micro-batches the loop consumes.
+
+Iterable sets (streams) have their own path in streams.py; `check_dataset` refuses anything else.
 
 Training loaders shuffle with accelerate's seedable sampler and drop the last incomplete micro-batch; the
 micro-batch stream then hands each optimizer step exactly one global batch, skipping the incomplete tail of
@@ -11,15 +13,43 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import datasets
+import torch.utils.data
 from torch.utils.data import DataLoader
 
 from .batching import BatchPlan
+from .errors import RecipeError
 from .recipe import Recipe
+
+ACCEPTED = (
+    "a datasets.Dataset or datasets.IterableDataset (streaming, to_iterable_dataset, from_generator), or a"
+    " torch.utils.data.Dataset (with __len__) or torch.utils.data.IterableDataset"
+)
+
+
+def is_stream(dataset: Any) -> bool:
+    """Whether a set is iterable-only (no length, no random access): it takes the streams.py path."""
+    return isinstance(dataset, (datasets.IterableDataset, torch.utils.data.IterableDataset))
+
+
+def check_dataset(dataset: Any, role: str) -> None:
+    """Refuse what build_datasets may not return (a list, a generator object, ...) with one line.
+
+    Raises:
+        RecipeError: naming what was returned and what is accepted.
+    """
+    if is_stream(dataset) or isinstance(dataset, datasets.Dataset):
+        return
+    if isinstance(dataset, torch.utils.data.Dataset) and hasattr(dataset, "__len__"):
+        return
+    raise RecipeError(f"build_datasets returned a {type(dataset).__name__} as the {role} set; return {ACCEPTED}")
 
 
 def as_torch(dataset: Any) -> Any:
-    """The dataset formatted to return tensors, as `datasets` does for PyTorch."""
-    return dataset.with_format("torch")
+    """An HF dataset formatted to return tensors, as `datasets` does for PyTorch; a torch set as it is."""
+    if isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
+        return dataset.with_format("torch")
+    return dataset
 
 
 def train_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int) -> DataLoader:

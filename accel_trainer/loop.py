@@ -21,17 +21,19 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from torch.distributed.tensor import DTensor
 
 from . import accelerate_fixes, checkpoint, checkpoint_files, data
 from .batching import BatchPlan, plan_batches
+from .batchnorm import average_running_stats, convert_to_sync_batchnorm
 from .config import TrainConfig, config_to_yaml
 from .losses import LossOutput, read_loss_output
 from .metrics import MetricsLog, drop_records_after
 from .preemption import Preempted, PreemptionWatcher
 from .recipe import Recipe
 from .schedules import recipe_scheduler
+from .streams import TrainStream, eval_batches
 from .wrapping import prepare_blocks
 
 
@@ -72,11 +74,22 @@ class Run:
     model: Any
     optimizer: Any
     scheduler: Any
-    train_loader: Any
-    eval_loader: Any
+    train_set: Any
+    train_loader: Any  # None for a stream (streams.py)
     eval_set: Any
-    steps_per_epoch: int
+    eval_loader: Any  # None for a stream, or without an eval set
+    steps_per_epoch: int | None  # None for a stream: its epochs end where it does
     writer: checkpoint.BackgroundWriter | None = None
+    stream: TrainStream | None = None
+
+    def eval_batches(self) -> tuple[Any, bool]:
+        """This process's eval micro-batches, and whether they still hold the loader's padding duplicates."""
+        if self.eval_loader is not None:
+            return self.eval_loader, True
+        accelerator = self.accelerator
+        batches = eval_batches(data.as_torch(self.eval_set), self.recipe.collate, self.plan.micro_batch_size,
+                               accelerator.process_index, accelerator.num_processes)  # fmt: skip
+        return batches, False
 
 
 def train_loop(
@@ -98,10 +111,16 @@ def train_loop(
                   " its final metrics are returned", flush=True)  # fmt: skip
         _save_final(accelerator, recipe, cfg, run.model, run.eval_set, run_dir)
         return progress["metrics"]
-    batches = data.micro_batches(
-        run.train_loader, run.plan, run.steps_per_epoch, start_step=start_step,
-        skip_first_batches=accelerator.skip_first_batches, resume_rng=resume_rng,
-    )  # fmt: skip
+    if run.train_loader is None:
+        position = tuple(progress["data_position"] or (0, 0))
+        run.stream = TrainStream(data.as_torch(run.train_set), recipe.collate, run.plan, accelerator.process_index,
+                                 position)  # fmt: skip
+        batches = run.stream.micro_batches(resume_rng)
+    else:
+        batches = data.micro_batches(
+            run.train_loader, run.plan, run.steps_per_epoch or 0, start_step=start_step,
+            skip_first_batches=accelerator.skip_first_batches, resume_rng=resume_rng,
+        )  # fmt: skip
     log = MetricsLog(run_dir, enabled=accelerator.is_main_process, total_steps=cfg.max_steps,
                      show_progress_bar=cfg.show_progress_bar, initial=start_step)  # fmt: skip
     run.writer = checkpoint.BackgroundWriter() if cfg.async_save else None
@@ -121,23 +140,33 @@ def _prepare(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_dir
     plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
     model = recipe.build_model(cfg)
+    if cfg.sync_batchnorm:
+        model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
     prepare_blocks(model, recipe, cfg, is_main_process=accelerator.is_main_process)
     train_set, eval_set = recipe.build_datasets(cfg)
+    data.check_dataset(train_set, "training")
+    if eval_set is not None:
+        data.check_dataset(eval_set, "eval")
     optimizer = recipe.build_optimizer(cfg, model)
     # deliberately not prepared: see schedules.py
     scheduler = recipe_scheduler(recipe, cfg, optimizer, warn=accelerator.is_main_process)
-    train_loader = data.train_loader(recipe, train_set, plan, cfg.num_dataloader_workers)
-    eval_loader = data.eval_loader(recipe, eval_set, plan, cfg.num_dataloader_workers) if eval_set else None
+    workers = cfg.num_dataloader_workers
+    train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, workers)
+    eval_loader = None
+    if eval_set is not None and not data.is_stream(eval_set):
+        eval_loader = data.eval_loader(recipe, eval_set, plan, workers)
+    # A None loader (a stream, or no eval set) passes through prepare unchanged.
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     set_seed(cfg.seed, device_specific=True)  # independent dropout streams per process
-    steps_per_epoch = plan.steps_per_epoch(len(train_set))
-    return Run(recipe, recipe_name, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_loader,
-               eval_loader, eval_set, steps_per_epoch)  # fmt: skip
+    steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
+    return Run(recipe, recipe_name, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set,
+               train_loader, eval_set, eval_loader, steps_per_epoch)  # fmt: skip
 
 
 def _resume(run: Run) -> tuple[int, Callable[[], None] | None, dict[str, Any]]:
     """Restore the checkpoint `cfg.resume` points at; returns the step, an RNG restorer and the progress."""
-    progress: dict[str, Any] = {"skipped_steps": 0, "best_metric": None, "best_checkpoint": None, "metrics": {}}
+    progress: dict[str, Any] = {"skipped_steps": 0, "best_metric": None, "best_checkpoint": None, "metrics": {},
+                                "data_position": None}  # fmt: skip
     folder = checkpoint.resume_point(run.accelerator, run.cfg, run.run_dir)
     if folder is None:
         return 0, None, progress
@@ -159,8 +188,9 @@ def _train_steps(
     cfg, accelerator, model, optimizer = run.cfg, run.accelerator, run.model, run.optimizer
     window = Window.empty(accelerator.device)
     final: dict[str, Any] = progress["metrics"]  # the latest record and evaluation, saved in each checkpoint
-    if run.eval_loader is not None and cfg.eval_every_steps > 0 and start_step == 0:
-        log.write({"step": 0, **evaluate(accelerator, run.recipe, model, run.eval_loader)})  # the baseline
+    has_eval = run.eval_set is not None
+    if has_eval and cfg.eval_every_steps > 0 and start_step == 0:
+        log.write({"step": 0, **evaluate(accelerator, run.recipe, model, *run.eval_batches())})  # the baseline
     model.train()
     for step in range(start_step + 1, cfg.max_steps + 1):
         epoch = _accumulate_gradients(accelerator, run.recipe, model, batches, run.plan, window)
@@ -186,10 +216,8 @@ def _train_steps(
             final.update(record)
             window = Window.empty(accelerator.device)
         scores = None
-        if run.eval_loader is not None and (
-            step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)
-        ):
-            scores = evaluate(accelerator, run.recipe, model, run.eval_loader)
+        if has_eval and (step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)):
+            scores = evaluate(accelerator, run.recipe, model, *run.eval_batches())
             log.write({"step": step, **scores})
             final.update(scores)
         stop = preemption.should_stop()
@@ -203,6 +231,9 @@ def _train_steps(
 def _save_checkpoint(run: Run, step: int, progress: dict[str, Any], scores: dict[str, float] | None) -> Path:
     """Save, track the best checkpoint by `keep_best_metric`, and apply retention."""
     cfg = run.cfg
+    average_running_stats(run.accelerator, run.model)  # the saved statistics are those evaluated
+    if run.stream is not None:  # a map-style set's position is derived from the step
+        progress["data_position"] = list(run.stream.position)
     value = (scores or {}).get(cfg.keep_best_metric) if cfg.keep_best_metric else None
     best = progress["best_metric"]
     if value is not None and (best is None or (value < best if cfg.keep_best_mode == "min" else value > best)):
@@ -239,10 +270,10 @@ def _accumulate_gradients(
                 window.add(output)
                 window.num_items += num_items
             else:
-                batch_size = len(next(iter(batch.values())))
+                # Training micro-batches are always full (the tail of an epoch is dropped), on every path.
                 accelerate_fixes.backward(accelerator, output.loss)  # divided by the accumulation steps
-                window.add(output, weight=batch_size)
-                window.num_host_items += batch_size
+                window.add(output, weight=plan.micro_batch_size)
+                window.num_host_items += plan.micro_batch_size
     if step_items is not None:
         # accelerate scaled each sum by 1/accumulation_steps and the gradient all-reduce averaged over
         # processes; undo both and divide by the true item count of the step instead.
@@ -286,25 +317,36 @@ def _log_record(
     }
 
 
-def evaluate(accelerator: Accelerator, recipe: Recipe, model: torch.nn.Module, loader: Any) -> dict[str, float]:
+def evaluate(
+    accelerator: Accelerator, recipe: Recipe, model: torch.nn.Module, batches: Any, padded: bool
+) -> dict[str, float]:
     """Means of the recipe's per-sample eval metrics over the whole eval set, each sample counted once.
 
     Metrics are divided by the number of samples, or by the total of a `num_items` entry when the recipe
-    returns one (per-sample sums over tokens, giving a token-weighted mean).
+    returns one (per-sample sums over tokens, giving a token-weighted mean). A `padded` loader's batches are
+    gathered with `gather_for_metrics`, which drops the duplicates that even out its last batch; a stream's
+    (streams.eval_batches: disjoint, unequal per process) are summed here and the sums combined.
     """
+    average_running_stats(accelerator, model)
     model.eval()
-    sums: dict[str, torch.Tensor] = {}
+    sums: dict[str, Any] = {}
     with torch.no_grad():
-        for batch in loader:
+        for batch in batches:
             metrics = recipe.eval_metrics(model, batch)
             if "num_items" not in metrics:
                 metrics = {**metrics, "num_items": torch.ones(len(next(iter(metrics.values()))))}
-            gathered = accelerator.gather_for_metrics({k: v.float().to(accelerator.device) for k, v in metrics.items()})
-            for name, values in gathered.items():
-                sums[name] = sums.get(name, 0) + values.sum()
+            values = {k: v.float().to(accelerator.device) for k, v in metrics.items()}
+            for name, value in (accelerator.gather_for_metrics(values) if padded else values).items():
+                sums[name] = sums.get(name, 0) + value.sum()
     model.train()
+    if not padded:  # a process may have had no eval batch at all: combine on the host, eval is rare
+        totals: dict[str, float] = {}
+        for part in gather_object([{name: float(total) for name, total in sums.items()}]):
+            for name, total in part.items():
+                totals[name] = totals.get(name, 0.0) + total
+        sums = totals
     num_items = sums.pop("num_items")
-    return {f"eval/{name}": (total / num_items).item() for name, total in sums.items()}
+    return {f"eval/{name}": float(total / num_items) for name, total in sums.items()}
 
 
 def _save_final(
@@ -317,6 +359,7 @@ def _save_final(
     """
     from safetensors.torch import save_model
 
+    average_running_stats(accelerator, model)
     state = accelerator.get_state_dict(model)  # a collective under FSDP: every process takes part
     if accelerator.is_main_process:
         final_dir = run_dir / "final"

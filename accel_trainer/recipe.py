@@ -4,7 +4,8 @@ A recipe says *what* to train and nothing about *where*: it never mentions proce
 precision. It is a class with a typed `Config` and a handful of methods the loop calls:
 
     build_model(cfg)            -> torch.nn.Module (on the CPU; the loop places it)
-    build_datasets(cfg)         -> (train, eval or None), each a `datasets.Dataset`
+    build_datasets(cfg)         -> (train, eval or None): datasets.Dataset or IterableDataset, or a torch
+                                   map-style Dataset or IterableDataset
     compute_loss(model, batch)  -> a mean loss, or {"loss": sum, "num_items": n, "<term>": t} (losses.py)
     build_optimizer(cfg, model) -> optional; AdamW with decoupled weight decay by default; each param
                                    group's own lr is its peak, which the schedule multiplies
@@ -29,7 +30,7 @@ from torch.utils.data import default_collate
 from .config import TrainConfig
 from .losses import read_loss_output
 
-Batch = dict[str, torch.Tensor]
+Batch = Any  # what collate returns: a dict of tensors by default, or tuples or tensors
 LossReturn = torch.Tensor | Mapping[str, Any]
 
 
@@ -49,7 +50,9 @@ class Recipe:
         raise NotImplementedError(f"{type(self).__name__} must define build_model(self, cfg)")
 
     def build_datasets(self, cfg: Any) -> tuple[Any, Any]:
-        """Return `(train, eval)` as `datasets.Dataset` objects; eval may be None."""
+        """Return `(train, eval)`; eval may be None. Each is a `datasets.Dataset` or `datasets.IterableDataset`
+        (streaming, sharded), a map-style `torch.utils.data.Dataset` or a torch `IterableDataset`. An iterable
+        training set has no length: `max_steps` bounds training and each pass to its end is an epoch."""
         raise NotImplementedError(f"{type(self).__name__} must define build_datasets(self, cfg)")
 
     def compute_loss(self, model: torch.nn.Module, batch: Batch) -> LossReturn:
@@ -97,13 +100,18 @@ class Recipe:
         size = _batch_size(batch)
         return {"loss": loss.detach().float().expand(size)}
 
-    def collate(self, examples: list[dict[str, Any]]) -> Batch:
-        """Stack a list of examples (dicts of tensors) into a batch."""
+    def collate(self, examples: list[Any]) -> Any:
+        """Stack a list of examples (dicts, tuples or tensors) into a batch."""
         return default_collate(examples)
 
     def write_artifacts(self, model: torch.nn.Module, eval_dataset: Any, run_dir: Path) -> None:
         """Write pictures or reports into the run folder after training (main process, unwrapped model)."""
 
 
-def _batch_size(batch: Batch) -> int:
-    return len(next(iter(batch.values())))
+def _batch_size(batch: Any) -> int:
+    """The number of samples of a batch: a tensor, or a dict, tuple or list whose first entry is one."""
+    if isinstance(batch, Mapping):
+        return _batch_size(next(iter(batch.values())))
+    if isinstance(batch, (tuple, list)):
+        return _batch_size(batch[0])
+    return len(batch)

@@ -102,7 +102,7 @@ def test_resuming_with_changed_config_keys_lists_them_in_a_warning(one_process_f
     full_dir, overrides = one_process_full_run
     changed = {**as_kwargs(overrides), "lr": "0.01", "weight_decay": "0.1"}
 
-    with pytest.warns(UserWarning, match="config keys changed since the checkpoint: lr, weight_decay$"):
+    with pytest.warns(UserWarning, match=r"changed since the checkpoint: lr 0.002 -> 0.01, weight_decay 0.0 -> 0.1$"):
         at.train("vae", output_dir=str(tmp_path), resume=str(checkpoint(full_dir, 13)), show_progress_bar=False,
                  **changed)  # fmt: skip
 

@@ -1,0 +1,102 @@
+"""Any dataset a recipe returns trains the same on every layout, and resumes exactly mid-stream.
+
+The kinds: datasets.Dataset, a sharded and shuffled datasets.IterableDataset, one from a generator, a torch
+map-style Dataset and a torch IterableDataset (tuple batches). Each trains on 1 and 2 processes to the same
+weights, evaluates every example once, and resumes bitwise mid-epoch and at an epoch's end. A stream's
+micro-batches split every global batch between the processes with no example twice. Anything else is a
+one-line error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import accel_trainer as at
+from accel_trainer.batching import plan_batches
+from accel_trainer.errors import ConfigError, RecipeError
+from accel_trainer.streams import TrainStream
+from conftest import WORKERS, final_parameters, read_metrics, train_and_dump
+
+STREAMS = ["hf_sharded", "hf_generator", "torch_stream"]
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def stream_of(values: list[int], plan, process_index: int, position=(0, 0)) -> TrainStream:
+    return TrainStream(values, list, plan, process_index, position)
+
+
+def take(stream: TrainStream, count: int) -> list[tuple[int, list[int]]]:
+    batches = stream.micro_batches()
+    return [next(batches) for _ in range(count)]
+
+
+def test_each_global_batch_of_a_stream_is_split_between_the_processes_with_nothing_twice():
+    plan = plan_batches(8, 2, 2)  # 2 processes x 2 micro-batches of 2
+    values = list(range(20))  # 2 global batches an epoch, 4 examples dropped
+
+    per_process = [take(stream_of(values, plan, rank), 6) for rank in (0, 1)]
+
+    assert [batch for _, batch in per_process[0][:2]] == [[0, 1], [4, 5]]
+    assert [batch for _, batch in per_process[1][:2]] == [[2, 3], [6, 7]]
+    first_epoch = sorted(x for rank in (0, 1) for epoch, batch in per_process[rank] if epoch == 0 for x in batch)
+    assert first_epoch == list(range(16))
+    assert [epoch for epoch, _ in per_process[0]] == [0, 0, 0, 0, 1, 1]
+
+
+def test_a_stream_resumes_from_its_position_with_the_same_micro_batches():
+    plan = plan_batches(8, 4, 1)
+    values = list(range(20))
+    stream = stream_of(values, plan, 0)
+    uninterrupted = take(stream, 8)
+    first = stream_of(values, plan, 0)
+    take(first, 2)  # one optimizer step
+
+    resumed = take(stream_of(values, plan, 0, first.position), 6)
+
+    assert first.position == (0, 8)
+    assert resumed == uninterrupted[2:]
+
+
+def test_a_stream_shorter_than_a_global_batch_is_a_clear_error():
+    with pytest.raises(ConfigError, match="gave 5 examples in epoch 0, fewer than global_batch_size=8"):
+        take(stream_of(list(range(5)), plan_batches(8, 4, 1), 0), 1)
+
+
+def test_a_list_is_refused_listing_what_is_accepted(tmp_path):
+    at.registry.discover_recipes([WORKERS / "recipes"])
+    with pytest.raises(RecipeError, match="returned a list as the training set; return a datasets.Dataset"):
+        at.train("sources", source="list", output_dir=str(tmp_path), show_progress_bar=False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("source", ["hf_map", "torch_map", *STREAMS])
+def test_every_kind_of_dataset_trains_to_the_same_weights_on_one_and_two_processes(source, tmp_path):
+    one = train_and_dump("cpu", tmp_path / "one", "sources", f"source={source}", world_size=1)
+    two = train_and_dump("cpu_ddp", tmp_path / "two", "sources", f"source={source}", world_size=2)
+
+    expected, actual = final_parameters(tmp_path / "one"), final_parameters(tmp_path / "two")
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **TOLERANCE)
+    epochs = [r["epoch"] for r in one if "loss" in r]
+    assert epochs == [1] * 6 + [2] * 6 + [3] * 2  # 6 full global batches a pass of 100 examples
+    evals = ([r["eval/loss"] for r in records if "eval/loss" in r] for records in (one, two))
+    torch.testing.assert_close(torch.tensor(next(evals)), torch.tensor(next(evals)), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("source", STREAMS)
+@pytest.mark.parametrize("stop_step", [5, 12], ids=["mid-epoch", "end-of-epoch"])
+def test_a_stream_resumes_bitwise(source, stop_step, tmp_path):
+    at.registry.discover_recipes([WORKERS / "recipes"])
+    settings = dict(source=source, save_every_steps=1, keep_last=0, show_progress_bar=False)
+    at.train("sources", output_dir=str(tmp_path / "full"), **settings)
+    checkpoint = tmp_path / "full" / "checkpoints" / f"step_{stop_step:08d}"
+
+    at.train("sources", output_dir=str(tmp_path / "resumed"), resume=str(checkpoint), **settings)
+
+    full = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "full") if "loss" in r}
+    resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "resumed") if "loss" in r}
+    assert sorted(resumed) == list(range(stop_step + 1, 15))
+    assert all(resumed[step] == full[step] for step in resumed)
+    before, after = final_parameters(tmp_path / "full"), final_parameters(tmp_path / "resumed")
+    assert all(torch.equal(before[name], after[name]) for name in before)
