@@ -1,4 +1,4 @@
-"""Workarounds for measured accelerate 1.15 problems, all in this one module (see FINDINGS.md).
+"""Workarounds for measured accelerate 1.15 problems, all in this one module (see docs/accelerate-traps.md).
 
 Each function names the trap it avoids, and a test shows each trap and the fix: test_accelerate_fixes.py and
 test_multiprocess.py (launches, overhead), test_layout_equivalence.py (FSDP on the CPU really shards and

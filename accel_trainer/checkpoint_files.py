@@ -5,7 +5,7 @@ file sizes and sha256 checksums is written *last*, and only then is the folder r
 `checkpoints/step_XXXXXXXX/` and the `latest` file replaced atomically. A kill -9 at any moment therefore
 leaves either a temporary folder (ignored and cleaned up) or a complete, verifiable checkpoint, and the
 previous checkpoint is never touched before the new one is complete (unlike accelerate's `total_limit`,
-which deletes first: FINDINGS.md). Progress is read from the checkpoint's `train_state.json`, never parsed
+which deletes first: docs/accelerate-traps.md). Progress is read from the checkpoint's `train_state.json`, never parsed
 from a folder name.
 """
 

@@ -119,8 +119,9 @@ def config_fields(config_cls: type) -> dict[str, Any]:
 def field_docs(config_cls: type) -> dict[str, str]:
     """Read the docstring written under each field, walking the class and its bases.
 
-    Attribute docstrings are not kept by Python at run time, so they are read from the source; a class whose
-    source is unavailable simply contributes no docs.
+    Attribute docstrings are not kept by Python at run time, so they are read from the source. Where there is
+    none (a class defined in a notebook cell may have none), `field(..., metadata={"doc": "..."})` documents a
+    field; it also wins over a docstring.
     """
     docs: dict[str, str] = {}
     for klass in reversed(config_cls.__mro__):
@@ -141,6 +142,10 @@ def field_docs(config_cls: type) -> dict[str, str]:
                 and isinstance(nxt.value.value, str)
             ):
                 docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    if dataclasses.is_dataclass(config_cls):
+        for f in dataclasses.fields(config_cls):
+            if "doc" in f.metadata:
+                docs[f.name] = str(f.metadata["doc"])
     return docs
 
 

@@ -92,7 +92,7 @@ def micro_batches(
     that epoch (`skip_first_batches` reads no skipped data) and calls `resume_rng` to restore the saved RNG
     states when the uninterrupted run had them: creating a loader iterator draws from the global RNG, which
     the uninterrupted run did mid-epoch only at the epoch's start, so mid-epoch the states are restored
-    *after* the first fetch, while at an epoch boundary they are restored before it (FINDINGS.md).
+    *after* the first fetch, while at an epoch boundary they are restored before it (docs/accelerate-traps.md).
     """
     per_epoch = steps_per_epoch * plan.accumulation_steps
     epoch, steps_done = divmod(start_step, steps_per_epoch)

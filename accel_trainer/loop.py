@@ -354,6 +354,9 @@ def _save_final(
 ) -> None:
     """Write `final/model.safetensors` (consolidated, unwrapped weights) and the recipe's artifacts.
 
+    A transformers model is written with its own `save_pretrained` (model.safetensors and config.json), so
+    `from_pretrained(run_dir / "final")` loads it.
+
     The weights are loaded into a freshly built CPU model, which works the same whether the trained model is
     plain, DDP-wrapped or sharded, and which safetensors can save with tied weights.
     """
@@ -366,7 +369,10 @@ def _save_final(
         final_dir.mkdir(parents=True, exist_ok=True)
         exported = recipe.build_model(cfg)
         exported.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
-        save_model(exported, str(final_dir / "model.safetensors"))
+        if hasattr(exported, "save_pretrained"):  # a transformers model: a folder from_pretrained loads
+            exported.save_pretrained(final_dir)
+        else:
+            save_model(exported, str(final_dir / "model.safetensors"))
         (final_dir / "config.yaml").write_text(config_to_yaml(cfg))
         recipe.write_artifacts(exported.eval(), eval_set, run_dir)
     accelerator.wait_for_everyone()

@@ -150,8 +150,10 @@ def _load_entry_points() -> None:
 
 
 def _identity(recipe_cls: type) -> str:
+    """Where a recipe class was defined: the same identity may register again (a notebook cell run twice
+    replaces its recipe), another one may not claim the same name."""
     try:
         source = Path(inspect.getsourcefile(recipe_cls) or "").resolve()
-    except TypeError:
+    except (TypeError, OSError):  # a class of a notebook cell or `python -c`: no file (3.13 raises OSError)
         source = Path(recipe_cls.__module__)
     return f"{recipe_cls.__qualname__} in {source}"

@@ -26,6 +26,7 @@ from .distributed import build_accelerator
 from .errors import UserError
 from .loop import train_loop
 from .preemption import EXIT_PREEMPTED, Preempted
+from .processes import launch_processes
 from .registry import describe, get_recipe
 
 
@@ -37,12 +38,17 @@ class TrainResult:
     run_dir: Path
 
 
-def train(recipe_name: str, *, config_file: str | Path | None = None, **overrides: Any) -> TrainResult:
-    """Train a registered recipe in this process (or this launcher's process group).
+def train(
+    recipe_name: str, *, config_file: str | Path | None = None, num_processes: int | None = None, **overrides: Any
+) -> TrainResult:
+    """Train a registered recipe in this process (or this launcher's process group), or on N new processes.
 
     Args:
         recipe_name: a name from `accel-trainer list`.
         config_file: optional YAML file of config values, applied before the overrides.
+        num_processes: from a script or a notebook that was not launched, start this many processes (N GPUs
+            when there are, gloo on the CPU otherwise) the way accelerate's `notebook_launcher` does, and
+            return the main process's result. Recipes defined in the notebook work: the processes are forked.
         **overrides: config values, typed (`max_steps=100`) or as strings (`max_steps="100"`).
 
     Returns:
@@ -52,7 +58,9 @@ def train(recipe_name: str, *, config_file: str | Path | None = None, **override
         UserError: for an unknown recipe, a bad config value or a layout that is not what it claims.
     """
     recipe_cls = get_recipe(recipe_name)
-    cfg = resolve_config(recipe_cls.Config, config_file, overrides)
+    cfg = resolve_config(recipe_cls.Config, config_file, overrides)  # checked here, before any process starts
+    if num_processes is not None and num_processes != (launched_world_size() or 1):
+        return launch_processes(recipe_name, num_processes, config_file, overrides)
     accelerator = build_accelerator(cfg)
     if accelerator.is_main_process:
         for problem in config_warnings(cfg):
@@ -79,7 +87,7 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
     Errors the user can fix are printed as one line (exit status 2). A run stopped by SIGTERM, SIGINT or
     SIGUSR1 saves a checkpoint and exits with status 75 (`EXIT_PREEMPTED`). A multi-process run ends with
     `os._exit(0)` once everything is flushed: about 1 in 20 clean 2-process gloo runs otherwise aborted at
-    interpreter exit (FINDINGS.md).
+    interpreter exit (docs/accelerate-traps.md).
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
     is_rank_zero = int(os.environ.get("RANK", "0")) == 0

@@ -7,7 +7,9 @@ layout needs before `accelerator.prepare`:
   names classes itself (`fsdp_transformer_layer_cls_to_wrap`) takes precedence.
 - Activation checkpointing: each block is wrapped in torch's non-reentrant `checkpoint_wrapper`, which works
   under DDP (the reentrant variant breaks DDP's gradient hooks) and under FSDP2 (accelerate's FSDP2 wrap
-  policy looks through the wrapper), with one code path for every layout.
+  policy looks through the wrapper), with one code path for every layout. A transformers model uses its
+  own `gradient_checkpointing_enable()` (non-reentrant too) and `use_cache=False`: wrapping its blocks from
+  outside crashed on the key-value cache it then returns.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ def prepare_blocks(model: torch.nn.Module, recipe: Recipe, cfg: TrainConfig, *, 
     if classes:
         model._no_split_modules = [cls.__name__ for cls in classes]  # type: ignore[assignment]
     if not cfg.activation_checkpointing:
+        return
+    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False  # type: ignore[union-attr]
         return
     if not classes:
         if is_main_process:

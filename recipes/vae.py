@@ -101,9 +101,11 @@ class DigitsVAE(at.Recipe):
         splits = load_digits_dataset(cfg.eval_fraction, cfg.split_seed)
         return splits["train"], splits["test"]
 
-    def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch's mean loss, with its two terms logged beside it as `reconstruction` and `kl`."""
         reconstruction, kl = per_sample_terms(model, batch["pixels"], sample=self.cfg.sample_latent)
-        return (reconstruction + self.cfg.kl_weight * kl).mean()
+        loss = (reconstruction + self.cfg.kl_weight * kl).mean()
+        return {"loss": loss, "reconstruction": reconstruction.mean(), "kl": kl.mean()}
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         reconstruction, kl = per_sample_terms(model, batch["pixels"])

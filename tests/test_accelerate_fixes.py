@@ -40,7 +40,7 @@ def test_accelerated_optimizer_step_searches_installed_packages_on_every_call(mo
     _, optimizer = prepared_optimizer
     calls = _count_calls(monkeypatch, importlib.util, "find_spec")
     optimizer.step()
-    assert len(calls) >= 1  # the per-step cost the fast path avoids (FINDINGS.md: ~150 us per step)
+    assert len(calls) >= 1  # the per-step cost the fast path avoids (docs/accelerate-traps.md: ~150 us per step)
 
 
 def test_fast_optimizer_step_and_zero_grad_do_no_package_search_or_signature_inspection(

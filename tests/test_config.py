@@ -232,7 +232,7 @@ def test_a_config_file_that_is_not_a_mapping_is_a_one_line_config_error(tmp_path
 def test_field_docs_reads_the_docstring_written_under_each_field():
     docs = field_docs(TrainConfig)
     assert docs["max_steps"] == "Number of optimizer steps to train for."
-    assert docs["seed"].startswith("Seed for model initialisation")
+    assert docs["seed"].startswith("Seed of model initialisation")
 
 
 def test_field_docs_of_a_subclass_adds_its_fields_and_keeps_the_base_docs_of_redefined_fields():

@@ -27,7 +27,7 @@ VAE = [
     "eval_every_steps=0",
     "warmup_steps=3",
 ]
-TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # FINDINGS.md: not bitwise, summation order differs by layout
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # docs/accelerate-traps.md: not bitwise, summation order differs by layout
 
 
 def run_layout(layout: str, out, recipe: str, overrides: list[str]) -> list[dict]:

@@ -1,0 +1,91 @@
+"""Training from Python and notebooks: N processes from one call, recipes redefined in __main__.
+
+`at.train(..., num_processes=2)` forks two gloo workers (accelerate's notebook_launcher) and returns the main
+one's result, with weights equal to a 1-process run; a recipe class defined again in a module without a
+source file (a notebook cell run twice) replaces the old one; field docs need no source code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+import accel_trainer as at
+from accel_trainer.config import describe_fields
+from conftest import REPO, clean_env
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from dataclasses import dataclass
+    import datasets
+    import accel_trainer as at
+    from safetensors.torch import load_file
+
+    @dataclass
+    class Cfg(at.TrainConfig):
+        max_steps: int = 6
+        global_batch_size: int = 16
+        micro_batch_size: int = 4
+        warmup_steps: int = 0
+        eval_every_steps: int = 0
+        show_progress_bar: bool = False
+
+    @at.register_recipe("defined_in_main")  # not importable by a launched script: only forking knows it
+    class Line(at.Recipe):
+        Config = Cfg
+        def build_model(self, cfg):
+            return torch.nn.Linear(2, 1)
+        def build_datasets(self, cfg):
+            x = torch.randn(64, 2, generator=torch.Generator().manual_seed(0))
+            return datasets.Dataset.from_dict({"x": x, "y": x.sum(1, keepdim=True)}).with_format("torch"), None
+        def compute_loss(self, model, batch):
+            return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+    out = sys.argv[1]
+    two = at.train("defined_in_main", num_processes=2, output_dir=out + "/two")
+    one = at.train("defined_in_main", output_dir=out + "/one")
+    a, b = load_file(out + "/two/final/model.safetensors"), load_file(out + "/one/final/model.safetensors")
+    print("world_size", two.metrics["world_size"], one.metrics["world_size"])
+    print("run_dir", two.run_dir)
+    print("max_diff", max((a[k] - b[k]).abs().max().item() for k in a))
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_num_processes_from_python_trains_on_two_processes_like_one(tmp_path):
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=clean_env(), cwd=REPO,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("world", "run", "max")))
+    assert lines["world_size"] == "2 1"
+    assert lines["run_dir"] == str(tmp_path / "two")
+    assert float(lines["max_diff"]) < 1e-6
+
+
+def test_a_recipe_redefined_in_a_notebook_replaces_the_old_one(monkeypatch):
+    notebook = types.ModuleType("__main__")  # like a Jupyter kernel's: no __file__
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    cell = "import accel_trainer as at\n@at.register_recipe('cell_recipe')\nclass Cell(at.Recipe):\n    version = {}\n"
+
+    exec(cell.format(1), notebook.__dict__)  # noqa: S102 - running a cell
+    exec(cell.format(2), notebook.__dict__)  # noqa: S102 - running it again
+
+    assert at.get_recipe("cell_recipe").version == 2
+    monkeypatch.delitem(at.registry._recipes, "cell_recipe")
+
+
+def test_field_docs_can_come_from_metadata_without_source():
+    NotebookConfig = dataclasses.make_dataclass(  # noqa: N806 - a class, as a notebook would define it
+        "NotebookConfig", [("width", int, dataclasses.field(default=8, metadata={"doc": "Hidden width."}))],
+        bases=(at.TrainConfig,),
+    )  # fmt: skip
+
+    assert "  width=8  (int)  Hidden width." in describe_fields(NotebookConfig)
