@@ -1,9 +1,18 @@
-"""User-facing errors.
+"""User-facing errors, and how a crash in recipe code is shown.
 
 Anything the user can fix (a bad override, an unknown recipe, a wrong layout) raises a subclass of
 `UserError`. The command-line entry points print such an error as one line and exit with status 2 instead
-of showing a traceback; genuine bugs still raise normally so they keep their traceback.
+of showing a traceback. Any other exception is a bug: when it comes from recipe code, `describe_crash`
+shows the recipe's own frames only (not 40 lines of the loop, accelerate and torch); a crash inside the
+framework keeps its whole traceback, and `ACCEL_TRAINER_FULL_TRACEBACK=1` always shows everything.
 """
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
 
 
 class UserError(Exception):
@@ -20,3 +29,24 @@ class RecipeError(UserError):
 
 class LayoutError(UserError):
     """The processes that were started do not form the layout that was asked for."""
+
+
+def describe_crash(error: BaseException) -> str:
+    """The recipe's frames of a traceback, the exception, and one line naming the recipe method."""
+    every = traceback.extract_tb(error.__traceback__)
+    ours = [_is_recipe_code(frame.filename) for frame in every]
+    # Recipe code called by the framework (the loop calling compute_loss) is below a framework frame; a
+    # traceback whose only user frame is the script's `at.main(...)` line is a framework bug: show it whole.
+    first_framework = ours.index(False) if False in ours else len(ours)
+    if not any(ours[first_framework:]):
+        return "".join(traceback.format_exception(error)).rstrip()
+    frames = [frame for frame, mine in zip(every, ours, strict=True) if mine]
+    return (
+        f"accel-trainer: error in recipe code, in {frames[-1].name} (ACCEL_TRAINER_FULL_TRACEBACK=1 shows every"
+        " frame):\n" + "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(error))
+    ).rstrip()
+
+
+def _is_recipe_code(filename: str) -> bool:
+    path = Path(filename)
+    return not (filename.startswith("<") or _PACKAGE in path.resolve().parents or "site-packages" in path.parts)

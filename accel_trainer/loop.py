@@ -370,7 +370,7 @@ def _save_final(
         exported = recipe.build_model(cfg)
         exported.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
         if hasattr(exported, "save_pretrained"):  # a transformers model: a folder from_pretrained loads
-            exported.save_pretrained(final_dir)
+            exported.save_pretrained(final_dir)  # type: ignore[operator]
         else:
             save_model(exported, str(final_dir / "model.safetensors"))
         (final_dir / "config.yaml").write_text(config_to_yaml(cfg))

@@ -23,7 +23,7 @@ from . import run_folder
 from .accelerate_fixes import launched_world_size
 from .config import config_warnings, describe_fields, parse_overrides, resolve_config
 from .distributed import build_accelerator
-from .errors import UserError
+from .errors import UserError, describe_crash
 from .loop import train_loop
 from .preemption import EXIT_PREEMPTED, Preempted
 from .processes import launch_processes
@@ -57,10 +57,16 @@ def train(
     Raises:
         UserError: for an unknown recipe, a bad config value or a layout that is not what it claims.
     """
-    recipe_cls = get_recipe(recipe_name)
-    cfg = resolve_config(recipe_cls.Config, config_file, overrides)  # checked here, before any process starts
     if num_processes is not None and num_processes != (launched_world_size() or 1):
+        resolve_config(get_recipe(recipe_name).Config, config_file, overrides)  # fail here, before any process
         return launch_processes(recipe_name, num_processes, config_file, overrides)
+    return _train_here(recipe_name, config_file, overrides)
+
+
+def _train_here(recipe_name: str, config_file: str | Path | None, overrides: dict[str, Any]) -> TrainResult:
+    """Train in this process, or in the process group of the launcher that started it."""
+    recipe_cls = get_recipe(recipe_name)
+    cfg = resolve_config(recipe_cls.Config, config_file, overrides)
     accelerator = build_accelerator(cfg)
     if accelerator.is_main_process:
         for problem in config_warnings(cfg):
@@ -84,7 +90,8 @@ def train(
 def main(recipe_name: str, argv: list[str] | None = None) -> None:
     """Command-line entry for a recipe script: `[--config FILE] [--help] key=value ...`.
 
-    Errors the user can fix are printed as one line (exit status 2). A run stopped by SIGTERM, SIGINT or
+    Errors the user can fix are printed as one line (exit status 2); a crash in recipe code shows the
+    recipe's frames only, once (errors.describe_crash; exit status 1). A run stopped by SIGTERM, SIGINT or
     SIGUSR1 saves a checkpoint and exits with status 75 (`EXIT_PREEMPTED`). A multi-process run ends with
     `os._exit(0)` once everything is flushed: about 1 in 20 clean 2-process gloo runs otherwise aborted at
     interpreter exit (docs/accelerate-traps.md).
@@ -96,7 +103,7 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
             _print_help(recipe_name)
             return
         config_file = _pop_config_flag(arguments)
-        result = train(recipe_name, config_file=config_file, **parse_overrides(arguments))
+        result = _train_here(recipe_name, config_file, parse_overrides(arguments))  # the launcher set the layout
         if is_rank_zero:
             print(f"run folder: {result.run_dir}")
         status = 0
@@ -107,6 +114,14 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
         if is_rank_zero:
             print(f"accel-trainer: {stop}", file=sys.stderr)
         status = EXIT_PREEMPTED
+    except Exception as error:  # a bug: in recipe code, show its frames, once
+        if os.environ.get("ACCEL_TRAINER_FULL_TRACEBACK"):
+            raise
+        if is_rank_zero:
+            print(describe_crash(error), file=sys.stderr)
+        else:  # the same failure on every rank would repeat the report: one line here
+            print(f"accel-trainer: rank {os.environ.get('RANK')}: {type(error).__name__}: {error}", file=sys.stderr)
+        status = 1
     if (launched_world_size() or 1) > 1:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -36,7 +36,7 @@ def prepare_blocks(model: torch.nn.Module, recipe: Recipe, cfg: TrainConfig, *, 
     if not cfg.activation_checkpointing:
         return
     if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
         model.config.use_cache = False  # type: ignore[union-attr]
         return
     if not classes:
