@@ -40,6 +40,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -206,10 +207,19 @@ def restore(
         broadcast_object_list(problem)
     if problem[0]:
         raise CheckpointError(problem[0])
-    state = json.loads((folder / TRAIN_STATE).read_text())
     model_state: Any
     model_state, optimizer_state = get_state_dict(model, optimizer.optimizer)
-    check_compatible(state, recipe_name, cfg, model_state, same_run=cfg.resume == "auto")
+    try:  # the manifest proves integrity, not content: a folder written by someone else may not fit
+        state = json.loads((folder / TRAIN_STATE).read_text())
+        check_compatible(state, recipe_name, cfg, model_state, same_run=cfg.resume == "auto")
+        return _load(accelerator, folder, state, model, optimizer, scheduler, model_state, optimizer_state)
+    except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise CheckpointError(f"checkpoint {folder} cannot be loaded: {type(error).__name__}: {error}") from None
+
+
+def _load(accelerator: Accelerator, folder: Path, state: dict[str, Any], model: Any, optimizer: Any, scheduler: Any,
+          model_state: Any, optimizer_state: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:  # fmt: skip
+    """Load model, optimizer, schedule, scaler and this process's RNG states from a checked checkpoint."""
     optimizer_skeleton = state_files.load_skeleton(folder / OPTIMIZER)
     if (folder / SHARDED).is_dir():
         optimizer_state = _load_sharded(folder, model_state, optimizer_state, optimizer_skeleton)

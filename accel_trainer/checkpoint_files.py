@@ -20,6 +20,9 @@ from pathlib import Path
 
 from .errors import UserError
 
+# The process's umask, read once at import (reading it means setting it, which is not thread-safe later).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
@@ -48,6 +51,7 @@ def final_folder(run_dir: Path, step: int) -> Path:
 def publish(temporary: Path) -> Path:
     """Fsync the files, write the manifest last, rename into place and point `latest` at it."""
     files = sorted(p for p in temporary.rglob("*") if p.is_file())
+    follow_umask(*files)
     manifest = {str(p.relative_to(temporary)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
     for path in files:
         _fsync_file(path)
@@ -61,6 +65,16 @@ def publish(temporary: Path) -> Path:
     _fsync_dir(final.parent)
     _write_durably(final.parent / LATEST, final.name, atomic=True)
     return final
+
+
+def follow_umask(*paths: Path) -> None:
+    """Give files the mode the umask gives any file the user writes (0644 under umask 022).
+
+    safetensors writes its files with mode 0600, so a teammate on shared storage could not read a model
+    whose folder they can list.
+    """
+    for path in paths:
+        os.chmod(path, 0o666 & ~_UMASK)
 
 
 def verify(folder: Path) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -34,9 +35,14 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
     folder = _checkpoint_folder(Path(source))
     checkpoint_files.verify(folder)
     target = Path(output) if output else folder.parent.parent / "export" / folder.name
-    target.mkdir(parents=True, exist_ok=True)
-    save_file(state_files.writable(_model_state(folder)), str(target / "model.safetensors"))
-    shutil.copyfile(folder / "config.yaml", target / "config.yaml")
+    try:  # a manifest proves integrity, not content: whoever wrote the folder may have listed no files
+        weights = _model_state(folder)
+        target.mkdir(parents=True, exist_ok=True)
+        save_file(state_files.writable(weights), str(target / "model.safetensors"))
+        shutil.copyfile(folder / "config.yaml", target / "config.yaml")
+    except (OSError, SafetensorError, ValueError, KeyError, RuntimeError) as error:
+        raise CheckpointError(f"checkpoint {folder} cannot be exported: {type(error).__name__}: {error}") from None
+    checkpoint_files.follow_umask(target / "model.safetensors", target / "config.yaml")
     return target
 
 

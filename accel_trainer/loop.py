@@ -374,5 +374,6 @@ def _save_final(
         else:
             save_model(exported, str(final_dir / "model.safetensors"))
         (final_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        checkpoint_files.follow_umask(*(path for path in final_dir.iterdir() if path.is_file()))
         recipe.write_artifacts(exported.eval(), eval_set, run_dir)
     accelerator.wait_for_everyone()

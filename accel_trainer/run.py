@@ -79,7 +79,9 @@ def _train_here(recipe_name: str, config_file: str | Path | None, overrides: dic
         if accelerator.is_main_process:
             run_folder.remember_preempted(recipe_name, cfg, run_dir)
         if cfg.resume != "auto":
-            stop.how_to_continue = f"continue with resume=auto output_dir={run_dir}"
+            stop.how_to_continue = f"to continue, run it again with resume=auto output_dir={run_dir}"
+        elif not cfg.output_dir:
+            stop.how_to_continue = f"rerun the same command to continue it (or add output_dir={run_dir})"
         raise
     if accelerator.is_main_process:
         run_folder.forget_preempted(recipe_name, cfg)

@@ -396,3 +396,15 @@ def test_retention_never_deletes_the_checkpoint_just_published_after_resuming_pa
     assert just_published.is_dir()
     with pytest.warns(UserWarning, match="step_00000200"):
         assert newest_valid_checkpoint(tmp_path) == just_published
+
+
+def test_published_files_follow_the_umask_like_any_file_the_user_writes(tmp_path):
+    temporary = temporary_folder(tmp_path, 5)
+    write_checkpoint_files(temporary, 5)
+    os.chmod(temporary / "model.safetensors", 0o600)  # what safetensors' save_file does
+
+    final = publish(temporary)
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert all((path.stat().st_mode & 0o777) == 0o666 & ~umask for path in final.rglob("*") if path.is_file())

@@ -100,3 +100,18 @@ def test_a_stream_resumes_bitwise(source, stop_step, tmp_path):
     assert all(resumed[step] == full[step] for step in resumed)
     before, after = final_parameters(tmp_path / "full"), final_parameters(tmp_path / "resumed")
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_stream_resumes_bitwise_on_two_processes(tmp_path):
+    run = ["source=hf_sharded", "save_every_steps=5", "keep_last=0"]
+    train_and_dump("cpu_ddp", tmp_path / "full", "sources", *run, world_size=2)
+    checkpoint = tmp_path / "full" / "checkpoints" / "step_00000005"
+
+    train_and_dump("cpu_ddp", tmp_path / "resumed", "sources", *run, f"resume={checkpoint}", world_size=2)
+
+    full = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "full") if "loss" in r}
+    resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "resumed") if "loss" in r}
+    assert sorted(resumed) == list(range(6, 15)) and all(resumed[step] == full[step] for step in resumed)
+    before, after = final_parameters(tmp_path / "full"), final_parameters(tmp_path / "resumed")
+    assert all(torch.equal(before[name], after[name]) for name in before)

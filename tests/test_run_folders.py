@@ -126,3 +126,12 @@ def test_two_different_settings_of_mixed_precision_train_one_after_another_in_on
     result = at.train("vae", output_dir=str(tmp_path / "b"), mixed_precision="bf16", **QUICK)
 
     assert result.metrics["step"] == 4
+
+
+def test_run_folder_files_follow_the_umask_so_a_team_can_share_them(tmp_path):
+    result = at.train("vae", output_dir=str(tmp_path), **QUICK)
+
+    umask = os.umask(0)
+    os.umask(umask)
+    files = [path for path in result.run_dir.rglob("*") if path.is_file()]
+    assert {path.stat().st_mode & 0o777 for path in files} == {0o666 & ~umask}  # safetensors alone wrote 0o600
