@@ -302,14 +302,6 @@ def check_compatible(
     """
     if state["recipe"] != recipe_name:
         raise CheckpointError(f"the checkpoint was written by recipe {state['recipe']!r}, not {recipe_name!r}")
-    current = {name: list(t.shape) for name, t in model_state.items()}
-    saved = state["parameter_shapes"]
-    for name in sorted(set(saved) | set(current)):
-        if saved.get(name) != current.get(name):
-            raise CheckpointError(
-                f"the checkpoint's model differs from this run's: parameter {name!r} has shape"
-                f" {saved.get(name, 'absent')} in the checkpoint and {current.get(name, 'absent')} here"
-            )
     changed = {
         key: (state["config"].get(key), value) for key, value in config_to_dict(cfg).items()
         if state["config"].get(key) != value and key not in _BOOKKEEPING_KEYS
@@ -321,8 +313,17 @@ def check_compatible(
             " the same run: use a new output_dir for a new run, or resume=<checkpoint> with a new output_dir to"
             " start from that checkpoint with the new values"
         )
+    current = {name: list(t.shape) for name, t in model_state.items()}
+    saved = state["parameter_shapes"]
+    for name in sorted(set(saved) | set(current)):
+        if saved.get(name) != current.get(name):
+            raise CheckpointError(
+                f"the checkpoint's model differs from this run's: parameter {name!r} has shape"
+                f" {saved.get(name, 'absent')} in the checkpoint and {current.get(name, 'absent')} here"
+            )
     if changed:
-        warnings.warn(f"accel-trainer: config keys changed since the checkpoint: {listed}", stacklevel=2)
+        stretched = "; the LR schedule is stretched to the new max_steps from here" if "max_steps" in changed else ""
+        warnings.warn(f"accel-trainer: config keys changed since the checkpoint: {listed}{stretched}", stacklevel=2)
 
 
 def config_hash(cfg: TrainConfig) -> str:

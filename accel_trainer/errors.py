@@ -48,5 +48,11 @@ def describe_crash(error: BaseException) -> str:
 
 
 def _is_recipe_code(filename: str) -> bool:
+    """Code of the user's: not accel_trainer's, not an installed package's, not Python's frozen modules.
+
+    A notebook cell's or `python -c`'s code has a name in angle brackets (`<ipython-input-3-...>`, `<string>`).
+    """
+    if filename.startswith("<"):
+        return not filename.startswith("<frozen")
     path = Path(filename)
-    return not (filename.startswith("<") or _PACKAGE in path.resolve().parents or "site-packages" in path.parts)
+    return not (_PACKAGE in path.resolve().parents or "site-packages" in path.parts)

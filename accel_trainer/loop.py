@@ -29,7 +29,7 @@ from .batching import BatchPlan, plan_batches
 from .batchnorm import average_running_stats, convert_to_sync_batchnorm
 from .config import TrainConfig, config_to_yaml
 from .losses import LossOutput, read_loss_output
-from .metrics import MetricsLog, drop_records_after
+from .metrics import MetricsLog, drop_records_after, format_metric
 from .preemption import Preempted, PreemptionWatcher
 from .recipe import Recipe
 from .schedules import recipe_scheduler
@@ -102,15 +102,17 @@ def train_loop(
     """
     run = _prepare(recipe, cfg, accelerator, run_dir, recipe_name)
     start_step, resume_rng, progress = _resume(run)
+    if start_step >= cfg.max_steps:  # the run's files stay as they are: nothing is trained or written
+        if accelerator.is_main_process:
+            summary = " | ".join(format_metric(key, value) for key, value in progress["metrics"].items())
+            print(f"{run_dir} already reached step {start_step} of max_steps={cfg.max_steps}: nothing to train;"
+                  f" its final metrics: {summary}", flush=True)  # fmt: skip
+        if not (run_dir / "final").is_dir():  # stopped between its last checkpoint and its final weights
+            _save_final(accelerator, recipe, cfg, run.model, run.eval_set, run_dir)
+        return progress["metrics"]
     if accelerator.is_main_process:  # only once the checkpoint (if any) has been accepted
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
         drop_records_after(run_dir, start_step)
-    if start_step >= cfg.max_steps:
-        if accelerator.is_main_process:
-            print(f"{run_dir} already reached step {start_step} of max_steps={cfg.max_steps}: nothing to train;"
-                  " its final metrics are returned", flush=True)  # fmt: skip
-        _save_final(accelerator, recipe, cfg, run.model, run.eval_set, run_dir)
-        return progress["metrics"]
     if run.train_loader is None:
         position = tuple(progress["data_position"] or (0, 0))
         run.stream = TrainStream(data.as_torch(run.train_set), recipe.collate, run.plan, accelerator.process_index,

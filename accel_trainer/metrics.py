@@ -36,7 +36,7 @@ class MetricsLog:
         if self._file is None:
             return
         self._file.write(json.dumps(record) + "\n")
-        message = " | ".join(_format(key, value) for key, value in record.items())
+        message = " | ".join(format_metric(key, value) for key, value in record.items())
         if self._bar.disable:
             print(message, flush=True)
         else:
@@ -73,7 +73,8 @@ def drop_records_after(run_dir: Path, step: int) -> None:
     temporary.replace(path)
 
 
-def _format(key: str, value: Any) -> str:
+def format_metric(key: str, value: Any) -> str:
+    """`key value` as the console shows it (4 significant digits for floats)."""
     if isinstance(value, float):
         return f"{key} {value:.4g}"
     return f"{key} {value}"

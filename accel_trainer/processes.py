@@ -2,19 +2,25 @@
 
 accelerate's `notebook_launcher` forks N workers under torch's elastic launcher (so recipes defined in a
 notebook or a script are known to them), each of which calls `at.train` and joins the process group; the
-main worker writes its `TrainResult` to a file the caller reads back.
+main worker writes its `TrainResult` to a file the caller reads back. A worker that fails writes its
+exception instead and exits quietly, and the caller raises it again: the same type and message as on one
+process (a `RecipeError`, a `KeyError` from recipe code), with the recipe's frames printed once, not the
+launcher's 40 lines of `ChildFailedError`.
 """
 
 from __future__ import annotations
 
+import builtins
 import json
+import logging
 import os
 import socket
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from .errors import UserError, describe_crash
 
 
 def launch_processes(
@@ -39,21 +45,65 @@ def launch_processes(
         )
     forget_accelerate_state()  # notebook_launcher refuses to fork once an Accelerator exists in this process
     with tempfile.TemporaryDirectory() as scratch:
-        result_file = Path(scratch) / "result.json"
-        notebook_launcher(_worker, args=(recipe_name, config_file, overrides, str(result_file)),
-                          num_processes=num_processes, use_port=str(_free_port()))  # fmt: skip
-        if not result_file.is_file():
-            raise UserError(f"training on {num_processes} processes ended without a result; see their output above")
-        result = json.loads(result_file.read_text())
+        elastic_log = logging.getLogger("torch.distributed.elastic")
+        level = elastic_log.level
+        elastic_log.setLevel(logging.CRITICAL)  # its report of a failed worker is the failure we raise below
+        try:
+            notebook_launcher(_worker, args=(recipe_name, config_file, overrides, scratch),
+                              num_processes=num_processes, use_port=str(_free_port()))  # fmt: skip
+        except Exception as launch_error:  # noqa: BLE001 - replaced by the worker's own exception
+            raise _worker_error(Path(scratch), num_processes) from launch_error
+        finally:
+            elastic_log.setLevel(level)
+        result = json.loads((Path(scratch) / "result.json").read_text())
     return TrainResult(metrics=result["metrics"], run_dir=Path(result["run_dir"]))
 
 
-def _worker(recipe_name: str, config_file: Any, overrides: dict[str, Any], result_file: str) -> None:
+def _worker(recipe_name: str, config_file: Any, overrides: dict[str, Any], scratch: str) -> None:
     from .run import train
 
-    result = train(recipe_name, config_file=config_file, **overrides)
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(result_file).write_text(json.dumps({"metrics": result.metrics, "run_dir": str(result.run_dir)}))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        result = train(recipe_name, config_file=config_file, **overrides)
+    except Exception as error:  # noqa: BLE001 - handed to the caller, which raises it again
+        report = describe_crash(error) if not isinstance(error, UserError) else ""
+        error_file = Path(scratch) / f"error_rank{rank}.json"
+        plain = all(isinstance(arg, (str, int, float)) for arg in error.args)
+        error_file.write_text(json.dumps({"module": type(error).__module__, "type": type(error).__name__,
+                                          "args": list(error.args) if plain else [str(error)],
+                                          "message": str(error), "report": report}))  # fmt: skip
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # quietly: the caller raises the error once
+    if rank == 0:
+        Path(scratch, "result.json").write_text(json.dumps({"metrics": result.metrics, "run_dir": str(result.run_dir)}))
+
+
+def _worker_error(scratch: Path, num_processes: int) -> Exception:
+    """The exception of the lowest failed rank, rebuilt as its own type where that type is safe to rebuild."""
+    reports = sorted(scratch.glob("error_rank*.json"))
+    if not reports:
+        return UserError(f"training on {num_processes} processes failed without a report; see their output above")
+    error = json.loads(reports[0].read_text())
+    if error["report"]:
+        print(error["report"], file=sys.stderr)
+    kind = _REBUILDABLE.get((error["module"], error["type"]))
+    return kind(*error["args"]) if kind is not None else RuntimeError(f"{error['type']}: {error['message']}")
+
+
+def _rebuildable() -> dict[tuple[str, str], type[Exception]]:
+    from . import checkpoint_files, errors, state_files
+
+    classes: list[type[Exception]] = [
+        errors.UserError, errors.ConfigError, errors.RecipeError, errors.LayoutError,
+        checkpoint_files.CheckpointError, state_files.StateFileError,
+    ]  # fmt: skip
+    builtin = [getattr(builtins, name) for name in dir(builtins)]
+    classes += [kind for kind in builtin if isinstance(kind, type) and issubclass(kind, Exception)]
+    return {(kind.__module__, kind.__name__): kind for kind in classes}
+
+
+_REBUILDABLE = _rebuildable()
 
 
 def _free_port() -> int:

@@ -67,7 +67,7 @@ def get_recipe(name: str) -> type[Recipe]:
         suggestion = f"did you mean {hint[0]!r}? " if hint else ""
         raise RecipeError(
             f"unknown recipe {name!r}; {suggestion}known recipes: {', '.join(known) or 'none'}"
-            " (see `accel-trainer list`)"
+            " (see `accel-trainer list`; a recipe defined in a script runs as `python script.py key=value ...`)"
         )
     return _recipes[name]
 

@@ -100,6 +100,7 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
     is_rank_zero = int(os.environ.get("RANK", "0")) == 0
+    _show_our_warnings_as_one_line()
     try:
         if "--help" in arguments or "-h" in arguments:
             _print_help(recipe_name)
@@ -129,6 +130,18 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
         sys.stderr.flush()
         os._exit(status)
     raise SystemExit(status)
+
+
+def _show_our_warnings_as_one_line() -> None:
+    """Print accel-trainer's own warnings as their one-line message, without Python's file and source line."""
+    default = warnings.formatwarning
+
+    def format_warning(message: Any, category: Any, filename: str, lineno: int, line: str | None = None) -> str:
+        if str(message).startswith("accel-trainer:"):
+            return f"{message}\n"
+        return default(message, category, filename, lineno, line)
+
+    warnings.formatwarning = format_warning  # type: ignore[assignment]
 
 
 def _print_help(recipe_name: str) -> None:

@@ -82,6 +82,13 @@ def recipe_scheduler(recipe: Any, cfg: TrainConfig, optimizer: torch.optim.Optim
     custom = recipe.build_scheduler(cfg, optimizer)
     if custom is None:
         group_lrs = [group["lr"] for group in optimizer.param_groups]
+        decays = [group.get("weight_decay") for group in optimizer.param_groups]
+        if warn and "weight_decay" in changed and cfg.weight_decay not in decays:
+            warnings.warn(
+                f"accel-trainer: weight_decay={cfg.weight_decay} has no effect: the recipe's build_optimizer sets its"
+                f" own ({', '.join(str(decay) for decay in decays)})",
+                stacklevel=2,
+            )
         if warn and "lr" in changed and cfg.lr not in group_lrs:
             warnings.warn(
                 f"accel-trainer: lr={cfg.lr} has no effect: the recipe's build_optimizer sets its own learning rates"

@@ -70,6 +70,43 @@ def test_num_processes_from_python_trains_on_two_processes_like_one(tmp_path):
     assert float(lines["max_diff"]) < 1e-6
 
 
+CRASH = textwrap.dedent(
+    """
+    import accel_trainer as at
+
+    Base = at.get_recipe("vae")
+
+    @at.register_recipe("crashes_in_processes")
+    class Crashes(Base):
+        def compute_loss(self, model, batch):
+            return batch["no_such_column"]
+
+    @at.register_recipe("returns_a_tuple_in_processes")
+    class Tuple(Base):
+        def compute_loss(self, model, batch):
+            return super().compute_loss(model, batch)["loss"], 1.0
+
+    for name, expected in [("crashes_in_processes", KeyError), ("returns_a_tuple_in_processes", at.RecipeError)]:
+        try:
+            at.train(name, num_processes=2, max_steps=2, eval_every_steps=0, show_progress_bar=False)
+        except expected as error:
+            print("caught", type(error).__name__, error)
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_a_failure_on_n_processes_is_raised_as_itself_once(tmp_path):
+    result = subprocess.run([sys.executable, "-c", CRASH], env=clean_env(), cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+
+    assert result.returncode == 0, result.stderr
+    assert "caught KeyError 'no_such_column'" in result.stdout
+    assert "caught RecipeError compute_loss returned a tuple" in result.stdout
+    assert result.stderr.count("error in recipe code, in compute_loss") == 1
+    assert "ChildFailedError" not in result.stderr
+
+
 def test_a_recipe_redefined_in_a_notebook_replaces_the_old_one(monkeypatch):
     notebook = types.ModuleType("__main__")  # like a Jupyter kernel's: no __file__
     monkeypatch.setitem(sys.modules, "__main__", notebook)

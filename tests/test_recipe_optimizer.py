@@ -107,6 +107,8 @@ def test_a_recipe_scheduler_is_followed_exactly_and_resumed_exactly(tmp_path):
 def test_settings_that_cannot_take_effect_are_warned_about(tmp_path):
     with pytest.warns(UserWarning, match=r"lr=0.3 has no effect: the recipe's build_optimizer sets its own"):
         train("two_lr_groups", tmp_path / "a", lr=0.3, max_steps=1)
+    with pytest.warns(UserWarning, match=r"weight_decay=0.1 has no effect: the recipe's build_optimizer sets its own"):
+        train("two_lr_groups", tmp_path / "wd", weight_decay=0.1, max_steps=1)
     with pytest.warns(UserWarning, match="warmup_steps have no effect: the recipe's build_scheduler"):
         train("one_cycle", tmp_path / "b", warmup_steps=3, max_steps=1)
     with warnings.catch_warnings():

@@ -52,13 +52,17 @@ def test_the_same_folder_with_another_lr_is_refused_naming_the_change(tmp_path):
 
 def test_a_finished_run_says_so_and_returns_its_final_metrics(tmp_path, capsys):
     first = at.train("vae", output_dir=str(tmp_path), **QUICK)
-    records_before = read_metrics(tmp_path)
+    records_before, config_before = read_metrics(tmp_path), (tmp_path / "config.yaml").read_text()
+    weights_written = (tmp_path / "final" / "model.safetensors").stat().st_mtime_ns
 
-    again = at.train("vae", output_dir=str(tmp_path), **QUICK)
+    again = at.train("vae", output_dir=str(tmp_path), **{**QUICK, "log_every_steps": 2})
 
-    assert "already reached step 4 of max_steps=4: nothing to train" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "already reached step 4 of max_steps=4: nothing to train; its final metrics: step 4 | epoch 1" in out
     assert again.metrics == first.metrics and again.metrics["step"] == 4
-    assert read_metrics(tmp_path) == records_before
+    assert read_metrics(tmp_path) == records_before  # and nothing of the finished run is rewritten:
+    assert (tmp_path / "config.yaml").read_text() == config_before
+    assert (tmp_path / "final" / "model.safetensors").stat().st_mtime_ns == weights_written
 
 
 def test_a_longer_max_steps_extends_the_run(tmp_path):
