@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +154,9 @@ def _prepare(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_dir
     # deliberately not prepared: see schedules.py
     scheduler = recipe_scheduler(recipe, cfg, optimizer, warn=accelerator.is_main_process)
     workers = cfg.num_dataloader_workers
+    if workers and data.is_stream(train_set) and accelerator.is_main_process:
+        warnings.warn("accel-trainer: num_dataloader_workers has no effect on a stream: it is read in the training"
+                      " process (streams.py)", stacklevel=2)  # fmt: skip
     train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, workers)
     eval_loader = None
     if eval_set is not None and not data.is_stream(eval_set):

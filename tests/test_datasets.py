@@ -69,6 +69,13 @@ def test_a_list_is_refused_listing_what_is_accepted(tmp_path):
         at.train("sources", source="list", output_dir=str(tmp_path), show_progress_bar=False)
 
 
+def test_loader_workers_on_a_stream_are_warned_about(tmp_path):
+    at.registry.discover_recipes([WORKERS / "recipes"])
+    with pytest.warns(UserWarning, match="num_dataloader_workers has no effect on a stream"):
+        at.train("sources", source="torch_stream", num_dataloader_workers=2, max_steps=1, output_dir=str(tmp_path),
+                 show_progress_bar=False)  # fmt: skip
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("source", ["hf_map", "torch_map", *STREAMS])
 def test_every_kind_of_dataset_trains_to_the_same_weights_on_one_and_two_processes(source, tmp_path):
