@@ -39,10 +39,11 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from . import checkpoint_files as files
@@ -82,6 +83,20 @@ class BackgroundWriter:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._staging: Any = None
+
+    def snapshot(self, state: Any) -> Any:
+        """A copy of `state` in host memory that training may not change, in the buffers of the last one.
+
+        Reusing the buffers (once the last write is done) makes a snapshot a plain memory copy: allocating
+        576 MB afresh for each save spent most of its time faulting in new pages. CUDA tensors are copied
+        into pinned buffers without blocking, then synchronised once.
+        """
+        self.wait()
+        self._staging = _host_copy(state, self._staging)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return self._staging
 
     def start(self, work: Callable[[], None]) -> None:
         self.wait()
@@ -114,16 +129,63 @@ def save(
     them, publishes and runs `after_publish` (retention) in the background, so training continues during
     the write. A sharded (FSDP) save is always synchronous: it needs collectives.
     """
-    if writer is not None and accelerator.is_main_process:
-        writer.wait()
     temporary = files.temporary_folder(run_dir, step)
     if accelerator.is_main_process:
         shutil.rmtree(temporary, ignore_errors=True)
+    problem = _agree(accelerator, _attempt(lambda: _prepare_folder(accelerator, temporary, writer)))
+    if problem is None:
+        model_state: Any
+        model_state, optimizer_state = get_state_dict(model, optimizer.optimizer)
+        heavy_writes: list[Callable[[], None]] = []
+
+        def write_local_files() -> None:
+            heavy_writes.extend(_write_tensors(accelerator, temporary, model_state, optimizer_state, writer))
+            state_files.save(_rng_states(), temporary / rng_file_name(accelerator.process_index))
+            if accelerator.is_main_process:
+                _write_small_files(accelerator, temporary, step, scheduler, recipe_name, cfg, model_state, extra)
+
+        problem = _agree(accelerator, _attempt(write_local_files))
+
+    def finish() -> None:
+        for write in heavy_writes:
+            write()
+        files.publish(temporary)
+        if after_publish is not None:
+            after_publish()
+
+    # Decided alike on every process: a background write (the main process's only) needs no agreement now;
+    # its failure is raised by writer.wait() at the next save, where the processes agree on it.
+    in_background = writer is not None and accelerator.distributed_type != DistributedType.FSDP
+    if problem is None and in_background:
+        if accelerator.is_main_process:
+            writer.start(finish)  # type: ignore[union-attr]
+    elif problem is None:
+        problem = _agree(accelerator, _attempt(finish) if accelerator.is_main_process else None)
+    if problem is not None:
+        newest = None
+        if accelerator.is_main_process:
+            shutil.rmtree(temporary, ignore_errors=True)  # so that resume=auto never meets it
+            newest = files.newest_valid_checkpoint(run_dir)
+        raise CheckpointError(
+            f"saving the checkpoint of step {step} in {files.checkpoints_dir(run_dir)} failed ({problem}); the run"
+            f" stopped, its newest complete checkpoint {'is ' + newest.name if newest else 'is unchanged'}"
+        )
+    return files.final_folder(run_dir, step)
+
+
+def _prepare_folder(accelerator: Accelerator, temporary: Path, writer: BackgroundWriter | None) -> None:
+    """The main process waits for the last background write (raising its failure) and makes the folder."""
+    if accelerator.is_main_process:
+        if writer is not None:
+            writer.wait()
         temporary.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    model_state: Any
-    model_state, optimizer_state = get_state_dict(model, optimizer.optimizer)
-    heavy_writes: list[Callable[[], None]] = []
+
+
+def _write_tensors(
+    accelerator: Accelerator, temporary: Path, model_state: Any, optimizer_state: Any,
+    writer: BackgroundWriter | None,
+) -> list[Callable[[], None]]:  # fmt: skip
+    """Write the sharded tensors (FSDP, every process), or return the main process's writes of full ones."""
     if accelerator.distributed_type == DistributedType.FSDP:
         optimizer_skeleton, optimizer_tensors = state_files.split(optimizer_state, "optimizer")
         sharded = {**{MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}, **optimizer_tensors}
@@ -133,32 +195,38 @@ def save(
         )
         if accelerator.is_main_process:
             state_files.save_skeleton(optimizer_skeleton, temporary / OPTIMIZER)
-    elif accelerator.is_main_process:
-        weights = _host_copy(model_state) if writer else state_files.writable(model_state)
-        optimizer_copy = _host_copy(optimizer_state) if writer else optimizer_state
-        heavy_writes = [
-            functools.partial(save_file, weights, str(temporary / "model.safetensors")),
-            functools.partial(state_files.save, optimizer_copy, temporary / OPTIMIZER, "optimizer"),
-        ]
-    state_files.save(_rng_states(), temporary / rng_file_name(accelerator.process_index))
-    if accelerator.is_main_process:
-        _write_small_files(accelerator, temporary, step, scheduler, recipe_name, cfg, model_state, extra)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+        return []
+    if not accelerator.is_main_process:
+        return []
+    if writer is not None:
+        staged = writer.snapshot({"model": model_state, "optimizer": optimizer_state})
+        weights, optimizer_copy = staged["model"], staged["optimizer"]
+    else:
+        weights, optimizer_copy = state_files.writable(model_state), optimizer_state
+    return [
+        functools.partial(save_file, weights, str(temporary / "model.safetensors")),
+        functools.partial(state_files.save, optimizer_copy, temporary / OPTIMIZER, "optimizer"),
+    ]
 
-        def finish() -> None:
-            for write in heavy_writes:
-                write()
-            files.publish(temporary)
-            if after_publish is not None:
-                after_publish()
 
-        if writer is not None and heavy_writes:
-            writer.start(finish)
-        else:
-            finish()
-    accelerator.wait_for_everyone()
-    return files.final_folder(run_dir, step)
+def _attempt(work: Callable[[], None]) -> str | None:
+    """Run file work; return what went wrong, in a line, instead of raising (the processes must agree first)."""
+    try:
+        work()
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - a full disk, a size limit, read-only, ...
+        cause: BaseException = error
+        if isinstance(error, CheckpointException) and error.failures:  # per rank: (exception, stack summary)
+            cause = next(iter(error.failures.values()))[0]
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    return None
+
+
+def _agree(accelerator: Accelerator, problem: str | None) -> str | None:
+    """Every process learns the first problem any of them had, so that all stop together instead of hanging."""
+    if accelerator.num_processes == 1:
+        return problem
+    problems = [p for p in gather_object([problem]) if p is not None]
+    return problems[0] if problems else None
 
 
 def _write_small_files(
@@ -211,7 +279,8 @@ def restore(
     model_state, optimizer_state = get_state_dict(model, optimizer.optimizer)
     try:  # the manifest proves integrity, not content: a folder written by someone else may not fit
         state = json.loads((folder / TRAIN_STATE).read_text())
-        check_compatible(state, recipe_name, cfg, model_state, same_run=cfg.resume == "auto")
+        check_compatible(state, recipe_name, cfg, model_state, same_run=cfg.resume == "auto",
+                         warn=accelerator.is_main_process)  # fmt: skip
         return _load(accelerator, folder, state, model, optimizer, scheduler, model_state, optimizer_state)
     except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as error:
         raise CheckpointError(f"checkpoint {folder} cannot be loaded: {type(error).__name__}: {error}") from None
@@ -292,7 +361,7 @@ def check_format(folder: Path) -> None:
 
 
 def check_compatible(
-    state: dict[str, Any], recipe_name: str, cfg: TrainConfig, model_state: dict, *, same_run: bool
+    state: dict[str, Any], recipe_name: str, cfg: TrainConfig, model_state: dict, *, same_run: bool, warn: bool = True
 ) -> None:
     """Refuse another recipe or model shape by name; refuse or warn about config keys that changed.
 
@@ -321,7 +390,7 @@ def check_compatible(
                 f"the checkpoint's model differs from this run's: parameter {name!r} has shape"
                 f" {saved.get(name, 'absent')} in the checkpoint and {current.get(name, 'absent')} here"
             )
-    if changed:
+    if changed and warn:
         stretched = "; the LR schedule is stretched to the new max_steps from here" if "max_steps" in changed else ""
         warnings.warn(f"accel-trainer: config keys changed since the checkpoint: {listed}{stretched}", stacklevel=2)
 
@@ -351,14 +420,21 @@ def _rng_states() -> dict[str, Any]:
     }
 
 
-def _host_copy(value: Any) -> Any:
-    """A snapshot in host memory of a (nested) state dict, for writing while training changes the original."""
+def _host_copy(value: Any, into: Any = None) -> Any:
+    """A copy in host memory of a (nested) state, written into `into`'s tensors where their shapes match."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        value = value.detach()
+        if isinstance(into, torch.Tensor) and into.shape == value.shape and into.dtype == value.dtype:
+            return into.copy_(value, non_blocking=value.is_cuda)
+        if value.is_cuda:
+            return torch.empty_like(value, device="cpu", pin_memory=True).copy_(value, non_blocking=True)
+        return value.clone(memory_format=torch.contiguous_format)
     if isinstance(value, dict):
-        return {key: _host_copy(item) for key, item in value.items()}
+        staged: dict = into if isinstance(into, dict) else {}
+        return {key: _host_copy(item, staged.get(key)) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_host_copy(item) for item in value)
+        olds = list(into) if isinstance(into, (list, tuple)) and len(into) == len(value) else [None] * len(value)
+        return type(value)(_host_copy(item, old) for item, old in zip(value, olds, strict=True))
     return copy.deepcopy(value)
 
 

@@ -31,7 +31,7 @@ from .batchnorm import average_running_stats, convert_to_sync_batchnorm
 from .config import TrainConfig, config_to_yaml
 from .losses import LossOutput, read_loss_output
 from .metrics import MetricsLog, drop_records_after, format_metric
-from .preemption import Preempted, PreemptionWatcher
+from .preemption import Preempted, PreemptionWatcher, note_where
 from .recipe import Recipe
 from .schedules import recipe_scheduler
 from .streams import TrainStream, eval_batches
@@ -199,6 +199,7 @@ def _train_steps(
         log.write({"step": 0, **evaluate(accelerator, run.recipe, model, *run.eval_batches())})  # the baseline
     model.train()
     for step in range(start_step + 1, cfg.max_steps + 1):
+        note_where(f"step {step}")
         epoch = _accumulate_gradients(accelerator, run.recipe, model, batches, run.plan, window)
         is_log_step = step == cfg.max_steps or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
         grad_norm = None
@@ -223,11 +224,13 @@ def _train_steps(
             window = Window.empty(accelerator.device)
         scores = None
         if has_eval and (step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)):
+            note_where(f"the evaluation after step {step}")
             scores = evaluate(accelerator, run.recipe, model, *run.eval_batches())
             log.write({"step": step, **scores})
             final.update(scores)
         stop = preemption.should_stop()
         if stop or step == cfg.max_steps or (cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0):
+            note_where(f"the save of step {step}")
             folder = _save_checkpoint(run, step, progress, scores)
             if stop:
                 raise Preempted(preemption.signal_name, step, folder)

@@ -7,6 +7,7 @@ unconditionally. Every record is one JSON object per line, flushed at once so a 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +62,16 @@ def drop_records_after(run_dir: Path, step: int) -> None:
     if step == 0:
         path.replace(run_dir / "metrics.abandoned.jsonl")
         return
-    kept = []
-    for line in path.read_text().splitlines():
+    kept, unreadable = [], 0
+    for line in path.read_text(errors="replace").splitlines():
         try:
             if json.loads(line)["step"] <= step:
                 kept.append(line)
-        except (ValueError, KeyError, TypeError):  # a line cut short by a crash
-            continue
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash, or a damaged file
+            unreadable += 1
+    if unreadable:
+        warnings.warn(f"accel-trainer: {path}: dropped {unreadable} unreadable line(s) (cut short or damaged)",
+                      stacklevel=2)  # fmt: skip
     temporary = path.with_name("metrics.jsonl.tmp")
     temporary.write_text("".join(line + "\n" for line in kept))
     temporary.replace(path)

@@ -11,6 +11,7 @@ A second signal restores the default handler's behaviour (a second Ctrl-C interr
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from datetime import timedelta
 from typing import Any
@@ -20,6 +21,16 @@ import torch.distributed as dist
 
 EXIT_PREEMPTED = 75
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+_where = ["setting up"]
+
+
+def note_where(where: str) -> None:
+    """Record what this process is doing ("step 12", "evaluation after step 10"), for one-line reports."""
+    _where[0] = where
+
+
+def where() -> str:
+    return _where[0]
 
 
 class Preempted(Exception):
@@ -67,6 +78,9 @@ class PreemptionWatcher:
     def _handle(self, signum: int, frame: Any) -> None:
         self.signal_name = signal.Signals(signum).name
         signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        # Said at once: a process stuck in its step (a hang) is still seen, and says where it was.
+        print(f"accel-trainer: rank {rank}: {self.signal_name} received during {where()}", file=sys.stderr, flush=True)
 
     def should_stop(self) -> bool:
         """Whether any process was signalled; a collective: every process calls it after every step."""

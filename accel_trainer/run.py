@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from accelerate.utils import broadcast_object_list
+from torch.distributed import DistBackendError
 
 from . import run_folder
 from .accelerate_fixes import launched_world_size
@@ -25,7 +26,7 @@ from .config import config_warnings, describe_fields, parse_overrides, resolve_c
 from .distributed import build_accelerator
 from .errors import UserError, describe_crash
 from .loop import train_loop
-from .preemption import EXIT_PREEMPTED, Preempted
+from .preemption import EXIT_PREEMPTED, Preempted, where
 from .processes import launch_processes
 from .registry import describe, get_recipe
 
@@ -120,16 +121,28 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
     except Exception as error:  # a bug: in recipe code, show its frames, once
         if os.environ.get("ACCEL_TRAINER_FULL_TRACEBACK"):
             raise
-        if is_rank_zero:
+        rank = os.environ.get("RANK", "0")
+        if _is_lost_peer(error):
+            print(f"accel-trainer: rank {rank}: no answer from another process within collective_timeout_s during"
+                  f" {where()}: it hung or died (its own line says where it was)", file=sys.stderr)  # fmt: skip
+        elif is_rank_zero:
             print(describe_crash(error), file=sys.stderr)
         else:  # the same failure on every rank would repeat the report: one line here
-            print(f"accel-trainer: rank {os.environ.get('RANK')}: {type(error).__name__}: {error}", file=sys.stderr)
+            print(f"accel-trainer: rank {rank}: {type(error).__name__}: {error}", file=sys.stderr)
         status = 1
     if (launched_world_size() or 1) > 1:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
     raise SystemExit(status)
+
+
+def _is_lost_peer(error: BaseException) -> bool:
+    """A collective that timed out, or whose peer closed the connection: another process hung or died."""
+    text = str(error)
+    return isinstance(error, DistBackendError) or any(
+        sign in text for sign in ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer")
+    )
 
 
 def _show_our_warnings_as_one_line() -> None:

@@ -7,6 +7,7 @@
 """
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,3 +47,23 @@ class HeavyVAE(DigitsVAE):
         model = super().build_model(cfg)
         model.ballast = torch.nn.Parameter(torch.zeros(50_000_000), requires_grad=False)
         return model
+
+
+@dataclass
+class HangConfig(DigitsVAE.Config):
+    hang_at_micro_batch: int = 0
+    """Process 1 sleeps for 10 minutes at this micro-batch (0: never), as a process stuck in a collective."""
+
+
+@at.register_recipe("vae_hang")
+class HangingVAE(DigitsVAE):
+    """VAE whose process 1 hangs mid-run (the hung-peer test)."""
+
+    Config = HangConfig
+    micro_batches_seen = 0
+
+    def compute_loss(self, model, batch):
+        HangingVAE.micro_batches_seen += 1
+        if os.environ.get("RANK") == "1" and HangingVAE.micro_batches_seen == self.cfg.hang_at_micro_batch:
+            time.sleep(600)
+        return super().compute_loss(model, batch)

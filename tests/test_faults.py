@@ -1,0 +1,91 @@
+"""Faults beyond kill -9: a save that fails midway stops the run in one line and loses nothing.
+
+A file-size limit (`ulimit -f`, so writes fail with EFBIG, as on a full disk or a quota) makes the save of
+step 6 fail on 1 process and under 2-process FSDP (whose sharded save is collective): every process stops
+with one line naming the checkpoints folder and the cause, no temporary folder is left for `resume=auto`
+to trip on, the checkpoint of step 4 still verifies, and the same command without the limit continues the
+run from it to the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from accel_trainer import checkpoint_files
+from conftest import BIN, REPO, TEST_OVERRIDES, WORKERS, clean_env, free_port, read_metrics, run_command
+
+RUN = ["save_every_steps=2", "keep_last=0", "warmup_steps=0", "eval_every_steps=0", "log_every_steps=1",
+       "sample_latent=false"]  # fmt: skip
+LIMIT_KB = 64  # the VAE's model.safetensors has 685 kB; metrics.jsonl and the small files stay far below
+
+
+def launch(layout: str, out, *overrides: str, limit_kb: int | None = None):
+    command = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / f"{layout}.yaml",
+               "--main_process_port", str(free_port()), WORKERS / "run_recipe.py", "vae", f"output_dir={out}",
+               *RUN, *overrides, *TEST_OVERRIDES]  # fmt: skip
+    if limit_kb is not None:
+        command = ["bash", "-c", f'ulimit -f {limit_kb}; exec "$@"', "bash", *command]
+    return run_command(command, env=clean_env(), check=limit_kb is None)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["cpu", "cpu_fsdp"])
+def test_a_save_that_fails_midway_stops_the_run_and_loses_nothing(layout, tmp_path):
+    launch(layout, tmp_path, "max_steps=4")
+
+    failed = launch(layout, tmp_path, "max_steps=8", limit_kb=LIMIT_KB)
+
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("accel-trainer: error:")]
+    assert failed.returncode != 0 and errors, failed.stderr
+    assert all(f"saving the checkpoint of step 6 in {tmp_path / 'checkpoints'} failed" in line for line in errors), (
+        errors
+    )
+    assert all("File too large" in line for line in errors)
+    assert any("newest complete checkpoint is step_00000004" in line for line in errors)
+    assert len(errors) == (1 if layout == "cpu" else 2)  # one line per process
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    checkpoint_files.verify(tmp_path / "checkpoints" / "step_00000004")
+
+    launch(layout, tmp_path, "max_steps=8")  # the same command, with room on the disk
+
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == list(range(1, 9))
+
+
+def test_a_damaged_metrics_file_or_config_in_a_run_being_resumed_is_a_warning_and_the_run_continues(tmp_path):
+    import accel_trainer as at
+
+    settings = dict(output_dir=str(tmp_path), save_every_steps=2, keep_last=0, warmup_steps=0, eval_every_steps=0,
+                    log_every_steps=1, show_progress_bar=False)  # fmt: skip
+    at.train("vae", max_steps=4, **settings)
+    with open(tmp_path / "metrics.jsonl", "ab") as metrics:
+        metrics.write(b'{"step": 5, "lo\xff\xfe\x00 garbage\n{"step": ')  # a crash mid-line, and binary junk
+    (tmp_path / "config.yaml").write_bytes(b"\x00\xff: [unclosed")
+
+    with pytest.warns(UserWarning, match=r"metrics.jsonl: dropped 2 unreadable line\(s\)"):
+        result = at.train("vae", max_steps=6, **settings)
+
+    assert result.metrics["step"] == 6
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert "max_steps: 6" in (tmp_path / "config.yaml").read_text()
+
+
+@pytest.mark.multiprocess
+def test_a_hung_peer_ends_every_process_within_the_collective_timeout_with_a_line_each(tmp_path):
+    import time
+
+    timeout_s = 10
+    command = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / "cpu_ddp.yaml",
+               "--main_process_port", str(free_port()), WORKERS / "run_recipe.py", "vae_hang",
+               f"output_dir={tmp_path}", "max_steps=20", "hang_at_micro_batch=3", *RUN, *TEST_OVERRIDES,
+               f"collective_timeout_s={timeout_s}"]  # fmt: skip
+    started = time.perf_counter()
+
+    result = run_command(command, env=clean_env(), check=False)
+
+    elapsed = time.perf_counter() - started
+    assert result.returncode != 0
+    assert elapsed < timeout_s + 90, elapsed  # setup, the timeout, and the launcher's grace period before SIGKILL
+    lines = [line for line in result.stderr.splitlines() if line.startswith("accel-trainer: rank")]
+    assert any(line.startswith("accel-trainer: rank 0: no answer from another process") and "during step 3" in line
+               for line in lines), result.stderr  # fmt: skip
+    assert "accel-trainer: rank 1: SIGTERM received during step 3" in lines, result.stderr
