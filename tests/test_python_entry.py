@@ -126,3 +126,69 @@ def test_field_docs_can_come_from_metadata_without_source():
     )  # fmt: skip
 
     assert "  width=8  (int)  Hidden width." in describe_fields(NotebookConfig)
+
+
+NOTEBOOK_CELLS = [
+    "VERSION = 1",
+    textwrap.dedent(
+        """
+        import torch, datasets, accel_trainer as at
+        from dataclasses import dataclass, field
+
+        @dataclass
+        class Cfg(at.TrainConfig):
+            max_steps: int = 6
+            global_batch_size: int = 16
+            micro_batch_size: int = 4
+            warmup_steps: int = 0
+            eval_every_steps: int = 0
+            show_progress_bar: bool = False
+            width: int = field(default=3, metadata={"doc": "Output width."})
+
+        @at.register_recipe("in_a_notebook")
+        class Line(at.Recipe):
+            Config = Cfg
+            version = VERSION
+            def build_model(self, cfg):
+                return torch.nn.Linear(2, 1)
+            def build_datasets(self, cfg):
+                x = torch.randn(64, 2, generator=torch.Generator().manual_seed(0))
+                return datasets.Dataset.from_dict({"x": x, "y": x.sum(1, keepdim=True)}).with_format("torch"), None
+            def compute_loss(self, model, batch):
+                return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        """
+    ),
+    "VERSION = 2",  # and the cell that defines the recipe runs again
+]
+NOTEBOOK_TRAIN = textwrap.dedent(
+    """
+    from safetensors.torch import load_file
+    two = at.train("in_a_notebook", num_processes=2, output_dir="two")
+    one = at.train("in_a_notebook", output_dir="one")
+    a, b = load_file("two/final/model.safetensors"), load_file("one/final/model.safetensors")
+    print("RESULT", two.metrics["world_size"], max((a[k] - b[k]).abs().max().item() for k in a),
+          at.get_recipe("in_a_notebook").version, "Output width." in at.config.describe_fields(Cfg))
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_in_a_jupyter_kernel_cells_define_recipes_and_train_on_two_processes(tmp_path, monkeypatch):
+    manager = pytest.importorskip("jupyter_client.manager")
+    for name, value in clean_env().items():
+        monkeypatch.setenv(name, value)  # the kernel inherits this environment
+    kernel, client = manager.start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    printed: list[str] = []
+    try:
+        for cell in [*NOTEBOOK_CELLS, NOTEBOOK_CELLS[1], NOTEBOOK_TRAIN]:
+            reply = client.execute_interactive(cell, timeout=240, output_hook=lambda message: printed.append(
+                message["content"].get("text", "") if message["msg_type"] == "stream" else ""))  # fmt: skip
+            assert reply["content"]["status"] == "ok", (reply["content"], "".join(printed))
+    finally:
+        client.stop_channels()
+        kernel.shutdown_kernel(now=True)
+
+    [result] = [line.split()[1:] for line in "".join(printed).splitlines() if line.startswith("RESULT")]
+    world_size, max_difference, version, documented = result
+    assert (world_size, version, documented) == ("2", "2", "True")
+    assert float(max_difference) < 1e-6
