@@ -148,12 +148,15 @@ def _is_lost_peer(error: BaseException) -> bool:
 def _show_our_warnings_as_one_line() -> None:
     """Print accel-trainer's own warnings as their one-line message, without Python's file and source line."""
     default = warnings.formatwarning
+    if getattr(default, "accel_trainer", False):  # installed by an earlier main() in this process
+        return
 
     def format_warning(message: Any, category: Any, filename: str, lineno: int, line: str | None = None) -> str:
         if str(message).startswith("accel-trainer:"):
             return f"{message}\n"
         return default(message, category, filename, lineno, line)
 
+    format_warning.accel_trainer = True  # type: ignore[attr-defined]
     warnings.formatwarning = format_warning  # type: ignore[assignment]
 
 
