@@ -50,7 +50,7 @@ def launch_processes(
         elastic_log.setLevel(logging.CRITICAL)  # its report of a failed worker is the failure we raise below
         try:
             notebook_launcher(_worker, args=(recipe_name, config_file, overrides, scratch),
-                              num_processes=num_processes, use_port=str(_free_port()))  # fmt: skip
+                              num_processes=num_processes, use_port=str(free_port()))  # fmt: skip
         except Exception as launch_error:  # noqa: BLE001 - replaced by the worker's own exception
             raise _worker_error(Path(scratch), num_processes) from launch_error
         finally:
@@ -106,7 +106,8 @@ def _rebuildable() -> dict[tuple[str, str], type[Exception]]:
 _REBUILDABLE = _rebuildable()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for a launch's rendezvous."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

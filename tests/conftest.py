@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from accel_trainer.processes import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -25,12 +26,6 @@ LAUNCH_TIMEOUT_S = 300
 # Options every test run passes: a quick failure instead of a 30-minute hang, and no progress bar.
 TEST_OVERRIDES = ["collective_timeout_s=60", "show_progress_bar=false"]
 _LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
