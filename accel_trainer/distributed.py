@@ -23,11 +23,12 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
-from . import accelerate_fixes
+from . import launch_fixes
 from .config import TrainConfig
-from .errors import ConfigError
+from .errors import ConfigError, LayoutError
 
 _DDP_TYPES = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
+SUPPORTED_LAYOUTS = (DistributedType.NO, *_DDP_TYPES, DistributedType.FSDP)
 
 
 def build_accelerator(cfg: TrainConfig) -> Accelerator:
@@ -38,13 +39,13 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
     order a function of seed and epoch alone, the same on any number of processes. The caller sets
     `gradient_accumulation_steps` once the process count is known.
     """
-    if (accelerate_fixes.launched_world_size() or 1) == 1 and not torch.distributed.is_initialized():
-        accelerate_fixes.forget_accelerate_state()  # a second at.train() in one process may change any setting
-    accelerate_fixes.refuse_single_process_cpu_launch()
-    accelerate_fixes.init_process_group_per_attempt(cfg.collective_timeout_s)
-    fsdp_plugin = accelerate_fixes.fsdp_plugin_from_launcher()
+    if (launch_fixes.launched_world_size() or 1) == 1 and not torch.distributed.is_initialized():
+        launch_fixes.forget_accelerate_state()  # a second at.train() in one process may change any setting
+    launch_fixes.refuse_single_process_cpu_launch()
+    launch_fixes.init_process_group_per_attempt(cfg.collective_timeout_s)
+    fsdp_plugin = launch_fixes.fsdp_plugin_from_launcher()
     accelerator = Accelerator(
-        cpu=accelerate_fixes.wants_cpu(),
+        cpu=launch_fixes.wants_cpu(),
         fsdp_plugin=fsdp_plugin,
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1, sync_with_dataloader=False),
@@ -56,10 +57,24 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
         ],
         step_scheduler_with_optimizer=False,
     )
-    accelerate_fixes.check_launched_world(accelerator.num_processes)
-    accelerate_fixes.enable_fsdp_on_cpu(accelerator, fsdp_plugin)
+    launch_fixes.check_launched_world(accelerator.num_processes)
+    launch_fixes.enable_fsdp_on_cpu(accelerator, fsdp_plugin)
+    check_supported(accelerator.distributed_type)
     warn_about_ineffective_settings(cfg, accelerator)
     return accelerator
+
+
+def check_supported(distributed_type: DistributedType) -> None:
+    """Refuse layouts the loop does not drive exactly (its step verbs, checkpoints and loss scaling).
+
+    DeepSpeed steps the optimizer inside `backward` and keeps its own checkpoints; XLA and Megatron-LM have
+    their own step paths. Rather than half-work there, they are a one-line error.
+    """
+    if distributed_type not in SUPPORTED_LAYOUTS:
+        raise LayoutError(
+            f"accel-trainer trains on one device, with DDP or with FSDP2, not with {distributed_type.value};"
+            " launch with one of accelerate_configs/*.yaml (for sharding, an FSDP one such as 4gpu_fsdp.yaml)"
+        )
 
 
 def ddp_kwargs(cfg: TrainConfig) -> DistributedDataParallelKwargs:

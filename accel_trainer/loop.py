@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from torch.distributed.tensor import DTensor
 
-from . import accelerate_fixes, checkpoint, checkpoint_files, data
+from . import checkpoint, checkpoint_files, data
 from .batching import BatchPlan, plan_batches
 from .batchnorm import average_running_stats, convert_to_sync_batchnorm
 from .config import TrainConfig, config_to_yaml
@@ -34,6 +34,7 @@ from .metrics import MetricsLog, drop_records_after, format_metric
 from .preemption import Preempted, PreemptionWatcher, note_where
 from .recipe import Recipe
 from .schedules import recipe_scheduler
+from .step import StepVerbs
 from .streams import TrainStream, eval_batches
 from .wrapping import prepare_blocks
 
@@ -80,6 +81,7 @@ class Run:
     eval_set: Any
     eval_loader: Any  # None for a stream, or without an eval set
     steps_per_epoch: int | None  # None for a stream: its epochs end where it does
+    verbs: StepVerbs
     writer: checkpoint.BackgroundWriter | None = None
     stream: TrainStream | None = None
 
@@ -166,7 +168,7 @@ def _prepare(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_dir
     set_seed(cfg.seed, device_specific=True)  # independent dropout streams per process
     steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
     return Run(recipe, recipe_name, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set,
-               train_loader, eval_set, eval_loader, steps_per_epoch)  # fmt: skip
+               train_loader, eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer))  # fmt: skip
 
 
 def _resume(run: Run) -> tuple[int, Callable[[], None] | None, dict[str, Any]]:
@@ -200,20 +202,17 @@ def _train_steps(
     model.train()
     for step in range(start_step + 1, cfg.max_steps + 1):
         note_where(f"step {step}")
-        epoch = _accumulate_gradients(accelerator, run.recipe, model, batches, run.plan, window)
+        epoch = _accumulate_gradients(run, batches, window)
         is_log_step = step == cfg.max_steps or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
         grad_norm = None
         if cfg.max_grad_norm > 0 or is_log_step:
-            grad_norm = accelerate_fixes.clip_grad_norm(
-                accelerator, model.parameters(), cfg.max_grad_norm or float("inf")
-            )
+            grad_norm = run.verbs.clip_grad_norm(model.parameters(), cfg.max_grad_norm or float("inf"))
         lrs = [group["lr"] for group in optimizer.param_groups] if is_log_step else []  # the LRs of this step
-        accelerate_fixes.optimizer_step(optimizer)
-        if optimizer.step_was_skipped:  # fp16: the gradient scaler found inf/NaN gradients
-            progress["skipped_steps"] += 1
-        else:
+        if run.verbs.optimizer_step():
             run.scheduler.step()  # the schedule follows the optimizer steps actually taken
-        accelerate_fixes.optimizer_zero_grad(optimizer)
+        else:  # fp16: the gradient scaler found inf/NaN gradients
+            progress["skipped_steps"] += 1
+        run.verbs.zero_grad()
         log.advance()
 
         if is_log_step:
@@ -256,31 +255,30 @@ def _save_checkpoint(run: Run, step: int, progress: dict[str, Any], scores: dict
     )  # fmt: skip
 
 
-def _accumulate_gradients(
-    accelerator: Accelerator, recipe: Recipe, model: torch.nn.Module, batches: Any, plan: BatchPlan, window: Window
-) -> int:
+def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
     """Run the micro-batches of one optimizer step; gradients are synchronised on the last one only.
 
     A loss returned with `num_items` is back-propagated as a sum and its gradients are divided by the item
     count of the whole step over all micro-batches and processes, which makes a token loss exact on any
     layout (the gradient-accumulation bug class of transformers #34191). Returns the epoch.
     """
+    accelerator, model, plan = run.accelerator, run.model, run.plan
     step_items: torch.Tensor | None = None
     for _ in range(plan.accumulation_steps):
         epoch, batch = next(batches)
         # With one micro-batch per step there is nothing to accumulate and no synchronisation to skip.
         context = accelerator.accumulate(model) if plan.accumulation_steps > 1 else contextlib.nullcontext()
         with context:
-            output = read_loss_output(recipe.compute_loss(model, batch))
+            output = read_loss_output(run.recipe.compute_loss(model, batch))
             if output.num_items is not None:
                 num_items = output.num_items.to(accelerator.device, torch.float32)
                 step_items = num_items if step_items is None else step_items + num_items
-                accelerate_fixes.backward(accelerator, output.loss)
+                run.verbs.backward(output.loss)
                 window.add(output)
                 window.num_items += num_items
             else:
                 # Training micro-batches are always full (the tail of an epoch is dropped), on every path.
-                accelerate_fixes.backward(accelerator, output.loss)  # divided by the accumulation steps
+                run.verbs.backward(output.loss)  # divided by the accumulation steps
                 window.add(output, weight=plan.micro_batch_size)
                 window.num_host_items += plan.micro_batch_size
     if step_items is not None:

@@ -33,7 +33,7 @@ def launch_processes(
     """
     from accelerate import notebook_launcher
 
-    from .accelerate_fixes import forget_accelerate_state, launched_world_size
+    from .launch_fixes import forget_accelerate_state, launched_world_size
     from .run import TrainResult
 
     if num_processes < 1:

@@ -21,7 +21,7 @@ from accelerate.utils import broadcast_object_list
 from torch.distributed import DistBackendError
 
 from . import run_folder
-from .accelerate_fixes import launched_world_size
+from .launch_fixes import launched_world_size
 from .config import config_warnings, describe_fields, parse_overrides, resolve_config
 from .distributed import build_accelerator
 from .errors import UserError, describe_crash

@@ -119,7 +119,7 @@ def test_cpu_launch_that_would_silently_start_one_process_is_refused(tmp_path):
 
 
 def test_accelerate_alone_on_a_cpu_torchrun_launch_sees_a_world_of_one():
-    """The trap accelerate_fixes.wants_cpu exists for: two workers training independently, no error."""
+    """The trap launch_fixes.wants_cpu exists for: two workers training independently, no error."""
     result = run_command(
         [
             BIN / "torchrun",
@@ -131,4 +131,10 @@ def test_accelerate_alone_on_a_cpu_torchrun_launch_sees_a_world_of_one():
         ],
         env=clean_env(),
     )
-    assert result.stdout.count("world 1") == 2, result.stdout + result.stderr
+    assert result.stdout.count("world 1 NO") == 2, result.stdout + result.stderr
+
+
+def test_canary_accelerate_turns_fsdp_on_the_cpu_into_ddp():
+    """The trap launch_fixes.enable_fsdp_on_cpu exists for: an FSDP layout on the CPU silently trains as DDP."""
+    result = accelerate_launch("cpu_fsdp", WORKERS / "bare_accelerator_world.py", "--cpu", env=clean_env())
+    assert result.stdout.count("world 2 MULTI_CPU") == 2, result.stdout + result.stderr

@@ -1,5 +1,14 @@
-"""Test worker: print the world size a bare `Accelerator()` sees (no accel-trainer fixes)."""
+"""Test worker: report what a bare `Accelerator()` sees (no accel-trainer fixes), in one write per process.
+
+    bare_accelerator_world.py [--cpu]      prints "world <N> <distributed type>"
+"""
+
+import os
+import sys
 
 from accelerate import Accelerator
 
-print("world", Accelerator().num_processes, flush=True)
+accelerator = Accelerator(cpu="--cpu" in sys.argv)
+# One os.write, so that two processes' lines never interleave (print writes its pieces separately when
+# PYTHONUNBUFFERED is set).
+os.write(1, f"world {accelerator.num_processes} {accelerator.distributed_type.value}\n".encode())

@@ -1,6 +1,6 @@
 """Workarounds for measured accelerate 1.15 problems, all in this one module (see docs/accelerate-traps.md).
 
-Each function names the trap it avoids, and a test shows each trap and the fix: test_accelerate_fixes.py and
+Each function names the trap it avoids, and a test shows each trap and the fix: test_launch_fixes.py and
 test_multiprocess.py (launches, overhead), test_layout_equivalence.py (FSDP on the CPU really shards and
 matches), test_preemption.py (elastic restarts).
 
@@ -16,12 +16,8 @@ matches), test_preemption.py (elastic restarts).
   a 2-core machine) read the dead attempt's addresses from the rendezvous store and fail to connect
   (pytorch#167288), using up the restart. `init_process_group_per_attempt` keys this attempt's rendezvous
   under its restart count before accelerate initialises (it then reuses the group).
-- Per-step overhead: `AcceleratedOptimizer.step` calls `importlib.util.find_spec` twice per step (its LOMO
-  check) and `zero_grad` runs `inspect.signature` every call, about 150 us per step on CPU; `backward` and
-  `clip_grad_norm_` add version checks, imports and parameter scans (~16 us). Where that work cannot matter
-  (no gradient scaler; plain, DDP or CPU-DDP layouts, no DTensors) these helpers call torch directly, which
-  was measured bit-identical and lifted the tiny-model ratio from ~0.92 to ~0.97 of a plain loop; elsewhere
-  they keep accelerate's call.
+
+The per-step speed shortcuts are not here: they are the loop's step verbs (step.py).
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -133,39 +128,3 @@ def init_process_group_per_attempt(timeout_s: float) -> None:
         store=dist.PrefixStore(f"accel_trainer/attempt_{attempt}", store),
         rank=rank, world_size=world_size, timeout=timeout,
     )  # fmt: skip
-
-
-_PLAIN_LAYOUTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-
-
-def _is_plain(accelerator: Accelerator) -> bool:
-    return accelerator.scaler is None and accelerator.distributed_type in _PLAIN_LAYOUTS
-
-
-def backward(accelerator: Accelerator, loss: torch.Tensor) -> None:
-    """`accelerator.backward`, including its division by the accumulation steps."""
-    if not _is_plain(accelerator):
-        accelerator.backward(loss)
-        return
-    steps = accelerator.gradient_accumulation_steps
-    (loss / steps if steps > 1 else loss).backward()
-
-
-def clip_grad_norm(accelerator: Accelerator, parameters: Any, max_norm: float) -> torch.Tensor:
-    """`accelerator.clip_grad_norm_` (which unscales fp16 gradients and handles sharded ones first)."""
-    if not _is_plain(accelerator):
-        return accelerator.clip_grad_norm_(parameters, max_norm)
-    return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-
-
-def optimizer_step(optimizer: AcceleratedOptimizer) -> None:
-    """Take an optimizer step, skipping accelerate's per-step package checks when no scaler is involved."""
-    if optimizer.scaler is None:
-        optimizer.optimizer.step()
-    else:
-        optimizer.step()
-
-
-def optimizer_zero_grad(optimizer: AcceleratedOptimizer) -> None:
-    """Drop the gradients (set to None) without accelerate's per-call signature inspection."""
-    optimizer.optimizer.zero_grad(set_to_none=True)

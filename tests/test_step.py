@@ -1,0 +1,113 @@
+"""The loop's step verbs: accelerate's where they do work that matters, torch's directly elsewhere, same results."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from accel_trainer import LayoutError
+from accel_trainer.distributed import check_supported
+from accel_trainer.step import StepVerbs
+from conftest import reset_accelerate_state
+
+
+@pytest.fixture
+def prepared():
+    reset_accelerate_state()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+    yield accelerator, model, optimizer
+    reset_accelerate_state()
+
+
+def _count_calls(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+def _train_two_steps(verbs: StepVerbs, model) -> list[torch.Tensor]:
+    inputs = torch.linspace(-1, 1, 32).reshape(8, 4)
+    norms = []
+    for _ in range(2):
+        for micro_batch in inputs.split(4):
+            verbs.backward(model(micro_batch).square().mean())
+        norms.append(verbs.clip_grad_norm(model.parameters(), 0.5))
+        assert verbs.optimizer_step()
+        verbs.zero_grad()
+    return norms
+
+
+def test_canary_accelerated_optimizer_step_searches_installed_packages_on_every_call(monkeypatch, prepared):
+    """The overhead the direct path avoids; when this fails, accelerate dropped its per-step search."""
+    _, model, optimizer = prepared
+    model(torch.ones(2, 4)).sum().backward()
+    calls = _count_calls(monkeypatch, importlib.util, "find_spec")
+    optimizer.step()
+    assert len(calls) >= 1
+
+
+def test_direct_verbs_do_no_package_search_or_signature_inspection(monkeypatch, prepared):
+    accelerator, model, optimizer = prepared
+    verbs = StepVerbs(accelerator, optimizer)
+    searches = _count_calls(monkeypatch, importlib.util, "find_spec")
+    inspections = _count_calls(monkeypatch, inspect, "signature")
+    before = model[0].weight.detach().clone()
+
+    _train_two_steps(verbs, model)
+
+    assert verbs.direct and searches == [] and inspections == []
+    assert not torch.equal(model[0].weight, before)
+    assert optimizer.optimizer.state[model[0].weight]["step"] == 2
+    assert model[0].weight.grad is None
+
+
+def test_direct_verbs_train_bit_identically_to_accelerates_verbs(prepared):
+    accelerator, model, optimizer = prepared
+    initial = {name: value.clone() for name, value in model.state_dict().items()}
+    direct = StepVerbs(accelerator, optimizer)
+    direct_norms = _train_two_steps(direct, model)
+    direct_weights = {name: value.clone() for name, value in model.state_dict().items()}
+
+    model.load_state_dict(initial)
+    optimizer.optimizer.state.clear()
+    through_accelerate = StepVerbs(accelerator, optimizer)
+    through_accelerate.direct = False
+    accelerate_norms = _train_two_steps(through_accelerate, model)
+
+    assert [n.item() for n in direct_norms] == [n.item() for n in accelerate_norms]
+    assert all(torch.equal(model.state_dict()[name], direct_weights[name]) for name in direct_weights)
+
+
+@pytest.mark.parametrize(
+    ("distributed_type", "has_scaler", "direct"),
+    [(DistributedType.NO, False, True), (DistributedType.MULTI_CPU, False, True),
+     (DistributedType.MULTI_GPU, False, True), (DistributedType.MULTI_GPU, True, False),
+     (DistributedType.FSDP, False, False), (DistributedType.NO, True, False)],
+)  # fmt: skip
+def test_accelerates_verbs_are_kept_for_a_gradient_scaler_and_for_sharded_gradients(
+    distributed_type, has_scaler, direct
+):
+    accelerator = SimpleNamespace(scaler=object() if has_scaler else None, distributed_type=distributed_type)
+    assert StepVerbs(accelerator, optimizer=None).direct is direct  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("distributed_type", [DistributedType.DEEPSPEED, DistributedType.XLA,
+                                              DistributedType.MEGATRON_LM])  # fmt: skip
+def test_layouts_the_loop_does_not_drive_exactly_are_a_one_line_error(distributed_type):
+    with pytest.raises(LayoutError, match="not with .*FSDP one"):
+        check_supported(distributed_type)
