@@ -15,7 +15,6 @@ NODE_RANK ?= 0
 MAIN_ADDR ?= 127.0.0.1
 MAIN_PORT ?= 29500
 NODE_FLAGS = --machine_rank $(NODE_RANK) --main_process_ip $(MAIN_ADDR) --main_process_port $(MAIN_PORT)
-POWERSGD_RANK ?= 4
 
 .PHONY: install train train-cpu-ddp train-cpu-fsdp train-gpu train-4gpu train-8gpu train-4gpu-fsdp train-8gpu-fsdp \
 	train-4gpu-powersgd train-2node train-2node-cpu test bench lint clean
@@ -52,9 +51,8 @@ train-4gpu-fsdp: install
 train-8gpu-fsdp: install
 	$(LAUNCH) --config_file accelerate_configs/8gpu_fsdp.yaml $(RUN_RECIPE)
 
-train-4gpu-powersgd: install
-	$(LAUNCH) --config_file accelerate_configs/4gpu_ddp_powersgd.yaml $(RUN_RECIPE) \
-		ddp_comm_hook=powersgd ddp_powersgd_rank=$(POWERSGD_RANK)
+train-4gpu-powersgd: install  ## PowerSGD comes from accelerate_configs/4gpu_ddp_powersgd.settings.yaml
+	$(LAUNCH) --config_file accelerate_configs/4gpu_ddp_powersgd.yaml $(RUN_RECIPE)
 
 train-2node: install  ## on each node: make train-2node NODE_RANK=r MAIN_ADDR=<node 0 address>
 	$(LAUNCH) --config_file accelerate_configs/2node_4gpu.yaml $(NODE_FLAGS) $(RUN_RECIPE)

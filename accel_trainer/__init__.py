@@ -15,6 +15,7 @@ if __name__ == "__main__":
 
 from .config import TrainConfig
 from .errors import ConfigError, LayoutError, RecipeError, UserError
+from .layout import LayoutSettings
 from .losses import token_cross_entropy
 from .recipe import Recipe
 from .registry import add_recipe, get_recipe, register_recipe, registered_recipes
@@ -23,6 +24,7 @@ from .run import TrainResult, main, train
 __all__ = [
     "ConfigError",
     "LayoutError",
+    "LayoutSettings",
     "Recipe",
     "RecipeError",
     "TrainConfig",

@@ -66,10 +66,9 @@ _BOOKKEEPING_KEYS = RUN_CONTROL_KEYS | {
     "log_every_steps", "eval_every_steps", "save_every_steps", "keep_last", "keep_best_metric", "keep_best_mode",
     "async_save", "num_dataloader_workers",
 }  # fmt: skip
-# Keys of the hardware layout (a checkpoint resumes on another layout) and max_steps (extending a run):
-# changing them continues the run, with a warning.
-_CONTINUABLE_KEYS = {"max_steps", "mixed_precision", "activation_checkpointing", "fp16_init_scale",
-                     "fp16_growth_interval"}  # fmt: skip
+# max_steps (extending a run): changing it continues the run, with a warning. The layout settings are not
+# config keys: a checkpoint resumes on another layout.
+_CONTINUABLE_KEYS = {"max_steps"}
 
 
 class BackgroundWriter:
@@ -376,7 +375,7 @@ def check_compatible(
         if state["config"].get(key) != value and key not in _BOOKKEEPING_KEYS
     }  # fmt: skip
     listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
-    if same_run and set(changed) - _CONTINUABLE_KEYS - {k for k in changed if k.startswith("ddp_")}:
+    if same_run and set(changed) - _CONTINUABLE_KEYS:
         raise CheckpointError(
             f"the run in this output_dir was trained with another config ({listed}); resume=auto continues only"
             " the same run: use a new output_dir for a new run, or resume=<checkpoint> with a new output_dir to"

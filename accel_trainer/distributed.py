@@ -18,6 +18,7 @@ from accelerate.utils import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
     DistributedType,
+    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -26,12 +27,13 @@ from accelerate.utils import (
 from . import launch_fixes
 from .config import TrainConfig
 from .errors import ConfigError, LayoutError
+from .layout import LayoutSettings
 
 _DDP_TYPES = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
 SUPPORTED_LAYOUTS = (DistributedType.NO, *_DDP_TYPES, DistributedType.FSDP)
 
 
-def build_accelerator(cfg: TrainConfig) -> Accelerator:
+def build_accelerator(cfg: TrainConfig, layout: LayoutSettings) -> Accelerator:
     """An Accelerator for the current launch, with accumulation driven by the loop.
 
     Accumulation counts micro-batches, not the data loader (`sync_with_dataloader=False`): syncing with the
@@ -42,25 +44,26 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
     if (launch_fixes.launched_world_size() or 1) == 1 and not torch.distributed.is_initialized():
         launch_fixes.forget_accelerate_state()  # a second at.train() in one process may change any setting
     launch_fixes.refuse_single_process_cpu_launch()
-    launch_fixes.init_process_group_per_attempt(cfg.collective_timeout_s)
+    launch_fixes.init_process_group_per_attempt(layout.collective_timeout_s)
     fsdp_plugin = launch_fixes.fsdp_plugin_from_launcher()
     accelerator = Accelerator(
         cpu=launch_fixes.wants_cpu(),
         fsdp_plugin=fsdp_plugin,
-        mixed_precision=cfg.mixed_precision,
+        mixed_precision=layout.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1, sync_with_dataloader=False),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
         kwargs_handlers=[
-            InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s)),
-            ddp_kwargs(cfg),
-            GradScalerKwargs(init_scale=cfg.fp16_init_scale, growth_interval=cfg.fp16_growth_interval),
+            InitProcessGroupKwargs(timeout=timedelta(seconds=layout.collective_timeout_s)),
+            ddp_kwargs(layout),
+            GradScalerKwargs(init_scale=layout.fp16_init_scale, growth_interval=layout.fp16_growth_interval),
         ],
         step_scheduler_with_optimizer=False,
     )
     launch_fixes.check_launched_world(accelerator.num_processes)
     launch_fixes.enable_fsdp_on_cpu(accelerator, fsdp_plugin)
     check_supported(accelerator.distributed_type)
-    warn_about_ineffective_settings(cfg, accelerator)
+    check_fsdp_options(getattr(accelerator.state, "fsdp_plugin", None))
+    warn_about_ineffective_settings(cfg, layout, accelerator)
     return accelerator
 
 
@@ -77,8 +80,30 @@ def check_supported(distributed_type: DistributedType) -> None:
         )
 
 
-def ddp_kwargs(cfg: TrainConfig) -> DistributedDataParallelKwargs:
-    """DDP construction options and gradient-compression hook from the config (used only under DDP)."""
+def check_fsdp_options(plugin: FullyShardedDataParallelPlugin | None) -> None:
+    """Refuse FSDP options of the accelerate config that would be a second switch or would do nothing.
+
+    Raises:
+        LayoutError: naming the option and the one setting that does the job.
+    """
+    if plugin is None:
+        return
+    if plugin.activation_checkpointing:
+        raise LayoutError(
+            "fsdp_activation_checkpointing in the accelerate config would wrap the blocks a second time: set it"
+            " to false and use the layout setting activation_checkpointing=true (the same on every layout)"
+        )
+    state_dict_type = getattr(plugin.state_dict_type, "name", plugin.state_dict_type)
+    if state_dict_type not in (None, "SHARDED_STATE_DICT"):
+        raise LayoutError(
+            f"fsdp_state_dict_type: {state_dict_type} has no effect in accel-trainer, whose FSDP checkpoints are"
+            " always sharded (resharded on load, on any layout) and whose final/model.safetensors is always"
+            " full: set fsdp_state_dict_type: SHARDED_STATE_DICT or remove it"
+        )
+
+
+def ddp_kwargs(layout: LayoutSettings) -> DistributedDataParallelKwargs:
+    """DDP construction options and gradient-compression hook from the layout settings (used only under DDP)."""
     hooks = {
         "none": DDPCommunicationHookType.NO,
         "fp16": DDPCommunicationHookType.FP16,
@@ -87,30 +112,32 @@ def ddp_kwargs(cfg: TrainConfig) -> DistributedDataParallelKwargs:
         "batched_powersgd": DDPCommunicationHookType.BATCHED_POWER_SGD,
     }
     state = {}
-    if "powersgd" in cfg.ddp_comm_hook:
-        if cfg.ddp_powersgd_start_step < 2:
-            raise ConfigError(f"ddp_powersgd_start_step={cfg.ddp_powersgd_start_step}: PowerSGD needs at least 2")
+    if "powersgd" in layout.ddp_comm_hook:
+        if layout.ddp_powersgd_start_step < 2:
+            raise ConfigError(f"ddp_powersgd_start_step={layout.ddp_powersgd_start_step}: PowerSGD needs at least 2")
         state = {
-            "matrix_approximation_rank": cfg.ddp_powersgd_rank,
-            "start_powerSGD_iter": cfg.ddp_powersgd_start_step,
+            "matrix_approximation_rank": layout.ddp_powersgd_rank,
+            "start_powerSGD_iter": layout.ddp_powersgd_start_step,
         }
     return DistributedDataParallelKwargs(
-        find_unused_parameters=cfg.ddp_find_unused_parameters,
-        static_graph=cfg.ddp_static_graph,
-        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
-        gradient_as_bucket_view=cfg.ddp_gradient_as_bucket_view,
-        comm_hook=hooks[cfg.ddp_comm_hook],
+        find_unused_parameters=layout.ddp_find_unused_parameters,
+        static_graph=layout.ddp_static_graph,
+        bucket_cap_mb=layout.ddp_bucket_cap_mb,
+        gradient_as_bucket_view=layout.ddp_gradient_as_bucket_view,
+        comm_hook=hooks[layout.ddp_comm_hook],
         comm_state_option=state,
     )
 
 
-def warn_about_ineffective_settings(cfg: TrainConfig, accelerator: Accelerator) -> None:
+def warn_about_ineffective_settings(cfg: TrainConfig, layout: LayoutSettings, accelerator: Accelerator) -> None:
     """Warn once, on the main process, about settings the current hardware or layout ignores."""
-    defaults = type(cfg)()
+    defaults = LayoutSettings()
     ignored = []
     if accelerator.distributed_type not in _DDP_TYPES:
         ignored += [
-            name for name in vars(cfg) if name.startswith("ddp_") and getattr(cfg, name) != getattr(defaults, name)
+            name
+            for name in vars(layout)
+            if name.startswith("ddp_") and getattr(layout, name) != getattr(defaults, name)
         ]
         ignored = [f"{name} (the layout is {accelerator.distributed_type.value}, not DDP)" for name in ignored]
     if cfg.async_save and accelerator.distributed_type == DistributedType.FSDP:
@@ -121,7 +148,7 @@ def warn_about_ineffective_settings(cfg: TrainConfig, accelerator: Accelerator) 
         ignored += [
             f"{name} (mixed precision is {accelerator.mixed_precision}, not fp16)"
             for name in ("fp16_init_scale", "fp16_growth_interval")
-            if getattr(cfg, name) != getattr(defaults, name)
+            if getattr(layout, name) != getattr(defaults, name)
         ]
     if accelerator.is_main_process:
         for setting in ignored:

@@ -16,6 +16,10 @@ matches), test_preemption.py (elastic restarts).
   a 2-core machine) read the dead attempt's addresses from the rendezvous store and fail to connect
   (pytorch#167288), using up the restart. `init_process_group_per_attempt` keys this attempt's rendezvous
   under its restart count before accelerate initialises (it then reuses the group).
+- The launch's config file: `accelerate launch --config_file X` reads X in the launcher and hands the workers
+  environment variables for the keys it knows, but not X's path, and refuses unknown keys in X, so a file of
+  accel-trainer's layout settings beside X cannot be found from the environment. `launch_config_path` reads
+  it from the launcher's command line (Linux /proc; elsewhere there is none and key=value still works).
 
 The per-step speed shortcuts are not here: they are the loop's step verbs (step.py).
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -128,3 +132,34 @@ def init_process_group_per_attempt(timeout_s: float) -> None:
         store=dist.PrefixStore(f"accel_trainer/attempt_{attempt}", store),
         rank=rank, world_size=world_size, timeout=timeout,
     )  # fmt: skip
+
+
+_CONFIG_FLAGS = ("--config_file", "--config-file")
+
+
+def launch_config_path(max_ancestors: int = 4) -> Path | None:
+    """The `--config_file` of the `accelerate launch` that started this process, or None.
+
+    The launcher is this process's parent (one process) or grandparent-in-process (torchrun's agent runs
+    inside `accelerate launch`); mpirun adds a level. Its command line and working directory are read from
+    /proc, so a relative path resolves as the launcher resolved it.
+    """
+    pid = os.getpid()
+    for _ in range(max_ancestors):
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the parent's pid
+            words = [w.decode(errors="replace") for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+            cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+        except (OSError, ValueError, IndexError):
+            return None
+        if pid <= 1:
+            return None
+        if "launch" not in words:
+            continue
+        for index, word in enumerate(words):
+            if word in _CONFIG_FLAGS and index + 1 < len(words):
+                return cwd / words[index + 1]
+            if word.startswith(tuple(flag + "=" for flag in _CONFIG_FLAGS)):
+                return cwd / word.split("=", 1)[1]
+        return None  # an accelerate launch without a config file
+    return None

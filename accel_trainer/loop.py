@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor
 from . import checkpoint, checkpoint_files, data
 from .batching import BatchPlan, plan_batches
 from .batchnorm import average_running_stats, convert_to_sync_batchnorm
-from .config import TrainConfig, config_to_yaml
+from .config import TrainConfig, config_to_yaml, layout_to_yaml
+from .layout import LayoutSettings
 from .losses import LossOutput, read_loss_output
 from .metrics import MetricsLog, drop_records_after, format_metric
 from .preemption import Preempted, PreemptionWatcher, note_where
@@ -70,6 +71,7 @@ class Run:
     recipe: Recipe
     recipe_name: str
     cfg: TrainConfig
+    layout: LayoutSettings
     accelerator: Accelerator
     run_dir: Path
     plan: BatchPlan
@@ -96,14 +98,15 @@ class Run:
 
 
 def train_loop(
-    recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_dir: Path, recipe_name: str
-) -> dict[str, Any]:
+    recipe: Recipe, cfg: TrainConfig, layout: LayoutSettings, accelerator: Accelerator, run_dir: Path,
+    recipe_name: str,
+) -> dict[str, Any]:  # fmt: skip
     """Train `recipe` up to `cfg.max_steps` optimizer steps, resuming if asked, and return the final metrics.
 
     Raises:
         Preempted: a signal stopped the run after it saved a checkpoint.
     """
-    run = _prepare(recipe, cfg, accelerator, run_dir, recipe_name)
+    run = _prepare(recipe, cfg, layout, accelerator, run_dir, recipe_name)
     start_step, resume_rng, progress = _resume(run)
     if start_step >= cfg.max_steps:  # the run's files stay as they are: nothing is trained or written
         if accelerator.is_main_process:
@@ -115,6 +118,7 @@ def train_loop(
         return progress["metrics"]
     if accelerator.is_main_process:  # only once the checkpoint (if any) has been accepted
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        (run_dir / "layout.yaml").write_text(layout_to_yaml(layout))
         drop_records_after(run_dir, start_step)
     if run.train_loader is None:
         position = tuple(progress["data_position"] or (0, 0))
@@ -130,7 +134,7 @@ def train_loop(
                      show_progress_bar=cfg.show_progress_bar, initial=start_step)  # fmt: skip
     run.writer = checkpoint.BackgroundWriter() if cfg.async_save else None
     try:
-        with PreemptionWatcher(accelerator.num_processes, cfg.collective_timeout_s) as preemption:
+        with PreemptionWatcher(accelerator.num_processes, layout.collective_timeout_s) as preemption:
             final = _train_steps(run, batches, log, preemption, start_step, progress)
     finally:
         log.close()
@@ -140,14 +144,16 @@ def train_loop(
     return final
 
 
-def _prepare(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_dir: Path, recipe_name: str) -> Run:
+def _prepare(
+    recipe: Recipe, cfg: TrainConfig, layout: LayoutSettings, accelerator: Accelerator, run_dir: Path, recipe_name: str
+) -> Run:
     set_seed(cfg.seed)  # the same initial weights on every process and layout
     plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
     model = recipe.build_model(cfg)
-    if cfg.sync_batchnorm:
+    if layout.sync_batchnorm:
         model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
-    prepare_blocks(model, recipe, cfg, is_main_process=accelerator.is_main_process)
+    prepare_blocks(model, recipe, layout.activation_checkpointing, is_main_process=accelerator.is_main_process)
     train_set, eval_set = recipe.build_datasets(cfg)
     data.check_dataset(train_set, "training")
     if eval_set is not None:
@@ -167,7 +173,7 @@ def _prepare(recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, run_dir
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     set_seed(cfg.seed, device_specific=True)  # independent dropout streams per process
     steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
-    return Run(recipe, recipe_name, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set,
+    return Run(recipe, recipe_name, cfg, layout, accelerator, run_dir, plan, model, optimizer, scheduler, train_set,
                train_loader, eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer))  # fmt: skip
 
 

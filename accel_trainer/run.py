@@ -21,14 +21,16 @@ from accelerate.utils import broadcast_object_list
 from torch.distributed import DistBackendError
 
 from . import run_folder
-from .launch_fixes import launched_world_size
-from .config import config_warnings, describe_fields, parse_overrides, resolve_config
+from .config import config_warnings, resolve_config, resolve_settings
 from .distributed import build_accelerator
 from .errors import UserError, describe_crash
+from .launch_fixes import launched_world_size
+from .layout import LayoutSettings, launch_settings_file
 from .loop import train_loop
 from .preemption import EXIT_PREEMPTED, Preempted, where
 from .processes import launch_processes
 from .registry import describe, get_recipe
+from .typed_fields import describe_fields, parse_overrides
 
 
 @dataclass
@@ -67,15 +69,15 @@ def train(
 def _train_here(recipe_name: str, config_file: str | Path | None, overrides: dict[str, Any]) -> TrainResult:
     """Train in this process, or in the process group of the launcher that started it."""
     recipe_cls = get_recipe(recipe_name)
-    cfg = resolve_config(recipe_cls.Config, config_file, overrides)
-    accelerator = build_accelerator(cfg)
+    cfg, layout = resolve_settings(recipe_cls.Config, config_file, overrides, launch_settings_file())
+    accelerator = build_accelerator(cfg, layout)
     if accelerator.is_main_process:
         for problem in config_warnings(cfg):
             warnings.warn(f"accel-trainer: {problem}", stacklevel=2)
     run_dir = _make_run_dir(accelerator, recipe_name, cfg)
     recipe = recipe_cls(cfg)
     try:
-        metrics = train_loop(recipe, cfg, accelerator, run_dir, recipe_name)
+        metrics = train_loop(recipe, cfg, layout, accelerator, run_dir, recipe_name)
     except Preempted as stop:
         if accelerator.is_main_process:
             run_folder.remember_preempted(recipe_name, cfg, run_dir)
@@ -163,8 +165,10 @@ def _show_our_warnings_as_one_line() -> None:
 def _print_help(recipe_name: str) -> None:
     recipe_cls = get_recipe(recipe_name)
     print(f"{recipe_name}: {describe(recipe_cls)}\n")
-    print("usage: [--config FILE.yaml] key=value ...\n\nconfig fields:")
+    print("usage: [--config FILE.yaml] key=value ...\n\nconfig fields (what to train, the same on every layout):")
     print(describe_fields(recipe_cls.Config))
+    print("\nlayout settings (how this hardware runs it; also read from <accelerate config>.settings.yaml):")
+    print(describe_fields(LayoutSettings))
 
 
 def _pop_config_flag(arguments: list[str]) -> str | None:

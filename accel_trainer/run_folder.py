@@ -22,7 +22,7 @@ from .errors import UserError
 
 OUTPUTS = Path("outputs")
 # Keys that say where and how a run is driven, not which run it is.
-RUN_CONTROL_KEYS = frozenset({"output_dir", "resume", "show_progress_bar", "collective_timeout_s"})
+RUN_CONTROL_KEYS = frozenset({"output_dir", "resume", "show_progress_bar"})
 
 
 def choose(recipe_name: str, cfg: TrainConfig) -> Path:

@@ -24,16 +24,17 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from .config import TrainConfig
 from .recipe import Recipe
 
 
-def prepare_blocks(model: torch.nn.Module, recipe: Recipe, cfg: TrainConfig, *, is_main_process: bool) -> None:
+def prepare_blocks(
+    model: torch.nn.Module, recipe: Recipe, activation_checkpointing: bool, *, is_main_process: bool
+) -> None:
     """Mark the recipe's blocks as FSDP units and, if asked, checkpoint their activations (in place)."""
     classes = tuple(recipe.wrap_classes)
     if classes:
         model._no_split_modules = [cls.__name__ for cls in classes]  # type: ignore[assignment]
-    if not cfg.activation_checkpointing:
+    if not activation_checkpointing:
         return
     if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
 
 import pytest
 
-from accel_trainer.config import (
-    TrainConfig,
+from accel_trainer.config import TrainConfig, config_to_yaml, resolve_config, resolve_settings
+from accel_trainer.errors import ConfigError
+from accel_trainer.layout import LayoutSettings
+from accel_trainer.typed_fields import (
     coerce_value,
     config_fields,
-    config_to_yaml,
     describe_fields,
     field_docs,
     load_config_file,
     parse_overrides,
-    resolve_config,
+    type_name,
 )
-from accel_trainer.errors import ConfigError
+
+SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
 
 
 @dataclass
@@ -111,7 +113,8 @@ def test_a_word_that_is_not_key_value_is_a_config_error_showing_the_form(word):
     ],
 )
 def test_an_override_string_is_parsed_to_the_field_type(key, text, expected):
-    value = getattr(resolve_config(DemoConfig, overrides={key: text}), key)
+    cfg, layout = resolve_settings(DemoConfig, overrides={key: text})
+    value = getattr(cfg if hasattr(cfg, key) else layout, key)
     assert value == expected
     assert type(value) is type(expected)
 
@@ -132,8 +135,8 @@ def test_typed_values_from_python_are_checked_and_an_int_is_accepted_for_a_float
 
 
 def test_mixed_precision_is_optional_and_defaults_to_the_launchers_setting():
-    assert TrainConfig().mixed_precision is None
-    assert coerce_value("mixed_precision", None, config_fields(TrainConfig)["mixed_precision"]) is None
+    assert LayoutSettings().mixed_precision is None
+    assert coerce_value("mixed_precision", None, config_fields(LayoutSettings)["mixed_precision"]) is None
 
 
 @pytest.mark.parametrize(
@@ -197,14 +200,14 @@ def test_a_non_string_key_in_the_config_file_is_a_config_error(tmp_path):
 
 def test_a_config_file_is_typed_like_overrides(tmp_path):
     config_file = write(tmp_path, "lr: 1e-3\nmax_steps: 20\nhidden_sizes: [8, 4]\nmixed_precision: null\n")
-    cfg = resolve_config(DemoConfig, config_file)
-    assert (cfg.lr, cfg.max_steps, cfg.hidden_sizes, cfg.mixed_precision) == (1e-3, 20, (8, 4), None)
+    cfg, layout = resolve_settings(DemoConfig, config_file)
+    assert (cfg.lr, cfg.max_steps, cfg.hidden_sizes, layout.mixed_precision) == (1e-3, 20, (8, 4), None)
 
 
 def test_yaml_yes_no_on_off_are_words_so_mixed_precision_no_is_the_string_no(tmp_path):
     # YAML 1.1 would read `no` as False, which is not one of mixed_precision's choices.
-    cfg = resolve_config(TrainConfig, write(tmp_path, "mixed_precision: no\nshow_progress_bar: off\n"))
-    assert cfg.mixed_precision == "no"
+    cfg, layout = resolve_settings(TrainConfig, write(tmp_path, "mixed_precision: no\nshow_progress_bar: off\n"))
+    assert layout.mixed_precision == "no"
     assert cfg.show_progress_bar is False
 
 
@@ -242,13 +245,14 @@ def test_field_docs_of_a_subclass_adds_its_fields_and_keeps_the_base_docs_of_red
     assert docs["max_steps"] == field_docs(TrainConfig)["max_steps"]  # redefined without a docstring
 
 
-def test_every_train_config_field_has_a_docstring():
-    docs = field_docs(TrainConfig)
-    undocumented = [f.name for f in dataclasses.fields(TrainConfig) if not docs.get(f.name)]
+@pytest.mark.parametrize("group", [TrainConfig, LayoutSettings])
+def test_every_config_field_and_layout_setting_has_a_docstring(group):
+    docs = field_docs(group)
+    undocumented = [f.name for f in dataclasses.fields(group) if not docs.get(f.name)]
     assert undocumented == []
 
 
-@pytest.mark.parametrize("config_cls", [TrainConfig, DemoConfig])
+@pytest.mark.parametrize("config_cls", [TrainConfig, DemoConfig, LayoutSettings])
 def test_describe_fields_has_a_line_per_field_with_default_type_and_doc(config_cls):
     text = describe_fields(config_cls)
     docs = field_docs(config_cls)
@@ -259,23 +263,22 @@ def test_describe_fields_has_a_line_per_field_with_default_type_and_doc(config_c
         assert line.endswith(docs[field.name])
 
 
-def test_public_override_surface_is_frozen():
-    # These names are typed on command lines, in config files and in docs; renaming one breaks users.
-    surface: dict[str, object] = {
-        "seed": int,
-        "max_steps": int,
-        "global_batch_size": int,
-        "micro_batch_size": int,
-        "lr": float,
-        "warmup_steps": int,
-        "max_grad_norm": float,
-        "log_every_steps": int,
-        "eval_every_steps": int,
-        "output_dir": str,
-        "mixed_precision": Literal["no", "bf16", "fp16"] | None,
-    }
-    fields = config_fields(TrainConfig)
-    assert {name: fields.get(name) for name in surface} == surface
+def override_surface() -> str:
+    """Every key a user can type, in both groups, with its type and default: one line each."""
+    lines = []
+    for group in (TrainConfig, LayoutSettings):
+        for name, expected in config_fields(group).items():
+            lines.append(f"{group.__name__}.{name}: {type_name(expected)} = {getattr(group(), name)!r}")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_whole_override_surface_is_frozen():
+    """Keys are typed on command lines, in config files and in docs: a change to any must be deliberate.
+
+    After a deliberate change, from tests/: python -c "import test_config as t; print(t.override_surface(), end='')" \
+        > snapshots/override_surface.txt
+    """
+    assert override_surface() == (SNAPSHOTS / "override_surface.txt").read_text()
 
 
 # --- the resolved config as YAML ---------------------------------------------------------------------------------
@@ -288,7 +291,6 @@ def test_config_to_yaml_round_trips_through_resolve_config(tmp_path):
             "seed": "3",
             "lr": "1e-4",
             "lr_schedule": "linear",
-            "mixed_precision": "no",
             "show_progress_bar": "false",
             "output_dir": "runs/demo",
             "hidden_sizes": "8,4",

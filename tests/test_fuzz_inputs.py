@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from accel_trainer import export, registry
 from accel_trainer.checkpoint_files import CheckpointError
-from accel_trainer.config import parse_overrides, resolve_config
+from accel_trainer.config import resolve_config
 from accel_trainer.errors import UserError
+from accel_trainer.typed_fields import parse_overrides
 
 VAE_CONFIG = registry.get_recipe("vae").Config
 KEYS = st.one_of(st.sampled_from([f.name for f in dataclasses.fields(VAE_CONFIG)]), st.text(max_size=12))

@@ -11,9 +11,13 @@ import re
 import pytest
 import yaml
 
+from accel_trainer.config import resolve_settings
+from accel_trainer.layout import SETTINGS_SUFFIX, LayoutSettings, settings_file_of
+from accel_trainer.recipe import Recipe
 from conftest import REPO
 
-CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+CONFIGS = sorted(p for p in (REPO / "accelerate_configs").glob("*.yaml") if not p.name.endswith(SETTINGS_SUFFIX))
+SETTINGS = sorted((REPO / "accelerate_configs").glob(f"*{SETTINGS_SUFFIX}"))
 # file -> (distributed_type, num_processes, mixed_precision, use_cpu) that its header promises
 EXPECTED = {
     "cpu.yaml": ("NO", 1, "no", True),
@@ -70,3 +74,20 @@ def test_layout_is_used_by_a_makefile_target_named_in_its_header(path):
     targets = re.findall(rf"^([\w-]+):[^\n]*\n\t[^\n]*accelerate_configs/{re.escape(path.name)}", makefile, re.M)
     assert len(targets) == 1, f"no Makefile target launches {path.name}"
     assert f"make {targets[0]}" in path.read_text()
+
+
+def test_each_settings_file_belongs_to_a_layout():
+    assert [path.name for path in SETTINGS] == ["4gpu_ddp_powersgd.settings.yaml"]
+    assert all(path in map(settings_file_of, CONFIGS) for path in SETTINGS)
+
+
+@pytest.mark.parametrize("path", SETTINGS, ids=lambda p: p.name)
+def test_settings_file_holds_valid_layout_settings_and_differs_from_the_defaults(path):
+    _, layout = resolve_settings(Recipe.Config, layout_file=path)
+    assert layout != LayoutSettings()
+
+
+def test_the_powersgd_layout_names_powersgd():
+    _, layout = resolve_settings(Recipe.Config, layout_file=settings_file_of(REPO / "accelerate_configs" /
+                                                                            "4gpu_ddp_powersgd.yaml"))  # fmt: skip
+    assert (layout.ddp_comm_hook, layout.ddp_powersgd_rank) == ("powersgd", 4)

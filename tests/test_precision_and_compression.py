@@ -48,7 +48,7 @@ def test_ddp_settings_become_accelerates_ddp_kwargs():
 
     from accel_trainer.distributed import ddp_kwargs
 
-    cfg = at.TrainConfig(ddp_find_unused_parameters=True, ddp_static_graph=True, ddp_bucket_cap_mb=4,
+    cfg = at.LayoutSettings(ddp_find_unused_parameters=True, ddp_static_graph=True, ddp_bucket_cap_mb=4,
                          ddp_gradient_as_bucket_view=True, ddp_comm_hook="powersgd", ddp_powersgd_rank=3,
                          ddp_powersgd_start_step=5)  # fmt: skip
     kwargs = ddp_kwargs(cfg)
@@ -63,7 +63,7 @@ def test_powersgd_needs_at_least_two_plain_steps_first():
     from accel_trainer.distributed import ddp_kwargs
 
     with pytest.raises(at.ConfigError, match="ddp_powersgd_start_step=1"):
-        ddp_kwargs(at.TrainConfig(ddp_comm_hook="powersgd", ddp_powersgd_start_step=1))
+        ddp_kwargs(at.LayoutSettings(ddp_comm_hook="powersgd", ddp_powersgd_start_step=1))
 
 
 @pytest.mark.multiprocess

@@ -16,7 +16,7 @@ import types
 import pytest
 
 import accel_trainer as at
-from accel_trainer.config import describe_fields
+from accel_trainer.typed_fields import describe_fields
 from conftest import REPO, clean_env
 
 SCRIPT = textwrap.dedent(
@@ -167,7 +167,7 @@ NOTEBOOK_TRAIN = textwrap.dedent(
     one = at.train("in_a_notebook", output_dir="one")
     a, b = load_file("two/final/model.safetensors"), load_file("one/final/model.safetensors")
     print("RESULT", two.metrics["world_size"], max((a[k] - b[k]).abs().max().item() for k in a),
-          at.get_recipe("in_a_notebook").version, "Output width." in at.config.describe_fields(Cfg))
+          at.get_recipe("in_a_notebook").version, "Output width." in at.typed_fields.describe_fields(Cfg))
     """
 )
 

@@ -1,6 +1,6 @@
 """Test worker: report what a bare `Accelerator()` sees (no accel-trainer fixes), in one write per process.
 
-    bare_accelerator_world.py [--cpu]      prints "world <N> <distributed type>"
+bare_accelerator_world.py [--cpu]      prints "world <N> <distributed type>"
 """
 
 import os

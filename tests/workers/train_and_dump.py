@@ -7,8 +7,8 @@ Writes `out/rank<r>.safetensors` with the parameters this rank holds at the end 
 consolidated weights are the run's final/model.safetensors), so a test can compare ranks with each other,
 and `out/rank<r>.json` with the number of parameter elements the rank holds itself (half of them per rank
 under 2-process FSDP) and the step counts in the optimizer's own state (one step per accumulation window,
-never more). ACCEL_TEST_RECIPE_FOLDER names a folder of extra recipes to register. Exits 3 if this process
-sees a different world size than the test expected.
+never more), and the DDP communication hooks registered. ACCEL_TEST_RECIPE_FOLDER names a folder of extra
+recipes to register. Exits 3 if this process sees a different world size than the test expected.
 """
 
 import json
@@ -19,6 +19,7 @@ from pathlib import Path
 from accelerate.state import PartialState
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 import accel_trainer as at
 
@@ -42,9 +43,20 @@ def recording_build_optimizer(self, cfg, model):
     return optimizer
 
 
+comm_hooks = []
+register_comm_hook = DistributedDataParallel.register_comm_hook
+
+
+def recording_register_comm_hook(self, state, hook):
+    rank = getattr(state, "matrix_approximation_rank", None)
+    comm_hooks.append(hook.__name__ if rank is None else f"{hook.__name__} rank {rank}")
+    return register_comm_hook(self, state, hook)
+
+
+DistributedDataParallel.register_comm_hook = recording_register_comm_hook
 recipe_cls.build_model = recording_build_model
 recipe_cls.build_optimizer = recording_build_optimizer
-result = at.train(recipe_name, **at.config.parse_overrides(overrides))
+result = at.train(recipe_name, **at.typed_fields.parse_overrides(overrides))
 state = PartialState()
 expected = int(os.environ["ACCEL_TEST_EXPECTED_WORLD_SIZE"])
 if state.num_processes != expected:
@@ -61,7 +73,7 @@ for name, parameter in trained.named_parameters():
 optimizer_steps = {int(s["step"]) for s in built_optimizers[0].state.values()}  # AdamW's own count
 out = Path(os.environ["ACCEL_TEST_DUMP_DIR"])
 save_file(parameters, str(out / f"rank{state.process_index}.safetensors"))
-summary = {"local_elements": local_elements, "optimizer_steps": sorted(optimizer_steps)}
+summary = {"local_elements": local_elements, "optimizer_steps": sorted(optimizer_steps), "comm_hooks": comm_hooks}
 (out / f"rank{state.process_index}.json").write_text(json.dumps(summary))
 sys.stdout.flush()
 os._exit(0)
