@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from . import checkpoint, checkpoint_files, state_files
+from . import checkpoint, checkpoint_checks, checkpoint_files, state_files
 from .checkpoint_files import CheckpointError
 
 
@@ -47,7 +47,7 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
 
 
 def _checkpoint_folder(source: Path) -> Path:
-    if (source / checkpoint.TRAIN_STATE).is_file() or (source / checkpoint_files.MANIFEST).is_file():
+    if (source / checkpoint_checks.TRAIN_STATE).is_file() or (source / checkpoint_files.MANIFEST).is_file():
         return source
     if checkpoint_files.checkpoints_dir(source).is_dir():
         found = checkpoint_files.newest_valid_checkpoint(source)

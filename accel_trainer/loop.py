@@ -1,77 +1,54 @@
-"""The training loop: one module, read top to bottom, speaking Accelerator verbs.
+"""The training loop: one module, read top to bottom, speaking the step verbs of the layout.
 
-`train_loop` prepares the run, resumes it if asked, and hands over to `_train_steps`, whose body is the step
-order, once per optimizer step:
+`train_loop` prepares the run, asks the checkpointer to resume it if asked, and hands over to `_train_steps`,
+whose body is the step order, once per optimizer step:
     accumulation_steps x (forward, loss, backward under `accumulate`)  ->  normalise  ->  clip
     ->  optimizer step  ->  LR schedule  ->  zero grad  ->  log  ->  evaluate  ->  checkpoint / stop
 
-Nothing here reads a tensor back to the host except on logging and evaluation steps, so the device never
-waits on Python between them.
+Nothing here reads a tensor back to the host except on logging, evaluation and save steps, so the device
+never waits on Python between them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import set_seed
 from torch.distributed.tensor import DTensor
 
-from . import checkpoint, checkpoint_files, data
+from . import data
 from .batching import BatchPlan, plan_batches
-from .batchnorm import average_running_stats, convert_to_sync_batchnorm
+from .batchnorm import convert_to_sync_batchnorm
+from .checkpoint import RunIdentity, Trained
+from .checkpointer import Checkpointer
 from .config import TrainConfig, config_to_yaml, layout_to_yaml
+from .evaluation import evaluate
+from .final_weights import save_final
 from .layout import LayoutSettings
-from .losses import LossOutput, read_loss_output
+from .losses import read_loss_output
 from .metrics import MetricsLog, drop_records_after, format_metric
 from .preemption import Preempted, PreemptionWatcher, note_where
 from .recipe import Recipe
 from .schedules import recipe_scheduler
 from .step import StepVerbs
+from .step_log import Window, log_record
 from .streams import TrainStream, eval_batches
 from .wrapping import prepare_blocks
 
 
 @dataclass
-class Window:
-    """Device-side sums over the optimizer steps since the last log, read back only when logging."""
-
-    loss_sum: torch.Tensor
-    num_items: torch.Tensor  # items counted on the device: recipes that return num_items
-    num_host_items: int = 0  # items of mean-loss recipes, known on the host without a sync
-    num_steps: int = 0
-    term_sums: dict[str, torch.Tensor] = field(default_factory=dict)  # the recipe's extra terms, like loss_sum
-    started: float = field(default_factory=time.perf_counter)
-
-    @classmethod
-    def empty(cls, device: torch.device) -> Window:
-        return cls(torch.zeros((), device=device), torch.zeros((), device=device))
-
-    def add(self, output: LossOutput, weight: float = 1.0) -> None:
-        """Add a micro-batch's loss and terms, each multiplied by `weight` (the batch size for batch means)."""
-        self.loss_sum.add_(output.loss.detach().float(), alpha=weight)
-        for name, value in output.terms.items():
-            if name not in self.term_sums:
-                self.term_sums[name] = torch.zeros_like(self.loss_sum)
-            self.term_sums[name].add_(value.float(), alpha=weight)
-
-
-@dataclass
 class Run:
-    """The prepared objects of one run, as the step loop and checkpointing need them."""
+    """The prepared objects of one run, as the step loop needs them."""
 
     recipe: Recipe
-    recipe_name: str
     cfg: TrainConfig
-    layout: LayoutSettings
     accelerator: Accelerator
     run_dir: Path
     plan: BatchPlan
@@ -84,7 +61,7 @@ class Run:
     eval_loader: Any  # None for a stream, or without an eval set
     steps_per_epoch: int | None  # None for a stream: its epochs end where it does
     verbs: StepVerbs
-    writer: checkpoint.BackgroundWriter | None = None
+    checkpointer: Checkpointer
     stream: TrainStream | None = None
 
     def eval_batches(self) -> tuple[Any, bool]:
@@ -96,6 +73,9 @@ class Run:
                                accelerator.process_index, accelerator.num_processes)  # fmt: skip
         return batches, False
 
+    def final_weights(self) -> None:
+        save_final(self.accelerator, self.recipe, self.cfg, self.model, self.eval_set, self.run_dir)
+
 
 def train_loop(
     recipe: Recipe, cfg: TrainConfig, layout: LayoutSettings, accelerator: Accelerator, run_dir: Path,
@@ -106,47 +86,34 @@ def train_loop(
     Raises:
         Preempted: a signal stopped the run after it saved a checkpoint.
     """
-    run = _prepare(recipe, cfg, layout, accelerator, run_dir, recipe_name)
-    start_step, resume_rng, progress = _resume(run)
-    if start_step >= cfg.max_steps:  # the run's files stay as they are: nothing is trained or written
+    run = _prepare(recipe, RunIdentity(recipe_name, cfg, layout), accelerator, run_dir)
+    state = run.checkpointer.restore()
+    if state.step >= cfg.max_steps:  # the run's files stay as they are: nothing is trained or written
         if accelerator.is_main_process:
-            summary = " | ".join(format_metric(key, value) for key, value in progress["metrics"].items())
-            print(f"{run_dir} already reached step {start_step} of max_steps={cfg.max_steps}: nothing to train;"
+            summary = " | ".join(format_metric(key, value) for key, value in state.metrics.items())
+            print(f"{run_dir} already reached step {state.step} of max_steps={cfg.max_steps}: nothing to train;"
                   f" its final metrics: {summary}", flush=True)  # fmt: skip
         if not (run_dir / "final").is_dir():  # stopped between its last checkpoint and its final weights
-            _save_final(accelerator, recipe, cfg, run.model, run.eval_set, run_dir)
-        return progress["metrics"]
+            run.final_weights()
+        return state.metrics
     if accelerator.is_main_process:  # only once the checkpoint (if any) has been accepted
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
         (run_dir / "layout.yaml").write_text(layout_to_yaml(layout))
-        drop_records_after(run_dir, start_step)
-    if run.train_loader is None:
-        position = tuple(progress["data_position"] or (0, 0))
-        run.stream = TrainStream(data.as_torch(run.train_set), recipe.collate, run.plan, accelerator.process_index,
-                                 position)  # fmt: skip
-        batches = run.stream.micro_batches(resume_rng)
-    else:
-        batches = data.micro_batches(
-            run.train_loader, run.plan, run.steps_per_epoch or 0, start_step=start_step,
-            skip_first_batches=accelerator.skip_first_batches, resume_rng=resume_rng,
-        )  # fmt: skip
+        drop_records_after(run_dir, state.step)
     log = MetricsLog(run_dir, enabled=accelerator.is_main_process, total_steps=cfg.max_steps,
-                     show_progress_bar=cfg.show_progress_bar, initial=start_step)  # fmt: skip
-    run.writer = checkpoint.BackgroundWriter() if cfg.async_save else None
+                     show_progress_bar=cfg.show_progress_bar, initial=state.step)  # fmt: skip
     try:
         with PreemptionWatcher(accelerator.num_processes, layout.collective_timeout_s) as preemption:
-            final = _train_steps(run, batches, log, preemption, start_step, progress)
+            final = _train_steps(run, _micro_batches(run), log, preemption)
     finally:
         log.close()
-        if run.writer is not None:
-            run.writer.wait()  # never leave with a checkpoint half written, preempted or not
-    _save_final(accelerator, recipe, cfg, run.model, run.eval_set, run_dir)
+        run.checkpointer.close()  # never leave with a checkpoint half written, preempted or not
+    run.final_weights()
     return final
 
 
-def _prepare(
-    recipe: Recipe, cfg: TrainConfig, layout: LayoutSettings, accelerator: Accelerator, run_dir: Path, recipe_name: str
-) -> Run:
+def _prepare(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator, run_dir: Path) -> Run:
+    cfg, layout = identity.cfg, identity.layout
     set_seed(cfg.seed)  # the same initial weights on every process and layout
     plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
@@ -173,42 +140,41 @@ def _prepare(
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     set_seed(cfg.seed, device_specific=True)  # independent dropout streams per process
     steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
-    return Run(recipe, recipe_name, cfg, layout, accelerator, run_dir, plan, model, optimizer, scheduler, train_set,
-               train_loader, eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer))  # fmt: skip
+    checkpointer = Checkpointer(accelerator, run_dir, Trained(model, optimizer, scheduler), identity,
+                                has_eval=eval_set is not None)  # fmt: skip
+    return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
+               eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer)  # fmt: skip
 
 
-def _resume(run: Run) -> tuple[int, Callable[[], None] | None, dict[str, Any]]:
-    """Restore the checkpoint `cfg.resume` points at; returns the step, an RNG restorer and the progress."""
-    progress: dict[str, Any] = {"skipped_steps": 0, "best_metric": None, "best_checkpoint": None, "metrics": {},
-                                "data_position": None}  # fmt: skip
-    folder = checkpoint.resume_point(run.accelerator, run.cfg, run.run_dir)
-    if folder is None:
-        return 0, None, progress
-    state, rng_states = checkpoint.restore(
-        run.accelerator, folder, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-        recipe_name=run.recipe_name, cfg=run.cfg,
+def _micro_batches(run: Run) -> Any:
+    """This process's training micro-batches from the resume point on, with the RNG states restored in time."""
+    state, resume_rng = run.checkpointer.state, run.checkpointer.resume_rng
+    if run.train_loader is None:
+        position = (state.data_position or [0, 0])[0], (state.data_position or [0, 0])[1]
+        run.stream = TrainStream(data.as_torch(run.train_set), run.recipe.collate, run.plan,
+                                 run.accelerator.process_index, position)  # fmt: skip
+        return run.stream.micro_batches(resume_rng)
+    return data.micro_batches(
+        run.train_loader, run.plan, run.steps_per_epoch or 0, start_step=state.step,
+        skip_first_batches=run.accelerator.skip_first_batches, resume_rng=resume_rng,
     )  # fmt: skip
-    progress.update({key: state[key] for key in progress if key in state})
-    if run.accelerator.is_main_process:
-        print(f"resuming from {folder} at step {state['step']}", flush=True)
-    restore_rng = functools.partial(checkpoint.apply_rng_states, rng_states) if rng_states else None
-    return state["step"], restore_rng, progress
 
 
-def _train_steps(
-    run: Run, batches: Any, log: MetricsLog, preemption: PreemptionWatcher, start_step: int, progress: dict
-) -> dict[str, Any]:
+def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: PreemptionWatcher) -> dict[str, Any]:
     """The step loop: accumulate, clip, step, schedule, log, evaluate, checkpoint, stop on a signal."""
     cfg, accelerator, model, optimizer = run.cfg, run.accelerator, run.model, run.optimizer
+    state = run.checkpointer.state
     window = Window.empty(accelerator.device)
-    final: dict[str, Any] = progress["metrics"]  # the latest record and evaluation, saved in each checkpoint
     has_eval = run.eval_set is not None
-    if has_eval and cfg.eval_every_steps > 0 and start_step == 0:
-        log.write({"step": 0, **evaluate(accelerator, run.recipe, model, *run.eval_batches())})  # the baseline
+    if has_eval and cfg.eval_every_steps > 0 and state.step == 0:
+        baseline = evaluate(accelerator, run.recipe, model, *run.eval_batches())
+        log.write({"step": 0, **baseline})
+        run.checkpointer.after_step(stop=False, scores=baseline)  # checks keep_best_metric's name; saves nothing
     model.train()
-    for step in range(start_step + 1, cfg.max_steps + 1):
+    for step in range(state.step + 1, cfg.max_steps + 1):
         note_where(f"step {step}")
-        epoch = _accumulate_gradients(run, batches, window)
+        state.epoch = _accumulate_gradients(run, batches, window) + 1
+        state.step, state.samples_seen = step, step * cfg.global_batch_size
         is_log_step = step == cfg.max_steps or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
         grad_norm = None
         if cfg.max_grad_norm > 0 or is_log_step:
@@ -217,48 +183,32 @@ def _train_steps(
         if run.verbs.optimizer_step():
             run.scheduler.step()  # the schedule follows the optimizer steps actually taken
         else:  # fp16: the gradient scaler found inf/NaN gradients
-            progress["skipped_steps"] += 1
+            state.skipped_steps += 1
         run.verbs.zero_grad()
         log.advance()
 
         if is_log_step:
-            record = _log_record(accelerator, cfg, window, step, epoch + 1, lrs, grad_norm)
-            record["skipped_steps"] = progress["skipped_steps"]
+            record, new_items = log_record(accelerator, cfg, window, step, state.epoch, lrs, grad_norm)
+            record["skipped_steps"] = state.skipped_steps
+            state.items_seen += new_items
             log.write(record)
-            final.update(record)
+            state.metrics.update(record)
             window = Window.empty(accelerator.device)
-        scores = None
+        scores: dict[str, float] | None = None
         if has_eval and (step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)):
             note_where(f"the evaluation after step {step}")
             scores = evaluate(accelerator, run.recipe, model, *run.eval_batches())
             log.write({"step": step, **scores})
-            final.update(scores)
+            state.metrics.update(scores)
         stop = preemption.should_stop()
-        if stop or step == cfg.max_steps or (cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0):
-            note_where(f"the save of step {step}")
-            folder = _save_checkpoint(run, step, progress, scores)
-            if stop:
-                raise Preempted(preemption.signal_name, step, folder)
-    return final
-
-
-def _save_checkpoint(run: Run, step: int, progress: dict[str, Any], scores: dict[str, float] | None) -> Path:
-    """Save, track the best checkpoint by `keep_best_metric`, and apply retention."""
-    cfg = run.cfg
-    average_running_stats(run.accelerator, run.model)  # the saved statistics are those evaluated
-    if run.stream is not None:  # a map-style set's position is derived from the step
-        progress["data_position"] = list(run.stream.position)
-    value = (scores or {}).get(cfg.keep_best_metric) if cfg.keep_best_metric else None
-    best = progress["best_metric"]
-    if value is not None and (best is None or (value < best if cfg.keep_best_mode == "min" else value > best)):
-        progress.update(best_metric=value, best_checkpoint=checkpoint_files.step_folder_name(step))
-    best_folder = progress["best_checkpoint"]
-    keep = checkpoint_files.checkpoints_dir(run.run_dir) / best_folder if best_folder else None
-    return checkpoint.save(
-        run.accelerator, run.run_dir, step, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-        recipe_name=run.recipe_name, cfg=cfg, extra=dict(progress), writer=run.writer,
-        after_publish=functools.partial(checkpoint_files.apply_retention, run.run_dir, cfg.keep_last, keep),
-    )  # fmt: skip
+        note_where(f"the save of step {step}")
+        if run.stream is not None:  # a map-style set's position is derived from the step
+            state.data_position = list(run.stream.position)
+        pending = None if is_log_step else functools.partial(window.bank_items, accelerator)
+        folder = run.checkpointer.after_step(stop, scores, count_pending_items=pending)
+        if stop:
+            raise Preempted(preemption.signal_name, step, folder)
+    return state.metrics
 
 
 def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
@@ -298,95 +248,3 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
                 local.mul_(scale.to(local.dtype))  # an FSDP2 shard is scaled in place like a whole gradient
     window.num_steps += 1
     return epoch
-
-
-def _log_record(
-    accelerator: Accelerator,
-    cfg: TrainConfig,
-    window: Window,
-    step: int,
-    epoch: int,
-    lrs: list[float],
-    grad_norm: Any,
-) -> dict[str, Any]:
-    """Read the window back (the only host synchronisation of a training step) and build a log record."""
-    names = sorted(window.term_sums)  # the same terms on every process: the reduce needs equal shapes
-    sums = [window.loss_sum, window.num_items.float(), *(window.term_sums[name] for name in names)]
-    totals = accelerator.reduce(torch.stack(sums), reduction="sum").tolist()
-    loss_sum, num_items = totals[:2]
-    num_items += window.num_host_items * accelerator.num_processes  # every process ran equal micro-batches
-    elapsed = time.perf_counter() - window.started
-    return {
-        "step": step,
-        "epoch": epoch,
-        "loss": loss_sum / num_items,
-        **{name: total / num_items for name, total in zip(names, totals[2:], strict=True)},
-        "lr": lrs[0],
-        **{f"lr/{index}": lr for index, lr in enumerate(lrs[1:], start=1)},
-        "grad_norm": float(grad_norm) if grad_norm is not None else None,
-        "samples_per_s": window.num_steps * cfg.global_batch_size / elapsed,
-        "step_time_s": elapsed / window.num_steps,
-        "world_size": accelerator.num_processes,
-    }
-
-
-def evaluate(
-    accelerator: Accelerator, recipe: Recipe, model: torch.nn.Module, batches: Any, padded: bool
-) -> dict[str, float]:
-    """Means of the recipe's per-sample eval metrics over the whole eval set, each sample counted once.
-
-    Metrics are divided by the number of samples, or by the total of a `num_items` entry when the recipe
-    returns one (per-sample sums over tokens, giving a token-weighted mean). A `padded` loader's batches are
-    gathered with `gather_for_metrics`, which drops the duplicates that even out its last batch; a stream's
-    (streams.eval_batches: disjoint, unequal per process) are summed here and the sums combined.
-    """
-    average_running_stats(accelerator, model)
-    model.eval()
-    sums: dict[str, Any] = {}
-    with torch.no_grad():
-        for batch in batches:
-            metrics = recipe.eval_metrics(model, batch)
-            if "num_items" not in metrics:
-                metrics = {**metrics, "num_items": torch.ones(len(next(iter(metrics.values()))))}
-            values = {k: v.float().to(accelerator.device) for k, v in metrics.items()}
-            for name, value in (accelerator.gather_for_metrics(values) if padded else values).items():
-                sums[name] = sums.get(name, 0) + value.sum()
-    model.train()
-    if not padded:  # a process may have had no eval batch at all: combine on the host, eval is rare
-        totals: dict[str, float] = {}
-        for part in gather_object([{name: float(total) for name, total in sums.items()}]):
-            for name, total in part.items():
-                totals[name] = totals.get(name, 0.0) + total
-        sums = totals
-    num_items = sums.pop("num_items")
-    return {f"eval/{name}": float(total / num_items) for name, total in sums.items()}
-
-
-def _save_final(
-    accelerator: Accelerator, recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module, eval_set: Any, run_dir: Path
-) -> None:
-    """Write `final/model.safetensors` (consolidated, unwrapped weights) and the recipe's artifacts.
-
-    A transformers model is written with its own `save_pretrained` (model.safetensors and config.json), so
-    `from_pretrained(run_dir / "final")` loads it.
-
-    The weights are loaded into a freshly built CPU model, which works the same whether the trained model is
-    plain, DDP-wrapped or sharded, and which safetensors can save with tied weights.
-    """
-    from safetensors.torch import save_model
-
-    average_running_stats(accelerator, model)
-    state = accelerator.get_state_dict(model)  # a collective under FSDP: every process takes part
-    if accelerator.is_main_process:
-        final_dir = run_dir / "final"
-        final_dir.mkdir(parents=True, exist_ok=True)
-        exported = recipe.build_model(cfg)
-        exported.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
-        if hasattr(exported, "save_pretrained"):  # a transformers model: a folder from_pretrained loads
-            exported.save_pretrained(final_dir)  # type: ignore[operator]
-        else:
-            save_model(exported, str(final_dir / "model.safetensors"))
-        (final_dir / "config.yaml").write_text(config_to_yaml(cfg))
-        checkpoint_files.follow_umask(*(path for path in final_dir.iterdir() if path.is_file()))
-        recipe.write_artifacts(exported.eval(), eval_set, run_dir)
-    accelerator.wait_for_everyone()

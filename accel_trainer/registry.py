@@ -13,6 +13,7 @@ A name registered twice by different classes is an error, while the same class s
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
@@ -94,10 +95,17 @@ def discover_recipes(folders: list[Path] | None = None) -> None:
             return
         _discovered = True
         folders = _default_folders()
-    for folder in folders:
-        for path in sorted(Path(folder).glob("*.py")):
-            if not path.name.startswith("_"):
-                _import_file(path)
+    files = [path for folder in folders for path in sorted(Path(folder).glob("*.py")) if not path.name.startswith("_")]
+    by_stem: dict[str, Path] = {}
+    for path in files:
+        other = by_stem.setdefault(path.stem, path)
+        if other.resolve() != path.resolve():
+            raise RecipeError(
+                f"recipe files {other} and {path} have the same name: which one is meant is unclear, so neither"
+                " is guessed; rename one of them"
+            )
+    for path in files:
+        _import_file(path)
     _load_entry_points()
 
 
@@ -116,7 +124,8 @@ def _import_file(path: Path) -> None:
         module_file = getattr(module, "__file__", None)
         if module_file and Path(module_file).resolve() == resolved:
             return  # already imported, e.g. the script being run; its decorators have run
-    module_name = f"accel_trainer_recipes.{path.stem}"
+    # Keyed by the full path: a module of the same stem elsewhere must never replace this one's classes.
+    module_name = f"accel_trainer_recipes.{path.stem}_{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -23,8 +23,11 @@ import torch
 from accelerate import Accelerator
 
 from accel_trainer import checkpoint
+from accel_trainer.background_writer import BackgroundWriter
 from accel_trainer.config import TrainConfig
+from accel_trainer.layout import LayoutSettings
 from accel_trainer.schedules import build_scheduler
+from accel_trainer.train_state import TrainState
 
 
 def raw_disk_mb_per_s(folder: Path, megabytes: int = 512) -> float:
@@ -54,19 +57,20 @@ def main() -> None:
         model, optimizer = accelerator.prepare(model, optimizer)
         model(torch.randn(4, 2048)).sum().backward()
         optimizer.step()  # creates the AdamW state, as in a real run
-        objects = dict(model=model, optimizer=optimizer, scheduler=scheduler, recipe_name="bench", cfg=cfg)
+        trained = checkpoint.Trained(model, optimizer, scheduler)
+        identity = checkpoint.RunIdentity("bench", cfg, LayoutSettings())
 
         saves, loads, blocked = [], [], []
-        writer = checkpoint.BackgroundWriter()
+        writer = BackgroundWriter()
         for step in (1, 2, 3):
             started = time.perf_counter()
-            folder = checkpoint.save(accelerator, run_dir, step, **objects)
+            folder = checkpoint.save(accelerator, run_dir, TrainState(step=step), trained, identity)
             saves.append(time.perf_counter() - started)
             started = time.perf_counter()
-            checkpoint.restore(accelerator, folder, **objects)
+            checkpoint.restore(accelerator, folder, trained, identity)
             loads.append(time.perf_counter() - started)
             started = time.perf_counter()
-            checkpoint.save(accelerator, run_dir, 10 + step, writer=writer, **objects)
+            checkpoint.save(accelerator, run_dir, TrainState(step=10 + step), trained, identity, writer=writer)
             blocked.append(time.perf_counter() - started)
             writer.wait()
         size = folder_megabytes(folder)

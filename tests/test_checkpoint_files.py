@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from accel_trainer import checkpoint_files
 from accel_trainer.checkpoint_files import (
     LATEST,
     MANIFEST,
@@ -96,18 +97,28 @@ def test_publish_writes_a_manifest_with_the_size_and_sha256_of_every_file(tmp_pa
         assert entry == {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
 
 
-def test_publish_writes_the_manifest_after_every_other_file(tmp_path):
+def test_publish_writes_the_manifest_only_after_every_other_file_is_durable(tmp_path, monkeypatch):
+    # The order of the durable writes is the property: a manifest written before a file's fsync could name
+    # a file that a power cut then loses.
     temporary = temporary_folder(tmp_path, 7)
     write_checkpoint_files(temporary, 7)
-    an_hour_ago = os.stat(temporary / "train_state.json").st_mtime - 3600
-    for path in temporary.rglob("*"):
-        if path.is_file():
-            os.utime(path, (an_hour_ago, an_hour_ago))
+    events: list[str] = []
 
-    final = publish(temporary)
+    def recording(verb, real):
+        def record(path, *args, **kwargs):
+            events.append(f"{verb} {path.name}")
+            return real(path, *args, **kwargs)
 
-    manifest_time = (final / MANIFEST).stat().st_mtime
-    assert all(p.stat().st_mtime < manifest_time for p in final.rglob("*") if p.is_file() and p.name != MANIFEST)
+        return record
+
+    monkeypatch.setattr(checkpoint_files, "_fsync_file", recording("fsync", checkpoint_files._fsync_file))
+    monkeypatch.setattr(checkpoint_files, "_write_durably", recording("write", checkpoint_files._write_durably))
+
+    publish(temporary)
+
+    data_files = {p.name for p in temporary.with_name("step_00000007").rglob("*") if p.is_file()} - {MANIFEST}
+    manifest_at = events.index(f"write {MANIFEST}")
+    assert {event.split()[1] for event in events[:manifest_at] if event.startswith("fsync")} == data_files
 
 
 def test_publish_renames_the_folder_into_place_only_once_its_manifest_is_complete(tmp_path, monkeypatch):

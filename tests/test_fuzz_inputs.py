@@ -95,11 +95,11 @@ def test_export_of_random_folders_is_a_result_or_a_user_error(tmp_path_factory, 
 @FUZZ
 @given(st.dictionaries(CHECKPOINT_NAMES, CONTENTS, max_size=6))
 def test_a_random_folder_as_a_checkpoint_to_resume_is_refused_in_one_line(tmp_path_factory, files):
-    from accel_trainer import checkpoint, checkpoint_files
+    from accel_trainer import checkpoint_checks, checkpoint_files
 
     folder = tmp_path_factory.mktemp("random")
     _fill(folder, files)
     with pytest.raises(CheckpointError) as refused:  # what restore() checks before it loads anything
         checkpoint_files.verify(folder)
-        checkpoint.check_format(folder)
+        checkpoint_checks.check_format(folder)
     assert "\n" not in str(refused.value)

@@ -215,6 +215,35 @@ def test_discovering_a_folder_twice_registers_its_recipes_once(tmp_path):
     assert at.get_recipe("again_demo") is first
 
 
+SAME_STEM_RECIPE = """
+import accel_trainer as at
+
+@at.register_recipe("{name}")
+class SameStem(at.Recipe):
+    pass
+"""
+
+
+def test_two_recipe_folders_with_a_file_of_the_same_name_are_a_recipe_error_naming_both(tmp_path):
+    first = write_module(tmp_path / "a" / "recipes", "same_stem", SAME_STEM_RECIPE.format(name="stem_a"))
+    second = write_module(tmp_path / "b" / "recipes", "same_stem", SAME_STEM_RECIPE.format(name="stem_b"))
+
+    with pytest.raises(RecipeError, match="have the same name") as caught:
+        registry.discover_recipes([first.parent, second.parent])
+    assert str(first) in str(caught.value) and str(second) in str(caught.value)
+
+
+def test_a_same_named_file_found_later_never_silently_replaces_a_registered_recipe(tmp_path):
+    # Modules are keyed by their full path: the second file's class cannot pass for the first's.
+    first = write_module(tmp_path / "a" / "recipes", "replaced_stem", SAME_STEM_RECIPE.format(name="stem_kept"))
+    second = write_module(tmp_path / "b" / "recipes", "replaced_stem", SAME_STEM_RECIPE.format(name="stem_kept"))
+    registry.discover_recipes([first.parent])
+
+    with pytest.raises(RecipeError, match="registered twice") as caught:
+        registry.discover_recipes([second.parent])
+    assert str(first.resolve()) in str(caught.value) and str(second.resolve()) in str(caught.value)
+
+
 def test_a_recipe_file_that_fails_to_import_is_a_recipe_error_naming_the_file(tmp_path):
     path = write_module(tmp_path / "recipes", "broken_demo", "import a_module_that_does_not_exist\n")
     with pytest.raises(RecipeError, match="failed to import") as caught:

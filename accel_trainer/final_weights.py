@@ -1,0 +1,44 @@
+"""The run's final weights: `final/model.safetensors` (or a transformers folder) and the recipe's artifacts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from . import checkpoint_files
+from .batchnorm import average_running_stats
+from .config import TrainConfig, config_to_yaml
+from .recipe import Recipe
+
+
+def save_final(
+    accelerator: Accelerator, recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module, eval_set: Any, run_dir: Path
+) -> None:
+    """Write `final/model.safetensors` (consolidated, unwrapped weights) and the recipe's artifacts.
+
+    A transformers model is written with its own `save_pretrained` (model.safetensors and config.json), so
+    `from_pretrained(run_dir / "final")` loads it.
+
+    The weights are loaded into a freshly built CPU model, which works the same whether the trained model is
+    plain, DDP-wrapped or sharded, and which safetensors can save with tied weights.
+    """
+    from safetensors.torch import save_model
+
+    average_running_stats(accelerator, model)
+    state = accelerator.get_state_dict(model)  # a collective under FSDP: every process takes part
+    if accelerator.is_main_process:
+        final_dir = run_dir / "final"
+        final_dir.mkdir(parents=True, exist_ok=True)
+        exported = recipe.build_model(cfg)
+        exported.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
+        if hasattr(exported, "save_pretrained"):  # a transformers model: a folder from_pretrained loads
+            exported.save_pretrained(final_dir)  # type: ignore[operator]
+        else:
+            save_model(exported, str(final_dir / "model.safetensors"))
+        (final_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        checkpoint_files.follow_umask(*(path for path in final_dir.iterdir() if path.is_file()))
+        recipe.write_artifacts(exported.eval(), eval_set, run_dir)
+    accelerator.wait_for_everyone()
