@@ -17,7 +17,7 @@ MAIN_PORT ?= 29500
 NODE_FLAGS = --machine_rank $(NODE_RANK) --main_process_ip $(MAIN_ADDR) --main_process_port $(MAIN_PORT)
 
 .PHONY: install train train-cpu-ddp train-cpu-fsdp train-gpu train-4gpu train-8gpu train-4gpu-fsdp train-8gpu-fsdp \
-	train-4gpu-powersgd train-2node train-2node-cpu test bench lint clean
+	train-4gpu-powersgd train-2node train-2node-cpu test test-slow bench lint clean
 
 install: $(VENV)/.installed
 
@@ -60,8 +60,11 @@ train-2node: install  ## on each node: make train-2node NODE_RANK=r MAIN_ADDR=<n
 train-2node-cpu: install  ## the CPU twin; both node ranks may run on one machine with MAIN_ADDR=127.0.0.1
 	$(LAUNCH) --config_file accelerate_configs/2node_cpu.yaml $(NODE_FLAGS) $(RUN_RECIPE)
 
-test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+test: install  ## everything but the slow tier (tests/conftest.py), under 20 minutes on 2 cores
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install  ## the slow tier: second layouts of checked properties, tests that wait out timeouts
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 bench: install  ## per-step overhead against a plain loop, then checkpoint throughput (docs/benchmarks.md)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/overhead.py

@@ -3,6 +3,15 @@
 Multi-process tests start real workers through the real launchers (accelerate launch, torchrun) with a free
 port per launch, one thread per worker, a short collective timeout and a hard timeout around the launch, so
 a hang fails the test instead of the suite.
+
+Timeouts, chosen for a busy 2-core machine (a launch that takes 10 s alone took up to 40 s at a load of 6):
+- LAUNCH_TIMEOUT_S (300 s): the hard limit of one launcher run, about 10x the slowest launch seen under load;
+- collective_timeout_s=60 in every launch (TEST_OVERRIDES): a peer that died fails the run in a minute, not
+  in the default 30 minutes, while a slow peer under load is still waited for.
+
+Two tiers: `make test` runs everything except `slow` tests, which are a second layout or variant of a
+property another test already checks, or tests that must wait out a timeout; `make test-slow` runs those,
+and CI (.ci/run) runs both.
 """
 
 from __future__ import annotations
@@ -23,6 +32,13 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 LAUNCH_TIMEOUT_S = 300
+
+
+def slow(*values: object) -> object:
+    """A parametrize entry that only `make test-slow` runs (see the module docstring)."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 # Options every test run passes: a quick failure instead of a 30-minute hang, and no progress bar.
 TEST_OVERRIDES = ["collective_timeout_s=60", "show_progress_bar=false"]
 _LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

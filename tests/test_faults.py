@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from accel_trainer import checkpoint_files
-from conftest import BIN, REPO, TEST_OVERRIDES, WORKERS, clean_env, free_port, read_metrics, run_command
+from conftest import BIN, REPO, TEST_OVERRIDES, WORKERS, clean_env, free_port, read_metrics, run_command, slow
 
 RUN = ["save_every_steps=2", "keep_last=0", "warmup_steps=0", "eval_every_steps=0", "log_every_steps=1",
        "sample_latent=false"]  # fmt: skip
@@ -29,7 +29,7 @@ def launch(layout: str, out, *overrides: str, limit_kb: int | None = None):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["cpu", "cpu_fsdp"])
+@pytest.mark.parametrize("layout", ["cpu", slow("cpu_fsdp")])
 def test_a_save_that_fails_midway_stops_the_run_and_loses_nothing(layout, tmp_path):
     launch(layout, tmp_path, "max_steps=4")
 
@@ -70,6 +70,7 @@ def test_a_damaged_metrics_file_or_config_in_a_run_being_resumed_is_a_warning_an
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # waits out the collective timeout and torchrun's 30 s grace
 def test_a_hung_peer_ends_every_process_within_the_collective_timeout_with_a_line_each(tmp_path):
     import time
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import final_parameters, rank_summary, train_and_dump, two_node_train_and_dump
+from conftest import final_parameters, rank_summary, slow, train_and_dump, two_node_train_and_dump
 
 pytestmark = pytest.mark.multiprocess
 
@@ -111,7 +111,7 @@ def test_naive_per_micro_batch_mean_fails_the_same_comparison(gpt_reference, tmp
             torch.testing.assert_close(actual[name], expected[name], **GPT_TOLERANCE)
 
 
-@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
+@pytest.mark.parametrize("layout", [slow("cpu_ddp"), "cpu_fsdp"])
 def test_activation_checkpointing_trains_identically_under_ddp_and_fsdp(layout, gpt_reference, tmp_path):
     run_layout(layout, tmp_path, "gpt", [*GPT, ACCUMULATE, "activation_checkpointing=true"])
 

@@ -29,6 +29,7 @@ from conftest import (
     final_parameters,
     free_port,
     read_metrics,
+    slow,
     train_and_dump,
 )  # fmt: skip
 
@@ -102,7 +103,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable
     assert not second_save.exists()  # the interrupted save was cleaned up
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+@pytest.mark.parametrize("launcher", [slow("torchrun"), "accelerate"])
 def test_a_worker_that_dies_is_restarted_elastically_and_ends_like_an_uninterrupted_run(launcher, tmp_path):
     run = ["max_steps=30", "save_every_steps=5", "log_every_steps=5", "eval_every_steps=0", "sample_latent=false",
            "micro_batch_size=16"]  # fmt: skip

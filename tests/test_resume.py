@@ -15,7 +15,7 @@ import torch
 
 import accel_trainer as at
 from accel_trainer import data
-from conftest import final_parameters, read_metrics, reset_accelerate_state, train_and_dump
+from conftest import final_parameters, read_metrics, reset_accelerate_state, slow, train_and_dump
 
 STEPS = 30
 SAVE_ALL = [f"max_steps={STEPS}", "log_every_steps=1", "eval_every_steps=0", "save_every_steps=1", "keep_last=0",
@@ -87,7 +87,7 @@ def test_resume_auto_continues_a_run_folder_from_its_newest_checkpoint(one_proce
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
+@pytest.mark.parametrize("layout", [slow("cpu_ddp"), "cpu_fsdp"])
 def test_two_process_resume_is_bitwise_identical_mid_epoch_and_at_an_epoch_boundary(layout, tmp_path):
     overrides = [*SAVE_ALL, "sample_latent=true", "micro_batch_size=16"]  # accumulation 2, sampling noise
     train_and_dump(layout, tmp_path / "full", "vae", *overrides, world_size=2)
