@@ -133,6 +133,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "save_every_steps": (0, True), "keep_last": (0, True), "num_dataloader_workers": (0, True),
     "reference_batch_size": (0, True), "lr": (0, True), "weight_decay": (0, True), "max_grad_norm": (0, True),
     "min_lr_ratio": (0, True), "collective_timeout_s": (0, False), "fp16_init_scale": (0, False),
+    "peak_tflops": (0, True),
     "fp16_growth_interval": (1, True), "ddp_bucket_cap_mb": (1, True), "ddp_powersgd_rank": (1, True),
 }  # fmt: skip
 

@@ -44,6 +44,8 @@ class LayoutSettings:
     """Recompute each wrap_classes block's activations in backward: less memory, about a third more compute."""
     sync_batchnorm: bool = False
     """Normalise BatchNorm with the statistics of all processes' micro-batches (SyncBatchNorm; CUDA only)."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s of one device in the compute dtype, for MFU; 0 takes the datasheet table (GPUs only)."""
     ddp_find_unused_parameters: bool = False
     """DDP: allow parameters that get no gradient in a step (costs a graph traversal per step)."""
     ddp_static_graph: bool = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from .checkpointer import Checkpointer
 from .config import TrainConfig, config_to_yaml, layout_to_yaml
 from .evaluation import evaluate
 from .final_weights import save_final
+from .flops import compute_dtype, flops_per_sample, table_peak_tflops, to_meta
 from .layout import LayoutSettings
 from .losses import read_loss_output
 from .metrics import MetricsLog, drop_records_after, format_metric
@@ -38,7 +40,7 @@ from .preemption import Preempted, PreemptionWatcher, note_where
 from .recipe import Recipe
 from .schedules import recipe_scheduler
 from .step import StepVerbs
-from .step_log import Window, log_record
+from .step_log import Speed, Window, log_record
 from .streams import TrainStream, eval_batches
 from .wrapping import prepare_blocks
 
@@ -62,7 +64,10 @@ class Run:
     steps_per_epoch: int | None  # None for a stream: its epochs end where it does
     verbs: StepVerbs
     checkpointer: Checkpointer
+    num_parameters: int
+    speed: Speed
     stream: TrainStream | None = None
+    first_batch: Any = None  # the shapes of the first micro-batch (meta tensors), for counting FLOPs
 
     def eval_batches(self) -> tuple[Any, bool]:
         """This process's eval micro-batches, and whether they still hold the loader's padding duplicates."""
@@ -118,6 +123,7 @@ def _prepare(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator, ru
     plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
     model = recipe.build_model(cfg)
+    num_parameters = sum(parameter.numel() for parameter in model.parameters())
     if layout.sync_batchnorm:
         model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
     prepare_blocks(model, recipe, layout.activation_checkpointing, is_main_process=accelerator.is_main_process)
@@ -143,7 +149,21 @@ def _prepare(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator, ru
     checkpointer = Checkpointer(accelerator, run_dir, Trained(model, optimizer, scheduler), identity,
                                 has_eval=eval_set is not None)  # fmt: skip
     return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
-               eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer)  # fmt: skip
+               eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer,
+               num_parameters, Speed(peak_tflops=_peak_tflops(accelerator, layout)))  # fmt: skip
+
+
+def _peak_tflops(accelerator: Accelerator, layout: LayoutSettings) -> float | None:
+    """The device's peak for MFU: the layout's peak_tflops, else the table; one warning for an unknown GPU."""
+    if layout.peak_tflops > 0:
+        return layout.peak_tflops
+    dtype = compute_dtype(accelerator.mixed_precision, accelerator.device)
+    peak = table_peak_tflops(accelerator.device, dtype)
+    if peak is None and accelerator.device.type == "cuda" and accelerator.is_main_process:
+        device = torch.cuda.get_device_name(accelerator.device)
+        warnings.warn(f"accel-trainer: no {dtype} peak is known for {device}, so mfu is not logged; set"
+                      " peak_tflops=<TFLOP/s of one device> to log it", stacklevel=2)  # fmt: skip
+    return peak
 
 
 def _micro_batches(run: Run) -> Any:
@@ -164,12 +184,12 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
     """The step loop: accumulate, clip, step, schedule, log, evaluate, checkpoint, stop on a signal."""
     cfg, accelerator, model, optimizer = run.cfg, run.accelerator, run.model, run.optimizer
     state = run.checkpointer.state
-    window = Window.empty(accelerator.device)
     has_eval = run.eval_set is not None
     if has_eval and cfg.eval_every_steps > 0 and state.step == 0:
-        baseline = evaluate(accelerator, run.recipe, model, *run.eval_batches())
-        log.write({"step": 0, **baseline})
+        baseline, seconds = _timed(evaluate, accelerator, run.recipe, model, *run.eval_batches())
+        log.write({"step": 0, **baseline, "eval/seconds": seconds})
         run.checkpointer.after_step(stop=False, scores=baseline)  # checks keep_best_metric's name; saves nothing
+    window = Window.empty(accelerator.device)  # after the baseline evaluation: its time is not training time
     model.train()
     for step in range(state.step + 1, cfg.max_steps + 1):
         note_where(f"step {step}")
@@ -188,27 +208,48 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         log.advance()
 
         if is_log_step:
-            record, new_items = log_record(accelerator, cfg, window, step, state.epoch, lrs, grad_norm)
-            record["skipped_steps"] = state.skipped_steps
+            if run.speed.flops_per_sample is None:
+                window.excluded_s += _timed(_count_flops, run, log)[1]
+            record, new_items = log_record(accelerator, cfg, window, step, state.epoch, lrs, grad_norm, run.speed)
             state.items_seen += new_items
+            record.update(skipped_steps=state.skipped_steps, samples_seen=state.samples_seen,
+                          items_seen=state.items_seen)  # fmt: skip
             log.write(record)
             state.metrics.update(record)
             window = Window.empty(accelerator.device)
         scores: dict[str, float] | None = None
         if has_eval and (step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)):
             note_where(f"the evaluation after step {step}")
-            scores = evaluate(accelerator, run.recipe, model, *run.eval_batches())
-            log.write({"step": step, **scores})
+            scores, seconds = _timed(evaluate, accelerator, run.recipe, model, *run.eval_batches())
+            window.excluded_s += seconds
+            log.write({"step": step, **scores, "eval/seconds": seconds})
             state.metrics.update(scores)
         stop = preemption.should_stop()
         note_where(f"the save of step {step}")
         if run.stream is not None:  # a map-style set's position is derived from the step
             state.data_position = list(run.stream.position)
         pending = None if is_log_step else functools.partial(window.bank_items, accelerator)
-        folder = run.checkpointer.after_step(stop, scores, count_pending_items=pending)
+        folder, seconds = _timed(run.checkpointer.after_step, stop, scores, count_pending_items=pending)
+        window.excluded_s += seconds
         if stop:
             raise Preempted(preemption.signal_name, step, folder)
     return state.metrics
+
+
+def _timed(work: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """`work(*args, **kwargs)` and the seconds it took (for what the throughput window excludes)."""
+    started = time.perf_counter()
+    result = work(*args, **kwargs)
+    return result, time.perf_counter() - started
+
+
+def _count_flops(run: Run, log: MetricsLog) -> None:
+    """Count the model's FLOPs per sample once, from the first micro-batch's shapes, and say so."""
+    if run.first_batch is None:
+        return
+    flops, source = flops_per_sample(run.recipe, run.cfg, run.first_batch, run.num_parameters)
+    run.speed.flops_per_sample = flops
+    log.note(f"model: {run.num_parameters:,} parameters, {flops:.4g} FLOPs per training sample ({source})")
 
 
 def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
@@ -221,7 +262,11 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
     accelerator, model, plan = run.accelerator, run.model, run.plan
     step_items: torch.Tensor | None = None
     for _ in range(plan.accumulation_steps):
+        waited = time.perf_counter()
         epoch, batch = next(batches)
+        window.data_wait_s += time.perf_counter() - waited
+        if run.first_batch is None:
+            run.first_batch = to_meta(batch)
         # With one micro-batch per step there is nothing to accumulate and no synchronisation to skip.
         context = accelerator.accumulate(model) if plan.accumulation_steps > 1 else contextlib.nullcontext()
         with context:

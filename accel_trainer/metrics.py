@@ -37,7 +37,16 @@ class MetricsLog:
         if self._file is None:
             return
         self._file.write(json.dumps(record) + "\n")
-        message = " | ".join(format_metric(key, value) for key, value in record.items())
+        message = console_line(record)
+        if self._bar.disable:
+            print(message, flush=True)
+        else:
+            self._bar.write(message)
+
+    def note(self, message: str) -> None:
+        """Print a line of information about the run (main process only), around the progress bar."""
+        if not self.enabled:
+            return
         if self._bar.disable:
             print(message, flush=True)
         else:
@@ -75,6 +84,28 @@ def drop_records_after(run_dir: Path, step: int) -> None:
     temporary = path.with_name("metrics.jsonl.tmp")
     temporary.write_text("".join(line + "\n" for line in kept))
     temporary.replace(path)
+
+
+# Kept in metrics.jsonl, left off the console line: what a reader does not watch step by step.
+_NOT_ON_CONSOLE = {"samples_per_s", "step_time_s", "step_time_s_max", "step_time_s_min", "world_size", "tflops",
+                   "host_rss_gb", "mem_reserved_gb", "samples_seen", "items_seen", "data_wait_frac"}  # fmt: skip
+
+
+def console_line(record: dict[str, Any]) -> str:
+    """The short form of a record: what changes, formatted for reading; the full record is in metrics.jsonl."""
+    shown = []
+    for key, value in record.items():
+        hidden = key in _NOT_ON_CONSOLE or key.startswith("lr/") or (key == "skipped_steps" and not value)
+        if hidden and not (key == "data_wait_frac" and value > 0.1):  # waiting for data is worth a mention
+            continue
+        shown.append(f"eta {_duration(value)}" if key == "eta_s" else format_metric(key, value))
+    return " | ".join(shown)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def format_metric(key: str, value: Any) -> str:

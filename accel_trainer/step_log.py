@@ -6,6 +6,8 @@ the device (`Window`), and one reduction over the processes at a log step turns 
 
 from __future__ import annotations
 
+import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,8 @@ class Window:
     term_sums: dict[str, torch.Tensor] = field(default_factory=dict)  # the recipe's extra terms, like loss_sum
     started: float = field(default_factory=time.perf_counter)
     items_banked: float = 0.0  # items of this window already counted in the run's items_seen (by a save)
+    data_wait_s: float = 0.0  # time spent waiting for the next micro-batch
+    excluded_s: float = 0.0  # evaluation, checkpoint and FLOP-counting time: not training throughput
 
     @classmethod
     def empty(cls, device: torch.device) -> Window:
@@ -41,6 +45,10 @@ class Window:
                 self.term_sums[name] = torch.zeros_like(self.loss_sum)
             self.term_sums[name].add_(value.float(), alpha=weight)
 
+    def elapsed(self) -> float:
+        """Training time of this window: wall time since it started, less the excluded time."""
+        return time.perf_counter() - self.started - self.excluded_s
+
     def bank_items(self, accelerator: Accelerator) -> float:
         """This window's items over all processes not counted yet, now counted (one reduction: at saves)."""
         total = accelerator.reduce(self.num_items.float(), reduction="sum").item()
@@ -49,35 +57,71 @@ class Window:
         return new
 
 
+@dataclass
+class Speed:
+    """What turns samples per second into FLOPs and MFU; set once FLOPs per sample are counted."""
+
+    flops_per_sample: float | None = None
+    peak_tflops: float | None = None  # per device, in the compute dtype; None: no MFU
+
+
+# The per-process values gathered at a log step, after the loss and the recipe's terms.
+_PER_PROCESS = ("elapsed", "data_wait", "host_rss_gb", "mem_allocated_gb", "mem_reserved_gb")
+
+
 def log_record(
-    accelerator: Accelerator,
-    cfg: TrainConfig,
-    window: Window,
-    step: int,
-    epoch: int,
-    lrs: list[float],
-    grad_norm: Any,
-) -> tuple[dict[str, Any], float]:
+    accelerator: Accelerator, cfg: TrainConfig, window: Window, step: int, epoch: int, lrs: list[float],
+    grad_norm: Any, speed: Speed,
+) -> tuple[dict[str, Any], float]:  # fmt: skip
     """Read the window back (the only host synchronisation of a training step) and build a log record.
 
-    Returns the record and the window's items not yet counted in the run's items_seen.
+    One gather brings every process's sums and timings to every process (the collective the step already
+    paid for): losses are summed, times and memory taken at their maximum (a step is as slow as its slowest
+    process). Returns the record and the window's items not yet counted in the run's items_seen.
     """
-    names = sorted(window.term_sums)  # the same terms on every process: the reduce needs equal shapes
+    names = sorted(window.term_sums)  # the same terms on every process: the gather needs equal shapes
+    local = [window.elapsed(), window.data_wait_s, *_memory_gb(accelerator.device)]
     sums = [window.loss_sum, window.num_items.float(), *(window.term_sums[name] for name in names)]
-    totals = accelerator.reduce(torch.stack(sums), reduction="sum").tolist()
+    stacked = torch.cat([torch.stack(sums), torch.tensor(local, device=window.loss_sum.device)])
+    rows = accelerator.gather(stacked.double()).view(accelerator.num_processes, -1).tolist()
+    totals = [sum(column) for column in zip(*rows, strict=True)]
     loss_sum, num_items = totals[:2]
     num_items += window.num_host_items * accelerator.num_processes  # every process ran equal micro-batches
-    elapsed = time.perf_counter() - window.started
-    record = {
+    timing = {name: [row[len(sums) + i] for row in rows] for i, name in enumerate(_PER_PROCESS)}
+    elapsed = max(timing["elapsed"])
+    samples_per_s = window.num_steps * cfg.global_batch_size / elapsed
+    record: dict[str, Any] = {
         "step": step,
         "epoch": epoch,
         "loss": loss_sum / num_items,
-        **{name: total / num_items for name, total in zip(names, totals[2:], strict=True)},
+        **{name: total / num_items for name, total in zip(names, totals[2 : len(sums)], strict=True)},
         "lr": lrs[0],
         **{f"lr/{index}": lr for index, lr in enumerate(lrs[1:], start=1)},
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
-        "samples_per_s": window.num_steps * cfg.global_batch_size / elapsed,
+        "samples_per_s": samples_per_s,
+        "items_per_s": num_items / elapsed,
         "step_time_s": elapsed / window.num_steps,
+        "step_time_s_max": elapsed / window.num_steps,
+        "step_time_s_min": min(timing["elapsed"]) / window.num_steps,
+        "data_wait_frac": max(w / e for w, e in zip(timing["data_wait"], timing["elapsed"], strict=True)),
+        "eta_s": (cfg.max_steps - step) * elapsed / window.num_steps,
         "world_size": accelerator.num_processes,
+        "host_rss_gb": max(timing["host_rss_gb"]),
     }
+    if accelerator.device.type == "cuda":
+        record["mem_allocated_gb"] = max(timing["mem_allocated_gb"])
+        record["mem_reserved_gb"] = max(timing["mem_reserved_gb"])
+        torch.cuda.reset_peak_memory_stats(accelerator.device)  # a peak per window
+    if speed.flops_per_sample is not None:
+        record["tflops"] = speed.flops_per_sample * samples_per_s / accelerator.num_processes / 1e12
+        if speed.peak_tflops:
+            record["mfu"] = record["tflops"] / speed.peak_tflops
     return record, num_items - window.items_banked
+
+
+def _memory_gb(device: torch.device) -> list[float]:
+    """This process's peak host memory, and the device's peak allocated and reserved memory since the reset."""
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
+    if device.type != "cuda":
+        return [host, 0.0, 0.0]
+    return [host, torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30]

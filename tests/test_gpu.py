@@ -131,3 +131,42 @@ def test_sync_batchnorm_is_accepted_on_cuda_and_trains(tmp_path):
 
     assert [r for r in records if "eval/loss" in r]
     assert any(name.endswith("running_mean") for name in final_parameters(tmp_path))
+
+
+def test_mfu_is_logged_from_the_device_table_and_is_plausible(tmp_path):
+    # A GPT large enough for the matrix units to matter: MFU must be a fraction, from the H100/A100/... table.
+    records = launch_on_gpus("gpu", tmp_path, "gpt", "n_layer=4", "d_model=512", "n_head=8", "block_size=256",
+                             "global_batch_size=64", "micro_batch_size=32", "max_steps=40", "log_every_steps=20",
+                             "eval_every_steps=0", "mixed_precision=bf16")  # fmt: skip
+
+    last = training_records(records)[-1]
+    print(
+        f"{torch.cuda.get_device_name()}: {last['tflops']:.1f} TFLOP/s, mfu {last.get('mfu')},"
+        f" {last['items_per_s']:.0f} tokens/s, {last['mem_allocated_gb']:.2f} GB peak allocated"
+    )
+    assert 0 < last["mfu"] < 1
+    assert last["mem_allocated_gb"] > 0 and last["mem_reserved_gb"] >= last["mem_allocated_gb"]
+
+
+def test_no_device_synchronisation_from_accel_trainer_between_log_steps(tmp_path):
+    import warnings
+
+    import accel_trainer as at
+
+    package = str(REPO / "accel_trainer")
+
+    def syncs_by_accel_trainer(steps: int) -> list[str]:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                at.train("gpt", n_layer=1, d_model=64, block_size=64, max_steps=steps, log_every_steps=0,
+                         eval_every_steps=0, mixed_precision="bf16", output_dir=str(tmp_path / str(steps)),
+                         show_progress_bar=False)  # fmt: skip
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        found = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+        print(f"{steps} steps: {len(found)} synchronisations in all, from {sorted(set(found))}")
+        return sorted(f for f in found if f.startswith(package))
+
+    assert syncs_by_accel_trainer(8) == syncs_by_accel_trainer(3)  # five more steps, no more syncs of ours
