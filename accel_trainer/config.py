@@ -78,6 +78,8 @@ class TrainConfig:
     """Worker processes per data loader; 0 loads batches in the training process."""
     show_progress_bar: bool = True
     """Show a tqdm progress bar on the main process."""
+    trackers: tuple[str, ...] = ()
+    """Experiment trackers mirroring metrics.jsonl, comma-separated: tensorboard, wandb, mlflow, trackio, ..."""
 
 
 def resolve_settings(

@@ -29,7 +29,7 @@ from .batching import BatchPlan, plan_batches
 from .batchnorm import convert_to_sync_batchnorm
 from .checkpoint import RunIdentity, Trained
 from .checkpointer import Checkpointer
-from .config import TrainConfig, config_to_yaml, layout_to_yaml
+from .config import TrainConfig, config_to_dict, config_to_yaml, layout_to_yaml
 from .evaluation import evaluate
 from .final_weights import save_final
 from .flops import compute_dtype, flops_per_sample, table_peak_tflops, to_meta
@@ -42,6 +42,7 @@ from .schedules import recipe_scheduler
 from .step import StepVerbs
 from .step_log import Speed, Window, log_record
 from .streams import TrainStream, eval_batches
+from .trackers import Trackers
 from .wrapping import prepare_blocks
 
 
@@ -105,8 +106,12 @@ def train_loop(
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
         (run_dir / "layout.yaml").write_text(layout_to_yaml(layout))
         drop_records_after(run_dir, state.step)
+    trackers = None
+    if accelerator.is_main_process and cfg.trackers:
+        trackers = Trackers(cfg.trackers, run_dir, config_to_dict(cfg), state.step, state.tracker_ids)
+        state.tracker_ids = trackers.run_ids()
     log = MetricsLog(run_dir, enabled=accelerator.is_main_process, total_steps=cfg.max_steps,
-                     show_progress_bar=cfg.show_progress_bar, initial=state.step)  # fmt: skip
+                     show_progress_bar=cfg.show_progress_bar, initial=state.step, trackers=trackers)  # fmt: skip
     try:
         with PreemptionWatcher(accelerator.num_processes, layout.collective_timeout_s) as preemption:
             final = _train_steps(run, _micro_batches(run), log, preemption)

@@ -13,12 +13,18 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .trackers import Trackers
+
 
 class MetricsLog:
     """Appends records to `metrics.jsonl` and echoes them; a no-op off the main process."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, show_progress_bar: bool, initial: int = 0):
+    def __init__(
+        self, run_dir: Path, *, enabled: bool, total_steps: int, show_progress_bar: bool, initial: int = 0,
+        trackers: Trackers | None = None,
+    ) -> None:  # fmt: skip
         self.enabled = enabled
+        self.trackers = trackers
         # Kept open for the whole run (line-buffered, closed by close()); a `with` block cannot span the loop.
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None  # noqa: SIM115
         self._bar = tqdm(
@@ -37,6 +43,8 @@ class MetricsLog:
         if self._file is None:
             return
         self._file.write(json.dumps(record) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(record)
         message = console_line(record)
         if self._bar.disable:
             print(message, flush=True)
@@ -54,6 +62,8 @@ class MetricsLog:
 
     def close(self) -> None:
         self._bar.close()
+        if self.trackers is not None:
+            self.trackers.finish()
         if self._file is not None:
             self._file.close()
 
@@ -62,8 +72,9 @@ def drop_records_after(run_dir: Path, step: int) -> None:
     """Make `metrics.jsonl` end at `step`, where a run resumes, so its steps are never logged twice.
 
     A run killed after its last checkpoint logged steps it will train again; those records are dropped
-    (the file is replaced atomically). Starting from step 0 in a folder that has records (the first
-    attempt died before its first checkpoint) sets the old file aside as `metrics.abandoned.jsonl`.
+    (the file is replaced atomically) and appended to `metrics.dropped.jsonl`. Starting from step 0 in a
+    folder that has records (the first attempt died before its first checkpoint) sets the old file aside as
+    `metrics.abandoned.jsonl`.
     """
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
@@ -71,16 +82,20 @@ def drop_records_after(run_dir: Path, step: int) -> None:
     if step == 0:
         path.replace(run_dir / "metrics.abandoned.jsonl")
         return
-    kept, unreadable = [], 0
+    kept: list[str] = []
+    dropped: list[str] = []
+    unreadable = 0
     for line in path.read_text(errors="replace").splitlines():
         try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
+            (kept if json.loads(line)["step"] <= step else dropped).append(line)
         except (ValueError, KeyError, TypeError):  # a line cut short by a crash, or a damaged file
             unreadable += 1
     if unreadable:
         warnings.warn(f"accel-trainer: {path}: dropped {unreadable} unreadable line(s) (cut short or damaged)",
                       stacklevel=2)  # fmt: skip
+    if dropped:  # kept aside, in case the lost steps are of interest
+        with open(run_dir / "metrics.dropped.jsonl", "a") as aside:
+            aside.write("".join(line + "\n" for line in dropped))
     temporary = path.with_name("metrics.jsonl.tmp")
     temporary.write_text("".join(line + "\n" for line in kept))
     temporary.replace(path)

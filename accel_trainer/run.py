@@ -30,6 +30,7 @@ from .loop import train_loop
 from .preemption import EXIT_PREEMPTED, Preempted, where
 from .processes import launch_processes
 from .registry import describe, get_recipe
+from .trackers import check_trackers
 from .typed_fields import describe_fields, parse_overrides
 
 
@@ -70,6 +71,7 @@ def _train_here(recipe_name: str, config_file: str | Path | None, overrides: dic
     """Train in this process, or in the process group of the launcher that started it."""
     recipe_cls = get_recipe(recipe_name)
     cfg, layout = resolve_settings(recipe_cls.Config, config_file, overrides, launch_settings_file())
+    check_trackers(cfg.trackers)
     accelerator = build_accelerator(cfg, layout)
     if accelerator.is_main_process:
         for problem in config_warnings(cfg):

@@ -35,6 +35,8 @@ class TrainState:
     """The folder name of the checkpoint that holds it."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """The latest training record and evaluation: what a finished run reports."""
+    tracker_ids: dict[str, str] = field(default_factory=dict)
+    """Run ids of the experiment trackers that can reopen a run on resume (W&B, MLflow)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

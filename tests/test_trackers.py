@@ -1,0 +1,99 @@
+"""Trackers mirror metrics.jsonl through accelerate's tracker classes, and never stop training.
+
+TensorBoard is read back with its own EventAccumulator; a tracker that raises is switched off with one
+warning; after a resume the TensorBoard series have each step once.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
+
+import accel_trainer as at
+from conftest import read_metrics
+
+QUIET = {"show_progress_bar": False}
+
+
+def tensorboard_scalars(run_dir, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    steps = [(event.step, event.value) for event in events.Scalars(tag)]
+    assert len(steps) == len({step for step, _ in steps}), f"a step of {tag} appears twice: {steps}"
+    return dict(steps)
+
+
+def test_tensorboard_holds_what_metrics_jsonl_holds(tmp_path):
+    at.train("vae", max_steps=12, log_every_steps=3, eval_every_steps=6, trackers="tensorboard",
+             output_dir=str(tmp_path), **QUIET)  # fmt: skip
+
+    records = read_metrics(tmp_path)
+    for tag in ("loss", "lr", "items_per_s", "eval/loss"):
+        expected = {r["step"]: r[tag] for r in records if tag in r}
+        assert tensorboard_scalars(tmp_path, tag) == pytest.approx(expected, rel=1e-6)
+
+
+def test_after_a_resume_every_tensorboard_step_appears_once(tmp_path):
+    run = dict(max_steps=10, log_every_steps=1, save_every_steps=5, keep_last=0, trackers="tensorboard", **QUIET)
+    at.train("vae", output_dir=str(tmp_path), **run)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000010")  # as if killed after logging steps 6-10
+    shutil.rmtree(tmp_path / "final")
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000005")
+
+    at.train("vae", output_dir=str(tmp_path), **run)
+
+    assert sorted(tensorboard_scalars(tmp_path, "loss")) == list(range(1, 11))
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == list(range(1, 11))
+    dropped = (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()
+    assert len(dropped) == 6  # steps 6-10 and the final evaluation of the first attempt, kept aside
+
+
+@pytest.mark.parametrize(
+    ("trackers", "message"),
+    [("tensorbord", "not a tracker accelerate knows"), ("all", "not a tracker accelerate knows"),
+     ("wandb", "pip install 'accel-trainer\\[wandb\\]'")],
+)  # fmt: skip
+def test_an_unknown_or_missing_tracker_is_a_one_line_error_before_any_work(trackers, message, tmp_path):
+    if trackers == "wandb" and _installed("wandb"):
+        pytest.skip("wandb is installed here")
+    with pytest.raises(at.ConfigError, match=message):
+        at.train("vae", max_steps=1, trackers=trackers, output_dir=str(tmp_path), **QUIET)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+class BrokenTracker(GeneralTracker):
+    name = "broken_for_tests"
+    requires_logging_directory = False
+    calls = 0
+
+    def __init__(self, run_name: str, **kwargs):
+        super().__init__()
+
+    @property
+    def tracker(self):
+        return None
+
+    def log(self, values, step=None, **kwargs):
+        BrokenTracker.calls += 1
+        raise ConnectionError("the tracking server is down")
+
+
+def test_a_tracker_that_fails_is_switched_off_with_one_warning_and_training_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setitem(LOGGER_TYPE_TO_CLASS, BrokenTracker.name, BrokenTracker)
+    with pytest.warns(UserWarning, match="tracker broken_for_tests failed .*the tracking server is down") as caught:
+        result = at.train("vae", max_steps=6, log_every_steps=2, trackers=f"{BrokenTracker.name},tensorboard",
+                          output_dir=str(tmp_path), **QUIET)  # fmt: skip
+
+    assert BrokenTracker.calls == 1 and sum("broken_for_tests" in str(w.message) for w in caught) == 1
+    assert "loss" in result.metrics
+    assert sorted(tensorboard_scalars(tmp_path, "loss")) == [2, 4, 6]  # the other tracker kept working
