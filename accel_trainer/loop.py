@@ -38,6 +38,7 @@ from .losses import read_loss_output
 from .metrics import MetricsLog, drop_records_after, format_metric
 from .preemption import Preempted, PreemptionWatcher, note_where
 from .recipe import Recipe
+from .run_info import header, model_summary, write_run_info
 from .schedules import recipe_scheduler
 from .step import StepVerbs
 from .step_log import Speed, Window, log_record
@@ -66,6 +67,7 @@ class Run:
     verbs: StepVerbs
     checkpointer: Checkpointer
     num_parameters: int
+    model_summary: str
     speed: Speed
     stream: TrainStream | None = None
     first_batch: Any = None  # the shapes of the first micro-batch (meta tensors), for counting FLOPs
@@ -105,7 +107,10 @@ def train_loop(
     if accelerator.is_main_process:  # only once the checkpoint (if any) has been accepted
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
         (run_dir / "layout.yaml").write_text(layout_to_yaml(layout))
+        (run_dir / "model_summary.txt").write_text(run.model_summary)
+        write_run_info(run_dir, accelerator, layout, state.step)
         drop_records_after(run_dir, state.step)
+        print(header(recipe_name, accelerator, run.plan, run.num_parameters, run_dir), flush=True)
     trackers = None
     if accelerator.is_main_process and cfg.trackers:
         trackers = Trackers(cfg.trackers, run_dir, config_to_dict(cfg), state.step, state.tracker_ids)
@@ -128,7 +133,7 @@ def _prepare(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator, ru
     plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, accelerator.num_processes)
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
     model = recipe.build_model(cfg)
-    num_parameters = sum(parameter.numel() for parameter in model.parameters())
+    num_parameters, summary = sum(parameter.numel() for parameter in model.parameters()), model_summary(model)
     if layout.sync_batchnorm:
         model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
     prepare_blocks(model, recipe, layout.activation_checkpointing, is_main_process=accelerator.is_main_process)
@@ -155,7 +160,7 @@ def _prepare(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator, ru
                                 has_eval=eval_set is not None)  # fmt: skip
     return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
                eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer,
-               num_parameters, Speed(peak_tflops=_peak_tflops(accelerator, layout)))  # fmt: skip
+               num_parameters, summary, Speed(peak_tflops=_peak_tflops(accelerator, layout)))  # fmt: skip
 
 
 def _peak_tflops(accelerator: Accelerator, layout: LayoutSettings) -> float | None:
@@ -254,7 +259,7 @@ def _count_flops(run: Run, log: MetricsLog) -> None:
         return
     flops, source = flops_per_sample(run.recipe, run.cfg, run.first_batch, run.num_parameters)
     run.speed.flops_per_sample = flops
-    log.note(f"model: {run.num_parameters:,} parameters, {flops:.4g} FLOPs per training sample ({source})")
+    log.note(f"accel-trainer: {flops:.4g} FLOPs per training sample ({source})")
 
 
 def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:

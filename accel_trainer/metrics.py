@@ -7,6 +7,8 @@ unconditionally. Every record is one JSON object per line, flushed at once so a 
 from __future__ import annotations
 
 import json
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .trackers import Trackers
+
+STATUS_EVERY_S = 30.0
 
 
 class MetricsLog:
@@ -27,17 +31,29 @@ class MetricsLog:
         self.trackers = trackers
         # Kept open for the whole run (line-buffered, closed by close()); a `with` block cannot span the loop.
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1) if enabled else None  # noqa: SIM115
+        on_terminal = sys.stderr.isatty()
         self._bar = tqdm(
             total=total_steps,
             initial=initial,
-            disable=not (enabled and show_progress_bar),
+            disable=not (enabled and show_progress_bar and on_terminal),
             dynamic_ncols=True,
             unit="step",
         )
+        # In a log file a bar is noise: a status line at most every STATUS_EVERY_S instead.
+        self._status = enabled and show_progress_bar and not on_terminal
+        self._step, self._total, self._started_at = initial, total_steps, initial
+        self._started = self._last_status = time.monotonic()
 
     def advance(self) -> None:
-        """Move the progress bar by one optimizer step (cheap; no device synchronisation)."""
+        """Move the progress by one optimizer step (cheap; no device synchronisation)."""
         self._bar.update(1)
+        self._step += 1
+        now = time.monotonic()
+        if self._status and now - self._last_status >= STATUS_EVERY_S and self._step < self._total:
+            self._last_status = now
+            rate = (self._step - self._started_at) / (now - self._started)
+            eta = _duration((self._total - self._step) / rate) if rate > 0 else "?"
+            print(f"step {self._step}/{self._total} ({100 * self._step / self._total:.0f}%) | eta {eta}", flush=True)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:

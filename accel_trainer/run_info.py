@@ -1,0 +1,92 @@
+"""What a run says about itself at start: a short header on the console, run_info.json and model_summary.txt.
+
+The header tells in a few lines what will run where: recipe, layout (processes, strategy, precision), batch
+plan, parameter count and run folder. `run_info.json` keeps what reproducing the run needs beyond its
+config.yaml and layout.yaml: versions, git commit, command line, devices, layout, one entry per start (a
+resumed run adds one). `model_summary.txt` is the recipe's model as torch prints it, with parameter counts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from .batching import BatchPlan
+from .layout import LayoutSettings, layout_to_dict
+
+_PACKAGES = ("accel-trainer", "torch", "accelerate", "datasets", "safetensors", "transformers")
+
+
+def header(recipe_name: str, accelerator: Accelerator, plan: BatchPlan, num_parameters: int, run_dir: Path) -> str:
+    """The start-of-run lines: what trains, on what, with which batches, where it writes."""
+    device = accelerator.device.type
+    if device == "cuda":
+        device = f"cuda ({torch.cuda.get_device_name(accelerator.device)})"
+    return "\n".join([
+        f"accel-trainer: recipe {recipe_name}, {num_parameters:,} parameters",
+        f"  layout: {accelerator.num_processes} process(es) on {device}, {accelerator.distributed_type.value},"
+        f" precision {accelerator.mixed_precision}",
+        f"  batch: {plan.global_batch_size} per step = {plan.micro_batch_size} per micro-batch x"
+        f" {plan.num_processes} process(es) x {plan.accumulation_steps} accumulation step(s)",
+        f"  run folder: {run_dir}",
+    ])  # fmt: skip
+
+
+def write_run_info(run_dir: Path, accelerator: Accelerator, layout: LayoutSettings, start_step: int) -> None:
+    """Append this start to `run_info.json` (main process)."""
+    path = run_dir / "run_info.json"
+    try:
+        starts = json.loads(path.read_text())["starts"] if path.is_file() else []
+    except (ValueError, KeyError, TypeError):  # damaged: begin again rather than fail the run
+        starts = []
+    starts.append({
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "start_step": start_step,
+        "argv": sys.argv,
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "versions": {name: _version(name) for name in _PACKAGES},
+        "git_commit": _git_commit(Path.cwd()),
+        "devices": _devices(accelerator),
+        "layout": {"distributed_type": accelerator.distributed_type.value, "num_processes": accelerator.num_processes,
+                   "mixed_precision": accelerator.mixed_precision, **layout_to_dict(layout)},
+    })  # fmt: skip
+    path.write_text(json.dumps({"starts": starts}, indent=1))
+
+
+def model_summary(model: torch.nn.Module) -> str:
+    """The model as torch prints it, with its parameter counts (taken before any wrapping or sharding)."""
+    counts = [f"{name}: {sum(p.numel() for p in child.parameters()):,}" for name, child in model.named_children()]
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{model}\n\nparameters: {total:,} ({trainable:,} trainable)\n" + "".join(f"  {c}\n" for c in counts)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit(folder: Path) -> str | None:
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() or None if result.returncode == 0 else None
+
+
+def _devices(accelerator: Accelerator) -> list[Any]:
+    if accelerator.device.type == "cuda":
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return [platform.processor() or platform.machine()]

@@ -1,0 +1,32 @@
+"""A run says what it is at start (header, run_info.json, model_summary.txt) and shows progress in a log file."""
+
+from __future__ import annotations
+
+import json
+
+import accel_trainer as at
+from accel_trainer import metrics
+
+
+def test_a_run_prints_a_header_and_records_each_start(tmp_path, capsys):
+    at.train("vae", max_steps=4, save_every_steps=2, keep_last=0, output_dir=str(tmp_path), show_progress_bar=False)
+    out = capsys.readouterr().out
+    assert "accel-trainer: recipe vae, 171,088 parameters" in out
+    assert "batch: 64 per step = 32 per micro-batch x 1 process(es) x 2 accumulation step(s)" in out
+
+    at.train("vae", max_steps=6, save_every_steps=2, keep_last=0, output_dir=str(tmp_path), show_progress_bar=False)
+
+    starts = json.loads((tmp_path / "run_info.json").read_text())["starts"]
+    assert [start["start_step"] for start in starts] == [0, 4]
+    assert starts[0]["versions"]["torch"] == __import__("torch").__version__
+    assert starts[0]["layout"]["num_processes"] == 1 and "collective_timeout_s" in starts[0]["layout"]
+    assert "parameters: 171,088" in (tmp_path / "model_summary.txt").read_text()
+
+
+def test_off_a_terminal_the_progress_bar_is_a_status_line_at_most_every_30_s(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(metrics, "STATUS_EVERY_S", 0.0)  # every step, to see it in a short run
+    at.train("vae", max_steps=5, log_every_steps=0, output_dir=str(tmp_path), show_progress_bar=True)
+
+    out = capsys.readouterr()
+    assert "step 3/5 (60%) | eta" in out.out
+    assert "it/s" not in out.err and "step/s" not in out.err  # no tqdm bar in a log file
