@@ -15,14 +15,17 @@ can log MFU too). A CPU has no standard peak, so without `peak_tflops` it logs n
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from .config import TrainConfig
+from .layout import LayoutSettings
 from .losses import read_loss_output
 from .recipe import Recipe
 
@@ -108,3 +111,16 @@ class _rng_untouched:
         random.setstate(python)
         np.random.set_state(numpy_state)
         torch.set_rng_state(torch_state)
+
+
+def peak_for_mfu(accelerator: Accelerator, layout: LayoutSettings) -> float | None:
+    """The device's peak for MFU: the layout's peak_tflops, else the table; one warning for an unknown GPU."""
+    if layout.peak_tflops > 0:
+        return layout.peak_tflops
+    dtype = compute_dtype(accelerator.mixed_precision, accelerator.device)
+    peak = table_peak_tflops(accelerator.device, dtype)
+    if peak is None and accelerator.device.type == "cuda" and accelerator.is_main_process:
+        device = torch.cuda.get_device_name(accelerator.device)
+        warnings.warn(f"accel-trainer: no {dtype} peak is known for {device}, so mfu is not logged; set"
+                      " peak_tflops=<TFLOP/s of one device> to log it", stacklevel=2)  # fmt: skip
+    return peak

@@ -32,7 +32,7 @@ from .checkpointer import Checkpointer
 from .config import TrainConfig, config_to_dict, config_to_yaml, layout_to_yaml
 from .evaluation import evaluate
 from .final_weights import save_final
-from .flops import compute_dtype, flops_per_sample, table_peak_tflops, to_meta
+from .flops import flops_per_sample, peak_for_mfu, to_meta
 from .layout import LayoutSettings
 from .losses import read_loss_output
 from .metrics import MetricsLog, drop_records_after, format_metric
@@ -160,20 +160,7 @@ def _prepare(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator, ru
                                 has_eval=eval_set is not None)  # fmt: skip
     return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
                eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer,
-               num_parameters, summary, Speed(peak_tflops=_peak_tflops(accelerator, layout)))  # fmt: skip
-
-
-def _peak_tflops(accelerator: Accelerator, layout: LayoutSettings) -> float | None:
-    """The device's peak for MFU: the layout's peak_tflops, else the table; one warning for an unknown GPU."""
-    if layout.peak_tflops > 0:
-        return layout.peak_tflops
-    dtype = compute_dtype(accelerator.mixed_precision, accelerator.device)
-    peak = table_peak_tflops(accelerator.device, dtype)
-    if peak is None and accelerator.device.type == "cuda" and accelerator.is_main_process:
-        device = torch.cuda.get_device_name(accelerator.device)
-        warnings.warn(f"accel-trainer: no {dtype} peak is known for {device}, so mfu is not logged; set"
-                      " peak_tflops=<TFLOP/s of one device> to log it", stacklevel=2)  # fmt: skip
-    return peak
+               num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)))  # fmt: skip
 
 
 def _micro_batches(run: Run) -> Any:
@@ -218,14 +205,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         log.advance()
 
         if is_log_step:
-            if run.speed.flops_per_sample is None:
-                window.excluded_s += _timed(_count_flops, run, log)[1]
-            record, new_items = log_record(accelerator, cfg, window, step, state.epoch, lrs, grad_norm, run.speed)
-            state.items_seen += new_items
-            record.update(skipped_steps=state.skipped_steps, samples_seen=state.samples_seen,
-                          items_seen=state.items_seen)  # fmt: skip
-            log.write(record)
-            state.metrics.update(record)
+            _write_log_record(run, log, window, lrs, grad_norm)
             window = Window.empty(accelerator.device)
         scores: dict[str, float] | None = None
         if has_eval and (step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)):
@@ -244,6 +224,19 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         if stop:
             raise Preempted(preemption.signal_name, step, folder)
     return state.metrics
+
+
+def _write_log_record(run: Run, log: MetricsLog, window: Window, lrs: list[float], grad_norm: Any) -> None:
+    """Read the window back into a record (counting FLOPs first, once), log it, and keep it as the latest."""
+    state = run.checkpointer.state
+    if run.speed.flops_per_sample is None:
+        window.excluded_s += _timed(_count_flops, run, log)[1]
+    record, new_items = log_record(run.accelerator, run.cfg, window, state.step, state.epoch, lrs, grad_norm,
+                                   run.speed)  # fmt: skip
+    state.items_seen += new_items
+    record.update(skipped_steps=state.skipped_steps, samples_seen=state.samples_seen, items_seen=state.items_seen)
+    log.write(record)
+    state.metrics.update(record)
 
 
 def _timed(work: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
