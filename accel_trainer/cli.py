@@ -2,6 +2,8 @@
 
 accel-trainer list
 accel-trainer train vae max_steps=200
+accel-trainer report outputs/vae/<run>                  # report.md and report.png
+accel-trainer compare outputs/vae/run1 outputs/vae/run2 --output curves.png
 accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accel_trainer train vae
 """
 
@@ -9,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .errors import UserError
 from .export import export
 from .registry import describe, registered_recipes
+from .report import compare, write_report
 from .run import main as run_recipe
 
 
@@ -26,6 +30,12 @@ def main(argv: list[str] | None = None) -> None:
     exporter = commands.add_parser("export", help="write model.safetensors + config.yaml from a run or checkpoint")
     exporter.add_argument("source", help="a run folder (its newest complete checkpoint) or a checkpoint folder")
     exporter.add_argument("--output", help="where to write (default: <run>/export/<step>)")
+    reporter = commands.add_parser("report", help="write <run>/report.md and report.png from a run's files")
+    reporter.add_argument("run")
+    comparer = commands.add_parser("compare", help="final metrics and config differences of runs, curves overlaid")
+    comparer.add_argument("runs", nargs="+")
+    comparer.add_argument("--output", help="draw the overlaid curves into this .png")
+    comparer.add_argument("--x", default="step", help="align on step (default), samples or items seen")
     if arguments[:1] == ["train"]:
         known = parser.parse_args(arguments[:2])
         run_recipe(known.recipe, arguments[2:])
@@ -37,6 +47,10 @@ def main(argv: list[str] | None = None) -> None:
             width = max((len(name) for name in recipes), default=0)
             for name, recipe_cls in recipes.items():
                 print(f"{name:<{width}}  {describe(recipe_cls)}")
+        elif known.command == "report":
+            print(f"report: {write_report(Path(known.run))}")
+        elif known.command == "compare":
+            print(compare([Path(run) for run in known.runs], Path(known.output) if known.output else None, known.x))
         else:
             print(f"exported to {export(known.source, known.output)}")
     except UserError as error:

@@ -38,6 +38,7 @@ from .losses import read_loss_output
 from .metrics import MetricsLog, drop_records_after, format_metric
 from .preemption import Preempted, PreemptionWatcher, note_where
 from .recipe import Recipe
+from .report import write_report
 from .run_info import header, model_summary, write_run_info
 from .schedules import recipe_scheduler
 from .step import StepVerbs
@@ -124,7 +125,18 @@ def train_loop(
         log.close()
         run.checkpointer.close()  # never leave with a checkpoint half written, preempted or not
     run.final_weights()
+    if accelerator.is_main_process:
+        _write_report(run_dir)
     return final
+
+
+def _write_report(run_dir: Path) -> None:
+    """The end-of-run report; a failure to draw it is a warning, never a failed run."""
+    try:
+        write_report(run_dir)
+    except Exception as error:  # noqa: BLE001 - the run itself is done and saved
+        warnings.warn(f"accel-trainer: the report of {run_dir} could not be written ({type(error).__name__}:"
+                      f" {error}); `accel-trainer report {run_dir}` tries again", stacklevel=2)  # fmt: skip
 
 
 def _prepare(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator, run_dir: Path) -> Run:
@@ -184,7 +196,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
     has_eval = run.eval_set is not None
     if has_eval and cfg.eval_every_steps > 0 and state.step == 0:
         baseline, seconds = _timed(evaluate, accelerator, run.recipe, model, *run.eval_batches())
-        log.write({"step": 0, **baseline, "eval/seconds": seconds})
+        log.write({"step": 0, **baseline, "eval/seconds": seconds, "samples_seen": 0})
         run.checkpointer.after_step(stop=False, scores=baseline)  # checks keep_best_metric's name; saves nothing
     window = Window.empty(accelerator.device)  # after the baseline evaluation: its time is not training time
     model.train()
@@ -212,7 +224,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
             note_where(f"the evaluation after step {step}")
             scores, seconds = _timed(evaluate, accelerator, run.recipe, model, *run.eval_batches())
             window.excluded_s += seconds
-            log.write({"step": step, **scores, "eval/seconds": seconds})
+            log.write({"step": step, **scores, "eval/seconds": seconds, "samples_seen": state.samples_seen})
             state.metrics.update(scores)
         stop = preemption.should_stop()
         note_where(f"the save of step {step}")

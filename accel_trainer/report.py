@@ -1,0 +1,137 @@
+"""A run's report, drawn from its own files, and a comparison of runs: no server, no tracker needed.
+
+`report.md` (summary, final and best metrics, time, throughput, MFU, memory) and `report.png` (loss, eval
+metrics, LR, gradient norm, throughput) are written at the end of a run and by `accel-trainer report RUN`.
+`accel-trainer compare RUN RUN ...` prints the final metrics side by side and the config keys that differ,
+and overlays the curves, aligned on steps, samples or items seen. Plots need matplotlib (the `report`
+extra); without it the report is text only and says so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import UserError
+from .metrics import format_metric
+
+_X_KEYS = {"step": "step", "samples": "samples_seen", "items": "items_seen"}
+_PANELS = [("loss", "loss"), ("eval", "eval/"), ("lr", "lr"), ("grad_norm", "grad_norm"),
+           ("items_per_s", "items_per_s"), ("mfu", "mfu")]  # fmt: skip
+
+
+def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """A run folder's training records, evaluation records and config; a one-line error if it is not one."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{run_dir} is not a run folder (it has no metrics.jsonl)")
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a crash
+    config_path = Path(run_dir) / "config.yaml"
+    config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
+    training = [r for r in records if "loss" in r]
+    evaluations = [r for r in records if any(key.startswith("eval/") for key in r)]
+    return training, evaluations, config or {}
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write report.md (and report.png when matplotlib is there) into the run folder; return report.md."""
+    run_dir = Path(run_dir)
+    training, evaluations, config = read_run(run_dir)
+    plotted = _plot({run_dir.name: (training, evaluations)}, run_dir / "report.png", "step")
+    lines = [f"# {run_dir.name}", "", _summary(training, evaluations, config), ""]
+    lines += ["![curves](report.png)" if plotted else "(no plot: `pip install 'accel-trainer[report]'` draws one)"]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def compare(run_dirs: list[Path], output: Path | None = None, x: str = "step") -> str:
+    """A table of the runs' final metrics and config differences; curves overlaid in `output` if given."""
+    if x not in _X_KEYS:
+        raise UserError(f"--x {x}: choose one of {', '.join(_X_KEYS)}")
+    runs = {Path(d).name: read_run(Path(d)) for d in run_dirs}
+    finals = {name: {**(t[-1] if t else {}), **(e[-1] if e else {})} for name, (t, e, _) in runs.items()}
+    keys = [k for k in ("step", "loss", "items_per_s", "mfu") if any(k in f for f in finals.values())]
+    keys += sorted({k for f in finals.values() for k in f if k.startswith("eval/") and k != "eval/seconds"})
+    width = max(len(name) for name in runs)
+    table = [f"{'run':<{width}}  " + "  ".join(f"{k:>14}" for k in keys)]
+    for name, final in finals.items():
+        table.append(f"{name:<{width}}  " + "  ".join(f"{_short(final.get(k)):>14}" for k in keys))
+    configs = {name: config for name, (_, _, config) in runs.items()}
+    differing = sorted({k for c in configs.values() for k in c if len({str(d.get(k)) for d in configs.values()}) > 1}
+                       - {"output_dir"})  # fmt: skip
+    table += ["", "config keys that differ:" if differing else "configs are the same (output_dir aside)"]
+    table += [f"  {k}: " + ", ".join(f"{name}={configs[name].get(k)!r}" for name in runs) for k in differing]
+    if output is not None:
+        drawn = _plot({name: (t, e) for name, (t, e, _) in runs.items()}, Path(output), _X_KEYS[x])
+        table.append(f"curves: {output}" if drawn else "(no plot: `pip install 'accel-trainer[report]'` draws one)")
+    return "\n".join(table)
+
+
+def _summary(training: list[dict], evaluations: list[dict], config: dict) -> str:
+    last = training[-1] if training else {}
+    rows = [f"- steps: {last.get('step', 0)} of max_steps={config.get('max_steps', '?')}"]
+    rows.append("- final training record: " + " | ".join(format_metric(k, v) for k, v in last.items()
+                                                         if k in ("loss", "lr", "grad_norm")))  # fmt: skip
+    if evaluations:
+        final = evaluations[-1]
+        rows.append("- final evaluation: " + " | ".join(format_metric(k, v) for k, v in final.items()
+                                                     if k.startswith("eval/")))  # fmt: skip
+        names = sorted({k for e in evaluations for k in e if k.startswith("eval/") and k != "eval/seconds"})
+        best = [f"{k} {min(e[k] for e in evaluations if k in e):.4g}" for k in names]
+        rows.append("- lowest eval values: " + ", ".join(best))
+    trained_s = sum(r.get("step_time_s", 0) * (r["step"] - p) for p, r in zip([0] + [t["step"] for t in training],
+                                                                              training, strict=False))  # fmt: skip
+    eval_s = sum(e.get("eval/seconds", 0) for e in evaluations)
+    rows.append(f"- time: {trained_s:.1f} s training, {eval_s:.1f} s evaluating")
+    if last:
+        rows.append(f"- throughput (last window): {last.get('items_per_s', 0):.4g} items/s,"
+                    f" {last.get('samples_per_s', 0):.4g} samples/s, {last.get('tflops', 0):.3g} TFLOP/s per device"
+                    + (f", MFU {last['mfu']:.3g}" if "mfu" in last else ""))  # fmt: skip
+        memory = [f"{k} {last[k]:.3g}" for k in ("mem_allocated_gb", "mem_reserved_gb", "host_rss_gb") if k in last]
+        rows.append("- memory (peak of the last window): " + ", ".join(memory))
+    return "\n".join(rows)
+
+
+def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str) -> bool:
+    """Draw the panels for every run into `path`; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for axis, (title, key) in zip(axes.flat, _PANELS, strict=True):
+        for name, (training, evaluations) in runs.items():
+            records = evaluations if key == "eval/" else training
+            keys = sorted({k for r in records for k in r if k.startswith("eval/") and k != "eval/seconds"}) \
+                if key == "eval/" else [key]  # fmt: skip
+            for k in keys:
+                points = [(r[x_key], r[k]) for r in records if k in r and r.get(x_key) is not None]
+                if points:
+                    axis.plot(*zip(*points, strict=True), label=f"{name} {k}" if len(runs) > 1 or key == "eval/" else k)
+        axis.set_title(title)
+        axis.set_xlabel(x_key)
+        if axis.lines:
+            axis.legend(fontsize="small")
+        else:
+            axis.text(0.5, 0.5, "not logged" + (" (set peak_tflops)" if key == "mfu" else ""), ha="center",
+                      transform=axis.transAxes)  # fmt: skip
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+    return True
+
+
+def _short(value: Any) -> str:
+    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)

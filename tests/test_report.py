@@ -1,0 +1,54 @@
+"""A run ends with report.md and report.png; `accel-trainer report` redraws them, `compare` sets runs side by side."""
+
+from __future__ import annotations
+
+import pytest
+
+import accel_trainer as at
+from accel_trainer.cli import main as cli
+
+QUICK = {"max_steps": 6, "log_every_steps": 2, "eval_every_steps": 3, "show_progress_bar": False}
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    first, second = tmp_path_factory.mktemp("first"), tmp_path_factory.mktemp("second")
+    at.train("vae", output_dir=str(first), **QUICK)
+    at.train("vae", output_dir=str(second), lr=0.004, **QUICK)
+    return first, second
+
+
+def test_a_finished_run_has_a_report_with_its_final_metrics_and_curves(two_runs):
+    run = two_runs[0]
+    report = (run / "report.md").read_text()
+    assert "- steps: 6 of max_steps=6" in report and "- final evaluation: eval/loss" in report
+    assert "items/s" in report and "![curves](report.png)" in report
+    assert (run / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_redraws_from_the_run_folder(two_runs, capsys):
+    run = two_runs[0]
+    (run / "report.png").unlink()
+    cli(["report", str(run)])
+    assert capsys.readouterr().out.strip() == f"report: {run / 'report.md'}"
+    assert (run / "report.png").is_file()
+
+
+def test_compare_prints_both_runs_and_the_config_keys_that_differ(two_runs, tmp_path, capsys):
+    first, second = two_runs
+    cli(["compare", str(first), str(second), "--output", str(tmp_path / "curves.png"), "--x", "samples"])
+
+    out = capsys.readouterr().out
+    assert out.count("\n" + first.name) == 1 and out.count("\n" + second.name) == 1
+    assert f"lr: {first.name}=0.002, {second.name}=0.004" in out
+    assert (tmp_path / "curves.png").is_file()
+
+
+def test_report_of_a_folder_that_is_not_a_run_is_a_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli(["report", str(tmp_path)])
+    assert exited.value.code == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"accel-trainer: error: {tmp_path} is not a run folder (it has no metrics.jsonl)"
+    )
