@@ -24,6 +24,7 @@ import yaml
 
 from .errors import ConfigError
 from .layout import LayoutSettings, layout_to_dict, refuse_layout_fields
+from .profiling import parse_steps
 from .typed_fields import check_values, config_fields, load_config_file
 
 
@@ -78,6 +79,8 @@ class TrainConfig:
     """Worker processes per data loader; 0 loads batches in the training process."""
     show_progress_bar: bool = True
     """Show a tqdm progress bar on the main process."""
+    profile_steps: str = ""
+    """Profile these optimizer steps, e.g. 5-8: chrome traces, op tables (and CUDA memory) in <run>/profile."""
     trackers: tuple[str, ...] = ()
     """Experiment trackers mirroring metrics.jsonl, comma-separated: tensorboard, wandb, mlflow, trackio, ..."""
 
@@ -155,6 +158,8 @@ def validate_config(config: TrainConfig | LayoutSettings) -> None:
         if value < bound or (value == bound and not inclusive):
             relation = "at least" if inclusive else "more than"
             raise ConfigError(f"{name}={value}: must be {relation} {bound}")
+    if isinstance(config, TrainConfig):
+        parse_steps(config.profile_steps)  # raises its own one-line error
     if isinstance(config, TrainConfig) and config.min_lr_ratio > 1:
         raise ConfigError(f"min_lr_ratio={config.min_lr_ratio}: must be at most 1 (a fraction of the peak lr)")
 

@@ -37,6 +37,7 @@ from .layout import LayoutSettings
 from .losses import read_loss_output
 from .metrics import MetricsLog, drop_records_after, format_metric
 from .preemption import Preempted, PreemptionWatcher, note_where
+from .profiling import StepProfiler, dump_out_of_memory, parse_steps
 from .recipe import Recipe
 from .report import write_report
 from .run_info import header, model_summary, write_run_info
@@ -121,6 +122,10 @@ def train_loop(
     try:
         with PreemptionWatcher(accelerator.num_processes, layout.collective_timeout_s) as preemption:
             final = _train_steps(run, _micro_batches(run), log, preemption)
+    except torch.cuda.OutOfMemoryError:
+        print(f"accel-trainer: out of CUDA memory; what it held: {dump_out_of_memory(run_dir, accelerator)}",
+              flush=True)  # fmt: skip
+        raise
     finally:
         log.close()
         run.checkpointer.close()  # never leave with a checkpoint half written, preempted or not
@@ -199,9 +204,11 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         log.write({"step": 0, **baseline, "eval/seconds": seconds, "samples_seen": 0})
         run.checkpointer.after_step(stop=False, scores=baseline)  # checks keep_best_metric's name; saves nothing
     window = Window.empty(accelerator.device)  # after the baseline evaluation: its time is not training time
+    profiler = StepProfiler(accelerator, run.run_dir, parse_steps(cfg.profile_steps))
     model.train()
     for step in range(state.step + 1, cfg.max_steps + 1):
         note_where(f"step {step}")
+        profiler.before_step(step)
         state.epoch = _accumulate_gradients(run, batches, window) + 1
         state.step, state.samples_seen = step, step * cfg.global_batch_size
         is_log_step = step == cfg.max_steps or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
@@ -214,6 +221,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         else:  # fp16: the gradient scaler found inf/NaN gradients
             state.skipped_steps += 1
         run.verbs.zero_grad()
+        profiler.after_step(step)
         log.advance()
 
         if is_log_step:
