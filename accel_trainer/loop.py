@@ -15,76 +15,29 @@ import contextlib
 import functools
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 from torch.distributed.tensor import DTensor
 
-from . import data
-from .batching import BatchPlan, plan_batches
-from .batchnorm import convert_to_sync_batchnorm
-from .checkpoint import RunIdentity, Trained
-from .checkpointer import Checkpointer
+from .checkpoint import RunIdentity
 from .config import TrainConfig, config_to_dict, config_to_yaml, layout_to_yaml
 from .evaluation import evaluate
-from .final_weights import save_final
-from .flops import flops_per_sample, peak_for_mfu, to_meta
+from .events import EventLog
+from .flops import flops_per_sample, to_meta
 from .layout import LayoutSettings
 from .losses import read_loss_output
 from .metrics import MetricsLog, drop_records_after, format_metric
 from .preemption import Preempted, PreemptionWatcher, note_where
+from .prepared_run import Run, micro_batches, prepare_run
 from .profiling import StepProfiler, dump_out_of_memory, parse_steps
 from .recipe import Recipe
 from .report import write_report
-from .run_info import header, model_summary, write_run_info
-from .schedules import recipe_scheduler
-from .step import StepVerbs
-from .step_log import Speed, Window, log_record
-from .streams import TrainStream, eval_batches
+from .run_info import header, write_run_info
+from .step_log import Window, log_record
 from .trackers import Trackers
-from .wrapping import prepare_blocks
-
-
-@dataclass
-class Run:
-    """The prepared objects of one run, as the step loop needs them."""
-
-    recipe: Recipe
-    cfg: TrainConfig
-    accelerator: Accelerator
-    run_dir: Path
-    plan: BatchPlan
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    train_set: Any
-    train_loader: Any  # None for a stream (streams.py)
-    eval_set: Any
-    eval_loader: Any  # None for a stream, or without an eval set
-    steps_per_epoch: int | None  # None for a stream: its epochs end where it does
-    verbs: StepVerbs
-    checkpointer: Checkpointer
-    num_parameters: int
-    model_summary: str
-    speed: Speed
-    stream: TrainStream | None = None
-    first_batch: Any = None  # the shapes of the first micro-batch (meta tensors), for counting FLOPs
-
-    def eval_batches(self) -> tuple[Any, bool]:
-        """This process's eval micro-batches, and whether they still hold the loader's padding duplicates."""
-        if self.eval_loader is not None:
-            return self.eval_loader, True
-        accelerator = self.accelerator
-        batches = eval_batches(data.as_torch(self.eval_set), self.recipe.collate, self.plan.micro_batch_size,
-                               accelerator.process_index, accelerator.num_processes)  # fmt: skip
-        return batches, False
-
-    def final_weights(self) -> None:
-        save_final(self.accelerator, self.recipe, self.cfg, self.model, self.eval_set, self.run_dir)
 
 
 def train_loop(
@@ -96,7 +49,7 @@ def train_loop(
     Raises:
         Preempted: a signal stopped the run after it saved a checkpoint.
     """
-    run = _prepare(recipe, RunIdentity(recipe_name, cfg, layout), accelerator, run_dir)
+    run = prepare_run(recipe, RunIdentity(recipe_name, cfg, layout), accelerator, run_dir)
     state = run.checkpointer.restore()
     if state.step >= cfg.max_steps:  # the run's files stay as they are: nothing is trained or written
         if accelerator.is_main_process:
@@ -117,11 +70,13 @@ def train_loop(
     if accelerator.is_main_process and cfg.trackers:
         trackers = Trackers(cfg.trackers, run_dir, config_to_dict(cfg), state.step, state.tracker_ids)
         state.tracker_ids = trackers.run_ids()
+    run.events = EventLog(run_dir, enabled=accelerator.is_main_process)
+    run.events.write("start", step=state.step, world_size=accelerator.num_processes)
     log = MetricsLog(run_dir, enabled=accelerator.is_main_process, total_steps=cfg.max_steps,
                      show_progress_bar=cfg.show_progress_bar, initial=state.step, trackers=trackers)  # fmt: skip
     try:
         with PreemptionWatcher(accelerator.num_processes, layout.collective_timeout_s) as preemption:
-            final = _train_steps(run, _micro_batches(run), log, preemption)
+            final = _train_steps(run, micro_batches(run), log, preemption)
     except torch.cuda.OutOfMemoryError:
         print(f"accel-trainer: out of CUDA memory; what it held: {dump_out_of_memory(run_dir, accelerator)}",
               flush=True)  # fmt: skip
@@ -130,6 +85,7 @@ def train_loop(
         log.close()
         run.checkpointer.close()  # never leave with a checkpoint half written, preempted or not
     run.final_weights()
+    run.events.write("end", step=cfg.max_steps)
     if accelerator.is_main_process:
         _write_report(run_dir)
     return final
@@ -144,59 +100,9 @@ def _write_report(run_dir: Path) -> None:
                       f" {error}); `accel-trainer report {run_dir}` tries again", stacklevel=2)  # fmt: skip
 
 
-def _prepare(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator, run_dir: Path) -> Run:
-    cfg, layout = identity.cfg, identity.layout
-    set_seed(cfg.seed)  # the same initial weights on every process and layout
-    plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, accelerator.num_processes)
-    accelerator.gradient_accumulation_steps = plan.accumulation_steps
-    model = recipe.build_model(cfg)
-    num_parameters, summary = sum(parameter.numel() for parameter in model.parameters()), model_summary(model)
-    if layout.sync_batchnorm:
-        model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
-    prepare_blocks(model, recipe, layout.activation_checkpointing, is_main_process=accelerator.is_main_process)
-    train_set, eval_set = recipe.build_datasets(cfg)
-    data.check_dataset(train_set, "training")
-    if eval_set is not None:
-        data.check_dataset(eval_set, "eval")
-    optimizer = recipe.build_optimizer(cfg, model)
-    # deliberately not prepared: see schedules.py
-    scheduler = recipe_scheduler(recipe, cfg, optimizer, warn=accelerator.is_main_process)
-    workers = cfg.num_dataloader_workers
-    if workers and data.is_stream(train_set) and accelerator.is_main_process:
-        warnings.warn("accel-trainer: num_dataloader_workers has no effect on a stream: it is read in the training"
-                      " process (streams.py)", stacklevel=2)  # fmt: skip
-    train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, workers)
-    eval_loader = None
-    if eval_set is not None and not data.is_stream(eval_set):
-        eval_loader = data.eval_loader(recipe, eval_set, plan, workers)
-    # A None loader (a stream, or no eval set) passes through prepare unchanged.
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    set_seed(cfg.seed, device_specific=True)  # independent dropout streams per process
-    steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
-    checkpointer = Checkpointer(accelerator, run_dir, Trained(model, optimizer, scheduler), identity,
-                                has_eval=eval_set is not None)  # fmt: skip
-    return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
-               eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer,
-               num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)))  # fmt: skip
-
-
-def _micro_batches(run: Run) -> Any:
-    """This process's training micro-batches from the resume point on, with the RNG states restored in time."""
-    state, resume_rng = run.checkpointer.state, run.checkpointer.resume_rng
-    if run.train_loader is None:
-        position = (state.data_position or [0, 0])[0], (state.data_position or [0, 0])[1]
-        run.stream = TrainStream(data.as_torch(run.train_set), run.recipe.collate, run.plan,
-                                 run.accelerator.process_index, position)  # fmt: skip
-        return run.stream.micro_batches(resume_rng)
-    return data.micro_batches(
-        run.train_loader, run.plan, run.steps_per_epoch or 0, start_step=state.step,
-        skip_first_batches=run.accelerator.skip_first_batches, resume_rng=resume_rng,
-    )  # fmt: skip
-
-
 def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: PreemptionWatcher) -> dict[str, Any]:
     """The step loop: accumulate, clip, step, schedule, log, evaluate, checkpoint, stop on a signal."""
-    cfg, accelerator, model, optimizer = run.cfg, run.accelerator, run.model, run.optimizer
+    cfg, accelerator, model = run.cfg, run.accelerator, run.model
     state = run.checkpointer.state
     has_eval = run.eval_set is not None
     if has_eval and cfg.eval_every_steps > 0 and state.step == 0:
@@ -212,15 +118,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         state.epoch = _accumulate_gradients(run, batches, window) + 1
         state.step, state.samples_seen = step, step * cfg.global_batch_size
         is_log_step = step == cfg.max_steps or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
-        grad_norm = None
-        if cfg.max_grad_norm > 0 or is_log_step:
-            grad_norm = run.verbs.clip_grad_norm(model.parameters(), cfg.max_grad_norm or float("inf"))
-        lrs = [group["lr"] for group in optimizer.param_groups] if is_log_step else []  # the LRs of this step
-        if run.verbs.optimizer_step():
-            run.scheduler.step()  # the schedule follows the optimizer steps actually taken
-        else:  # fp16: the gradient scaler found inf/NaN gradients
-            state.skipped_steps += 1
-        run.verbs.zero_grad()
+        lrs, grad_norm = _optimizer_step(run, is_log_step)
         profiler.after_step(step)
         log.advance()
 
@@ -233,6 +131,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
             scores, seconds = _timed(evaluate, accelerator, run.recipe, model, *run.eval_batches())
             window.excluded_s += seconds
             log.write({"step": step, **scores, "eval/seconds": seconds, "samples_seen": state.samples_seen})
+            _event(run, "eval", step=step, seconds=seconds)
             state.metrics.update(scores)
         stop = preemption.should_stop()
         note_where(f"the save of step {step}")
@@ -241,9 +140,27 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         pending = None if is_log_step else functools.partial(window.bank_items, accelerator)
         folder, seconds = _timed(run.checkpointer.after_step, stop, scores, count_pending_items=pending)
         window.excluded_s += seconds
+        if folder is not None:
+            _event(run, "checkpoint", step=step, seconds=seconds, background=run.checkpointer.writer is not None)
         if stop:
+            _event(run, "preempted", step=step, signal=preemption.signal_name)
             raise Preempted(preemption.signal_name, step, folder)
     return state.metrics
+
+
+def _optimizer_step(run: Run, is_log_step: bool) -> tuple[list[float], Any]:
+    """Clip, step, schedule, zero the gradients; the LRs of this step and its gradient norm (on log steps)."""
+    cfg = run.cfg
+    grad_norm = None
+    if cfg.max_grad_norm > 0 or is_log_step:
+        grad_norm = run.verbs.clip_grad_norm(run.model.parameters(), cfg.max_grad_norm or float("inf"))
+    lrs = [group["lr"] for group in run.optimizer.param_groups] if is_log_step else []  # the LRs of this step
+    if run.verbs.optimizer_step():
+        run.scheduler.step()  # the schedule follows the optimizer steps actually taken
+    else:  # fp16: the gradient scaler found inf/NaN gradients
+        run.checkpointer.state.skipped_steps += 1
+    run.verbs.zero_grad()
+    return lrs, grad_norm
 
 
 def _write_log_record(run: Run, log: MetricsLog, window: Window, lrs: list[float], grad_norm: Any) -> None:
@@ -257,6 +174,11 @@ def _write_log_record(run: Run, log: MetricsLog, window: Window, lrs: list[float
     record.update(skipped_steps=state.skipped_steps, samples_seen=state.samples_seen, items_seen=state.items_seen)
     log.write(record)
     state.metrics.update(record)
+
+
+def _event(run: Run, event: str, **fields: Any) -> None:
+    if run.events is not None:
+        run.events.write(event, **fields)
 
 
 def _timed(work: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:

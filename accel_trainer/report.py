@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from .errors import UserError
+from .events import read_events, time_breakdown
 from .metrics import format_metric
 
 _X_KEYS = {"step": "step", "samples": "samples_seen", "items": "items_seen"}
@@ -46,7 +47,7 @@ def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     training, evaluations, config = read_run(run_dir)
     plotted = _plot({run_dir.name: (training, evaluations)}, run_dir / "report.png", "step")
-    lines = [f"# {run_dir.name}", "", _summary(training, evaluations, config), ""]
+    lines = [f"# {run_dir.name}", "", _summary(training, evaluations, config), _goodput(run_dir), ""]
     lines += ["![curves](report.png)" if plotted else "(no plot: `pip install 'accel-trainer[report]'` draws one)"]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
@@ -91,7 +92,7 @@ def _summary(training: list[dict], evaluations: list[dict], config: dict) -> str
     trained_s = sum(r.get("step_time_s", 0) * (r["step"] - p) for p, r in zip([0] + [t["step"] for t in training],
                                                                               training, strict=False))  # fmt: skip
     eval_s = sum(e.get("eval/seconds", 0) for e in evaluations)
-    rows.append(f"- time: {trained_s:.1f} s training, {eval_s:.1f} s evaluating")
+    rows.append(f"- time in logged steps: {trained_s:.1f} s training, {eval_s:.1f} s evaluating")
     if last:
         rows.append(f"- throughput (last window): {last.get('items_per_s', 0):.4g} items/s,"
                     f" {last.get('samples_per_s', 0):.4g} samples/s, {last.get('tflops', 0):.3g} TFLOP/s per device"
@@ -99,6 +100,23 @@ def _summary(training: list[dict], evaluations: list[dict], config: dict) -> str
         memory = [f"{k} {last[k]:.3g}" for k in ("mem_allocated_gb", "mem_reserved_gb", "host_rss_gb") if k in last]
         rows.append("- memory (peak of the last window): " + ", ".join(memory))
     return "\n".join(rows)
+
+
+def _goodput(run_dir: Path) -> str:
+    """The wall-time breakdown from events.jsonl: training, evaluating, checkpointing, lost between attempts."""
+    times = time_breakdown(read_events(run_dir))
+    if not times["attempts"]:
+        return "- wall time: no events.jsonl"
+    wall = times["wall"] or 1.0
+    parts = [f"{name.replace('_', ' ')} {times[name]:.1f} s ({100 * times[name] / wall:.0f}%)"
+             for name in ("training_and_startup", "evaluating", "checkpointing", "between_attempts")]  # fmt: skip
+    dropped = run_dir / "metrics.dropped.jsonl"
+    retrained = sum('"loss"' in line for line in dropped.read_text().splitlines()) if dropped.is_file() else 0
+    return (
+        f"- wall time {times['wall']:.1f} s over {int(times['attempts'])} attempt(s): "
+        + ", ".join(parts)
+        + (f"; {retrained} logged step(s) were trained again after a resume" if retrained else "")
+    )
 
 
 def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import accel_trainer as at
@@ -52,3 +54,14 @@ def test_report_of_a_folder_that_is_not_a_run_is_a_one_line_error(tmp_path, caps
         capsys.readouterr().err.strip()
         == f"accel-trainer: error: {tmp_path} is not a run folder (it has no metrics.jsonl)"
     )
+
+
+def test_events_record_starts_evaluations_checkpoints_and_the_end_for_the_time_breakdown(tmp_path):
+    at.train("vae", output_dir=str(tmp_path), save_every_steps=3, **QUICK)
+    at.train("vae", output_dir=str(tmp_path), save_every_steps=3, **{**QUICK, "max_steps": 9})  # resumed
+
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    kinds = [(e["event"], e.get("step")) for e in events]
+    assert kinds == [("start", 0), ("eval", 3), ("checkpoint", 3), ("eval", 6), ("checkpoint", 6), ("end", 6),
+                     ("start", 6), ("eval", 9), ("checkpoint", 9), ("end", 9)]  # fmt: skip
+    assert "over 2 attempt(s)" in (tmp_path / "report.md").read_text()

@@ -1,0 +1,121 @@
+"""Everything one run trains with, built once: model, data, optimizer, schedule, step verbs, checkpointer.
+
+`prepare_run` builds them in the order that keeps runs identical on every layout (the seed before the model,
+the per-process seed after `accelerator.prepare`) and hands the loop a `Run`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from . import data
+from .batching import BatchPlan, plan_batches
+from .batchnorm import convert_to_sync_batchnorm
+from .checkpoint import RunIdentity, Trained
+from .checkpointer import Checkpointer
+from .config import TrainConfig
+from .events import EventLog
+from .final_weights import save_final
+from .flops import peak_for_mfu
+from .recipe import Recipe
+from .run_info import model_summary
+from .schedules import recipe_scheduler
+from .step import StepVerbs
+from .step_log import Speed
+from .streams import TrainStream, eval_batches
+from .wrapping import prepare_blocks
+
+
+@dataclass
+class Run:
+    """The prepared objects of one run, as the step loop needs them."""
+
+    recipe: Recipe
+    cfg: TrainConfig
+    accelerator: Accelerator
+    run_dir: Path
+    plan: BatchPlan
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_set: Any
+    train_loader: Any  # None for a stream (streams.py)
+    eval_set: Any
+    eval_loader: Any  # None for a stream, or without an eval set
+    steps_per_epoch: int | None  # None for a stream: its epochs end where it does
+    verbs: StepVerbs
+    checkpointer: Checkpointer
+    num_parameters: int
+    model_summary: str
+    speed: Speed
+    stream: TrainStream | None = None
+    first_batch: Any = None  # the shapes of the first micro-batch (meta tensors), for counting FLOPs
+    events: EventLog | None = None
+
+    def eval_batches(self) -> tuple[Any, bool]:
+        """This process's eval micro-batches, and whether they still hold the loader's padding duplicates."""
+        if self.eval_loader is not None:
+            return self.eval_loader, True
+        accelerator = self.accelerator
+        batches = eval_batches(data.as_torch(self.eval_set), self.recipe.collate, self.plan.micro_batch_size,
+                               accelerator.process_index, accelerator.num_processes)  # fmt: skip
+        return batches, False
+
+    def final_weights(self) -> None:
+        save_final(self.accelerator, self.recipe, self.cfg, self.model, self.eval_set, self.run_dir)
+
+
+def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator, run_dir: Path) -> Run:
+    cfg, layout = identity.cfg, identity.layout
+    set_seed(cfg.seed)  # the same initial weights on every process and layout
+    plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, accelerator.num_processes)
+    accelerator.gradient_accumulation_steps = plan.accumulation_steps
+    model = recipe.build_model(cfg)
+    num_parameters, summary = sum(parameter.numel() for parameter in model.parameters()), model_summary(model)
+    if layout.sync_batchnorm:
+        model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
+    prepare_blocks(model, recipe, layout.activation_checkpointing, is_main_process=accelerator.is_main_process)
+    train_set, eval_set = recipe.build_datasets(cfg)
+    data.check_dataset(train_set, "training")
+    if eval_set is not None:
+        data.check_dataset(eval_set, "eval")
+    optimizer = recipe.build_optimizer(cfg, model)
+    # deliberately not prepared: see schedules.py
+    scheduler = recipe_scheduler(recipe, cfg, optimizer, warn=accelerator.is_main_process)
+    workers = cfg.num_dataloader_workers
+    if workers and data.is_stream(train_set) and accelerator.is_main_process:
+        warnings.warn("accel-trainer: num_dataloader_workers has no effect on a stream: it is read in the training"
+                      " process (streams.py)", stacklevel=2)  # fmt: skip
+    train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, workers)
+    eval_loader = None
+    if eval_set is not None and not data.is_stream(eval_set):
+        eval_loader = data.eval_loader(recipe, eval_set, plan, workers)
+    # A None loader (a stream, or no eval set) passes through prepare unchanged.
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    set_seed(cfg.seed, device_specific=True)  # independent dropout streams per process
+    steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
+    checkpointer = Checkpointer(accelerator, run_dir, Trained(model, optimizer, scheduler), identity,
+                                has_eval=eval_set is not None)  # fmt: skip
+    return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
+               eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer,
+               num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)))  # fmt: skip
+
+
+def micro_batches(run: Run) -> Any:
+    """This process's training micro-batches from the resume point on, with the RNG states restored in time."""
+    state, resume_rng = run.checkpointer.state, run.checkpointer.resume_rng
+    if run.train_loader is None:
+        position = (state.data_position or [0, 0])[0], (state.data_position or [0, 0])[1]
+        run.stream = TrainStream(data.as_torch(run.train_set), run.recipe.collate, run.plan,
+                                 run.accelerator.process_index, position)  # fmt: skip
+        return run.stream.micro_batches(resume_rng)
+    return data.micro_batches(
+        run.train_loader, run.plan, run.steps_per_epoch or 0, start_step=state.step,
+        skip_first_batches=run.accelerator.skip_first_batches, resume_rng=resume_rng,
+    )  # fmt: skip
