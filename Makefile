@@ -66,9 +66,10 @@ test: install  ## everything but the slow tier (tests/conftest.py), under 20 min
 test-slow: install  ## the slow tier: second layouts of checked properties, tests that wait out timeouts
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
-bench: install  ## per-step overhead against a plain loop, then checkpoint throughput (docs/benchmarks.md)
+bench: install  ## per-step overhead against a plain loop, checkpoint throughput, 1 -> 2 process scaling (docs/benchmarks.md)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/checkpoint_speed.py
+	$(BIN)/python benchmarks/scaling.py
 
 lint: install
 	$(BIN)/ruff check accel_trainer recipes tests benchmarks

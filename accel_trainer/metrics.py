@@ -61,6 +61,9 @@ class MetricsLog:
         self._file.write(json.dumps(record) + "\n")
         if self.trackers is not None:
             self.trackers.log(record)
+        if "loss" in record and not self._bar.disable:  # the bar carries the latest figures between log lines
+            self._bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "lr", "items_per_s") if k in record},
+                                  refresh=False)  # fmt: skip
         message = console_line(record)
         if self._bar.disable:
             print(message, flush=True)
