@@ -49,6 +49,10 @@ def write_report(run_dir: Path) -> Path:
     plotted = _plot({run_dir.name: (training, evaluations)}, run_dir / "report.png", "step")
     lines = [f"# {run_dir.name}", "", _summary(training, evaluations, config), _goodput(run_dir), ""]
     lines += ["![curves](report.png)" if plotted else "(no plot: `pip install 'accel-trainer[report]'` draws one)"]
+    ops = run_dir / "profile" / "ops_rank0.txt"
+    if ops.is_file():  # profile_steps was set: the top of rank 0's op table
+        lines += ["", "## Top profiled ops (rank 0; all of them in profile/)", "", "```",
+                  *ops.read_text().splitlines()[:15], "```"]  # fmt: skip
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -16,6 +16,7 @@ def test_chosen_steps_leave_a_chrome_trace_and_an_op_table(tmp_path):
     trace = json.loads((tmp_path / "profile" / "profile_0.json").read_text())
     assert any(event.get("name") == "aten::addmm" for event in trace["traceEvents"])
     assert "aten::addmm" in (tmp_path / "profile" / "ops_rank0.txt").read_text()
+    assert "## Top profiled ops" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.parametrize("text", ["5-2", "0-3", "fast", "3:5"])
