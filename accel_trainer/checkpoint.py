@@ -35,12 +35,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from . import checkpoint_files as files
 from . import state_files
@@ -84,9 +85,9 @@ def save(
 
     With a `writer`, the main process snapshots the full model and optimizer state in host memory and writes
     them, publishes and runs `after_publish` (retention) in the background, so training continues during
-    the write. A sharded (FSDP) save is always synchronous: it needs collectives.
+    the write. A sharded (FSDP, tensor-parallel) save is always synchronous: it needs collectives.
     """
-    step = state.step
+    step, sharded = state.step, is_sharded(trained.model)
     temporary = files.temporary_folder(run_dir, step)
     if accelerator.is_main_process:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -97,7 +98,7 @@ def save(
         heavy_writes: list[Callable[[], None]] = []
 
         def write_local_files() -> None:
-            heavy_writes.extend(_write_tensors(accelerator, temporary, model_state, optimizer_state, writer))
+            heavy_writes.extend(_write_tensors(accelerator, temporary, model_state, optimizer_state, writer, sharded))
             state_files.save(capture_rng_states(), temporary / rng_file_name(accelerator.process_index))
             if accelerator.is_main_process:
                 _write_small_files(accelerator, temporary, state, trained.scheduler, identity, model_state)
@@ -113,7 +114,7 @@ def save(
 
     # Decided alike on every process: a background write (the main process's only) needs no agreement now;
     # its failure is raised by writer.wait() at the next save, where the processes agree on it.
-    in_background = writer is not None and accelerator.distributed_type != DistributedType.FSDP
+    in_background = writer is not None and not sharded
     if problem is None and in_background:
         if accelerator.is_main_process:
             writer.start(finish)  # type: ignore[union-attr]
@@ -146,14 +147,14 @@ def _prepare_folder(accelerator: Accelerator, temporary: Path, writer: Backgroun
 
 def _write_tensors(
     accelerator: Accelerator, temporary: Path, model_state: Any, optimizer_state: Any,
-    writer: BackgroundWriter | None,
+    writer: BackgroundWriter | None, sharded: bool,
 ) -> list[Callable[[], None]]:  # fmt: skip
-    """Write the sharded tensors (FSDP, every process), or return the main process's writes of full ones."""
-    if accelerator.distributed_type == DistributedType.FSDP:
+    """Write the sharded tensors (every process), or return the main process's writes of full ones."""
+    if sharded:
         optimizer_skeleton, optimizer_tensors = state_files.split(optimizer_state, "optimizer")
-        sharded = {**{MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}, **optimizer_tensors}
+        tensors = {**{MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}, **optimizer_tensors}
         dcp.save(
-            state_files.writable(sharded),
+            state_files.writable(tensors),
             storage_writer=HuggingFaceStorageWriter(str(temporary / SHARDED), save_distributed=True),
         )
         if accelerator.is_main_process:
@@ -170,6 +171,12 @@ def _write_tensors(
         functools.partial(save_file, weights, str(temporary / "model.safetensors")),
         functools.partial(state_files.save, optimizer_copy, temporary / OPTIMIZER, "optimizer"),
     ]
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are spread over processes (FSDP2 or tensor parallel: DTensors), so that
+    its checkpoints are sharded DCP saves and its full weights take a collective."""
+    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
 
 
 def _attempt(work: Callable[[], None]) -> str | None:

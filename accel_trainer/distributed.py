@@ -28,6 +28,7 @@ from . import launch_fixes
 from .config import TrainConfig
 from .errors import ConfigError, LayoutError
 from .layout import LayoutSettings
+from .mesh import set_up_mesh
 
 _DDP_TYPES = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
 SUPPORTED_LAYOUTS = (DistributedType.NO, *_DDP_TYPES, DistributedType.FSDP)
@@ -46,7 +47,20 @@ def build_accelerator(cfg: TrainConfig, layout: LayoutSettings) -> Accelerator:
     launch_fixes.refuse_single_process_cpu_launch()
     launch_fixes.init_process_group_per_attempt(layout.collective_timeout_s)
     fsdp_plugin = launch_fixes.fsdp_plugin_from_launcher()
-    accelerator = Accelerator(
+    with launch_fixes.parallelism_config_hidden():  # mesh.set_up_mesh gives it to accelerate below
+        accelerator = _accelerator(cfg, layout, fsdp_plugin)
+    launch_fixes.check_launched_world(accelerator.num_processes)
+    launch_fixes.enable_fsdp_on_cpu(accelerator, fsdp_plugin)
+    check_supported(accelerator.distributed_type)
+    check_fsdp_options(getattr(accelerator.state, "fsdp_plugin", None))
+    set_up_mesh(accelerator, layout)
+    warn_about_ineffective_settings(cfg, layout, accelerator)
+    return accelerator
+
+
+def _accelerator(cfg: TrainConfig, layout: LayoutSettings, fsdp_plugin: FullyShardedDataParallelPlugin | None
+                 ) -> Accelerator:  # fmt: skip
+    return Accelerator(
         cpu=launch_fixes.wants_cpu(),
         fsdp_plugin=fsdp_plugin,
         mixed_precision=layout.mixed_precision,
@@ -59,12 +73,6 @@ def build_accelerator(cfg: TrainConfig, layout: LayoutSettings) -> Accelerator:
         ],
         step_scheduler_with_optimizer=False,
     )
-    launch_fixes.check_launched_world(accelerator.num_processes)
-    launch_fixes.enable_fsdp_on_cpu(accelerator, fsdp_plugin)
-    check_supported(accelerator.distributed_type)
-    check_fsdp_options(getattr(accelerator.state, "fsdp_plugin", None))
-    warn_about_ineffective_settings(cfg, layout, accelerator)
-    return accelerator
 
 
 def check_supported(distributed_type: DistributedType) -> None:

@@ -7,9 +7,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from . import checkpoint_files
 from .batchnorm import average_running_stats
+from .checkpoint import is_sharded
 from .config import TrainConfig, config_to_yaml
 from .recipe import Recipe
 
@@ -28,7 +30,12 @@ def save_final(
     from safetensors.torch import save_model
 
     average_running_stats(accelerator, model)
-    state = accelerator.get_state_dict(model)  # a collective under FSDP: every process takes part
+    state: Any
+    if is_sharded(model):  # FSDP or tensor parallel: a collective, every process takes part; full on the main one
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(accelerator.unwrap_model(model), options=options)
+    else:
+        state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         final_dir = run_dir / "final"
         final_dir.mkdir(parents=True, exist_ok=True)

@@ -20,13 +20,23 @@ matches), test_preemption.py (elastic restarts).
   environment variables for the keys it knows, but not X's path, and refuses unknown keys in X, so a file of
   accel-trainer's layout settings beside X cannot be found from the environment. `launch_config_path` reads
   it from the launcher's command line (Linux /proc; elsewhere there is none and key=value still works).
+- Meshes (tensor parallelism, HSDP): accelerate builds its `ParallelismConfig` and device mesh while the
+  Accelerator is constructed, and refuses them under MULTI_CPU, which is what a CPU FSDP launch is until
+  `enable_fsdp_on_cpu` runs; its own TP preparation (`Accelerator._prepare_tp`) is for transformers models
+  (under FSDP2 it imports transformers and expects `from_pretrained(tp_plan=...)`). So the launcher's sizes
+  are taken from the environment before construction (`launcher_parallelism_sizes`, `parallelism_config_hidden`)
+  and the config and mesh handed back after it (`attach_mesh`); TP is applied by tensor_parallel.py before
+  `prepare`, and under FSDP2 the attached config (`_FsdpMesh`) reports TP as already done so `prepare` only
+  shards, over the mesh's own dimensions (a dimension accelerate flattens has no process group in torch 2.13).
 
 The per-step speed shortcuts are not here: they are the loop's step verbs (step.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,7 +44,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
 
 from .errors import LayoutError
 
@@ -132,6 +142,73 @@ def init_process_group_per_attempt(timeout_s: float) -> None:
         store=dist.PrefixStore(f"accel_trainer/attempt_{attempt}", store),
         rank=rank, world_size=world_size, timeout=timeout,
     )  # fmt: skip
+
+
+_PARALLELISM_VARIABLES = {"dp_replicate": "DP_REPLICATE_SIZE", "dp_shard": "DP_SHARD_SIZE", "tp": "TP_SIZE",
+                          "cp": "CP_SIZE", "sp": "SP_SIZE"}  # fmt: skip
+
+
+def launcher_parallelism_sizes() -> dict[str, int]:
+    """The sizes of the accelerate config's `parallelism_config` section, as the launcher passed them on.
+
+    Raises:
+        LayoutError: context or sequence parallelism, which accel-trainer does not drive.
+    """
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
+        return {}
+    sizes = {name: int(os.environ.get(f"PARALLELISM_CONFIG_{variable}") or 1)
+             for name, variable in _PARALLELISM_VARIABLES.items()}  # fmt: skip
+    for name in ("cp", "sp"):
+        if sizes.pop(name) > 1:
+            raise LayoutError(
+                f"parallelism_config_{name}_size > 1 in the accelerate config: accel-trainer drives data, tensor"
+                f" and FSDP parallelism; set parallelism_config_{name}_size: 1"
+            )
+    return sizes
+
+
+@contextlib.contextmanager
+def parallelism_config_hidden() -> Iterator[None]:
+    """Keep accelerate from building (and, on a CPU FSDP launch, refusing) the mesh inside `Accelerator()`."""
+    value = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = value
+
+
+class _FsdpMesh(ParallelismConfig):
+    """The run's sizes and mesh for an FSDP2 layout, as `prepare` should read them.
+
+    - `tp_enabled` is False so that `prepare` skips accelerate's transformers-only TP step (tensor_parallel.py
+      applied TP already) and goes straight to `fully_shard`; `tp_size` and the mesh's `tp` dimension stay,
+      and they are what the data loader reads.
+    - `fsdp_dim_names` names the mesh's own dimensions instead of the `dp_shard_cp` that accelerate flattens
+      out of `dp_shard`: with torch 2.13 a flattened dimension sliced from the root mesh has no process group,
+      and `fully_shard` fails on it with `IndexError: list index out of range` (in `DeviceMesh.get_group`).
+    """
+
+    @property
+    def tp_enabled(self) -> bool:
+        return False
+
+    @property
+    def fsdp_dim_names(self) -> list[str]:
+        return ["dp_replicate", "dp_shard"] if self.dp_replicate_enabled else ["dp_shard"]
+
+
+def attach_mesh(accelerator: Accelerator, dp_replicate: int, dp_shard: int, tp: int) -> None:
+    """Give accelerate the run's `ParallelismConfig` and device mesh now that the Accelerator exists."""
+    sizes = {"dp_replicate_size": dp_replicate, "dp_shard_size": dp_shard, "tp_size": tp}
+    config = ParallelismConfig(**sizes)
+    mesh = config.get_device_mesh(accelerator.device.type)  # built by the honest config: with its tp dimension
+    if accelerator.is_fsdp2:
+        config = _FsdpMesh(**sizes)
+        config.device_mesh = mesh
+    state = AcceleratorState()
+    state.parallelism_config = config
+    state.device_mesh = mesh
 
 
 _CONFIG_FLAGS = ("--config_file", "--config-file")

@@ -44,6 +44,9 @@ class LayoutSettings:
     """Recompute each wrap_classes block's activations in backward: less memory, about a third more compute."""
     sync_batchnorm: bool = False
     """Normalise BatchNorm with the statistics of all processes' micro-batches (SyncBatchNorm; CUDA only)."""
+    tp_size: int = 1
+    """Tensor-parallel processes per model replica (the recipe's tp_plan splits its layers over them); or
+    parallelism_config_tp_size in an FSDP layout's accelerate config (mesh.py)."""
     peak_tflops: float = 0.0
     """Peak TFLOP/s of one device in the compute dtype, for MFU; 0 takes the datasheet table (GPUs only)."""
     ddp_find_unused_parameters: bool = False

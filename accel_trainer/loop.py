@@ -230,7 +230,7 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
     if step_items is not None:
         # accelerate scaled each sum by 1/accumulation_steps and the gradient all-reduce averaged over
         # processes; undo both and divide by the true item count of the step instead.
-        total_items = accelerator.reduce(step_items, reduction="sum")
+        total_items = accelerator.reduce(step_items, reduction="sum") / run.ranks.replicas  # TP ranks: copies
         scale = plan.accumulation_steps * plan.num_processes / total_items
         for parameter in model.parameters():
             if parameter.grad is not None:

@@ -23,12 +23,14 @@ from .config import TrainConfig
 from .events import EventLog
 from .final_weights import save_final
 from .flops import peak_for_mfu
+from .mesh import DataRanks, data_ranks
 from .recipe import Recipe
 from .run_info import model_summary
 from .schedules import recipe_scheduler
 from .step import StepVerbs
 from .step_log import Speed
 from .streams import TrainStream, eval_batches
+from .tensor_parallel import apply_tensor_parallel
 from .wrapping import prepare_blocks
 
 
@@ -54,6 +56,7 @@ class Run:
     num_parameters: int
     model_summary: str
     speed: Speed
+    ranks: DataRanks  # the data-parallel dimension: what the data path and the item counts use
     stream: TrainStream | None = None
     first_batch: Any = None  # the shapes of the first micro-batch (meta tensors), for counting FLOPs
     events: EventLog | None = None
@@ -62,9 +65,8 @@ class Run:
         """This process's eval micro-batches, and whether they still hold the loader's padding duplicates."""
         if self.eval_loader is not None:
             return self.eval_loader, True
-        accelerator = self.accelerator
         batches = eval_batches(data.as_torch(self.eval_set), self.recipe.collate, self.plan.micro_batch_size,
-                               accelerator.process_index, accelerator.num_processes)  # fmt: skip
+                               self.ranks.rank, self.ranks.size)  # fmt: skip
         return batches, False
 
     def final_weights(self) -> None:
@@ -74,10 +76,14 @@ class Run:
 def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator, run_dir: Path) -> Run:
     cfg, layout = identity.cfg, identity.layout
     set_seed(cfg.seed)  # the same initial weights on every process and layout
-    plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, accelerator.num_processes)
+    ranks = data_ranks(accelerator)
+    plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, ranks.size)
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
     model = recipe.build_model(cfg)
     num_parameters, summary = sum(parameter.numel() for parameter in model.parameters()), model_summary(model)
+    mesh = accelerator.torch_device_mesh
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+        apply_tensor_parallel(model.to(accelerator.device), dict(recipe.tp_plan), mesh["tp"])
     if layout.sync_batchnorm:
         model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
     prepare_blocks(model, recipe, layout.activation_checkpointing, is_main_process=accelerator.is_main_process)
@@ -93,18 +99,18 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
         warnings.warn("accel-trainer: num_dataloader_workers has no effect on a stream: it is read in the training"
                       " process (streams.py)", stacklevel=2)  # fmt: skip
     train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, workers)
-    eval_loader = None
-    if eval_set is not None and not data.is_stream(eval_set):
+    eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (Run.eval_batches)
+    if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == 1:
         eval_loader = data.eval_loader(recipe, eval_set, plan, workers)
     # A None loader (a stream, or no eval set) passes through prepare unchanged.
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    set_seed(cfg.seed, device_specific=True)  # independent dropout streams per process
+    set_seed(cfg.seed + ranks.rank)  # independent dropout per data-parallel rank, shared by its TP ranks
     steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
     checkpointer = Checkpointer(accelerator, run_dir, Trained(model, optimizer, scheduler), identity,
                                 has_eval=eval_set is not None)  # fmt: skip
     return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
                eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer,
-               num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)))  # fmt: skip
+               num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks)  # fmt: skip
 
 
 def micro_batches(run: Run) -> Any:
@@ -112,8 +118,8 @@ def micro_batches(run: Run) -> Any:
     state, resume_rng = run.checkpointer.state, run.checkpointer.resume_rng
     if run.train_loader is None:
         position = (state.data_position or [0, 0])[0], (state.data_position or [0, 0])[1]
-        run.stream = TrainStream(data.as_torch(run.train_set), run.recipe.collate, run.plan,
-                                 run.accelerator.process_index, position)  # fmt: skip
+        run.stream = TrainStream(data.as_torch(run.train_set), run.recipe.collate, run.plan, run.ranks.rank,
+                                 position)  # fmt: skip
         return run.stream.micro_batches(resume_rng)
     return data.micro_batches(
         run.train_loader, run.plan, run.steps_per_epoch or 0, start_step=state.step,

@@ -13,6 +13,7 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
     eval_metrics(model, batch)  -> optional; per-sample metric tensors for evaluation
     collate(examples)           -> optional; how a list of examples becomes a batch
     wrap_classes                -> optional class attribute: the block classes FSDP shards as units
+    tp_plan                     -> optional class attribute: how tensor parallelism splits modules
     write_artifacts(model, eval_dataset, run_dir) -> optional; pictures or reports, main process only
 
 `self.cfg` holds the resolved config, so `compute_loss` can read recipe fields.
@@ -41,6 +42,10 @@ class Recipe:
     wrap_classes: ClassVar[tuple[type[torch.nn.Module], ...]] = ()
     """Module classes (transformer or residual blocks) that FSDP shards as units and activation checkpointing
     recomputes; empty shards the model as one unit."""
+    tp_plan: ClassVar[dict[str, str]] = {}
+    """Module-name patterns (`*` for one component, e.g. a block index) to tensor-parallel styles: "colwise",
+    "rowwise", "colwise_gather_output", "embedding", "sequence_parallel" (tensor_parallel.py); used only on a
+    layout with tp_size > 1, which refuses a recipe without one."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg

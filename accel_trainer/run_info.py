@@ -22,6 +22,7 @@ from accelerate import Accelerator
 
 from .batching import BatchPlan
 from .layout import LayoutSettings, layout_to_dict
+from .mesh import describe_mesh
 
 _PACKAGES = ("accel-trainer", "torch", "accelerate", "datasets", "safetensors", "transformers")
 
@@ -31,12 +32,14 @@ def header(recipe_name: str, accelerator: Accelerator, plan: BatchPlan, num_para
     device = accelerator.device.type
     if device == "cuda":
         device = f"cuda ({torch.cuda.get_device_name(accelerator.device)})"
+    mesh = describe_mesh(accelerator)
     return "\n".join([
         f"accel-trainer: recipe {recipe_name}, {num_parameters:,} parameters",
-        f"  layout: {accelerator.num_processes} process(es) on {device}, {accelerator.distributed_type.value},"
-        f" precision {accelerator.mixed_precision}",
+        f"  layout: {accelerator.num_processes} process(es) on {device}, {accelerator.distributed_type.value}"
+        f"{f' (mesh {mesh})' if mesh else ''}, precision {accelerator.mixed_precision}",
         f"  batch: {plan.global_batch_size} per step = {plan.micro_batch_size} per micro-batch x"
-        f" {plan.num_processes} process(es) x {plan.accumulation_steps} accumulation step(s)",
+        f" {plan.num_processes} {'data-parallel rank(s)' if mesh else 'process(es)'} x {plan.accumulation_steps}"
+        " accumulation step(s)",
         f"  run folder: {run_dir}",
     ])  # fmt: skip
 
@@ -58,7 +61,8 @@ def write_run_info(run_dir: Path, accelerator: Accelerator, layout: LayoutSettin
         "git_commit": _git_commit(Path.cwd()),
         "devices": _devices(accelerator),
         "layout": {"distributed_type": accelerator.distributed_type.value, "num_processes": accelerator.num_processes,
-                   "mixed_precision": accelerator.mixed_precision, **layout_to_dict(layout)},
+                   "mesh": describe_mesh(accelerator), "mixed_precision": accelerator.mixed_precision,
+                   **layout_to_dict(layout)},
     })  # fmt: skip
     path.write_text(json.dumps({"starts": starts}, indent=1))
 

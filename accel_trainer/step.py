@@ -21,6 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
 
 _PLAIN_LAYOUTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
@@ -45,8 +46,10 @@ class StepVerbs:
     def clip_grad_norm(self, parameters: Any, max_norm: float) -> torch.Tensor:
         """`accelerator.clip_grad_norm_` (which unscales fp16 gradients and handles sharded ones first)."""
         if not self.direct:
-            return self.accelerator.clip_grad_norm_(parameters, max_norm)
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+            norm = self.accelerator.clip_grad_norm_(parameters, max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # tensor parallel: a replicated DTensor
 
     def optimizer_step(self) -> bool:
         """Take the optimizer step; returns False when the fp16 scaler skipped it (inf/NaN gradients)."""

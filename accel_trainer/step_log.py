@@ -17,6 +17,7 @@ from accelerate import Accelerator
 
 from .config import TrainConfig
 from .losses import LossOutput
+from .mesh import data_ranks
 
 
 @dataclass
@@ -51,8 +52,9 @@ class Window:
 
     def bank_items(self, accelerator: Accelerator) -> float:
         """This window's items over all processes not counted yet, now counted (one reduction: at saves)."""
-        total = accelerator.reduce(self.num_items.float(), reduction="sum").item()
-        total += self.num_host_items * accelerator.num_processes
+        ranks = data_ranks(accelerator)  # tensor-parallel ranks count the same items
+        total = accelerator.reduce(self.num_items.float(), reduction="sum").item() / ranks.replicas
+        total += self.num_host_items * ranks.size
         new, self.items_banked = total - self.items_banked, total
         return new
 
@@ -84,9 +86,10 @@ def log_record(
     sums = [window.loss_sum, window.num_items.float(), *(window.term_sums[name] for name in names)]
     stacked = torch.cat([torch.stack(sums), torch.tensor(local, device=window.loss_sum.device)])
     rows = accelerator.gather(stacked.double()).view(accelerator.num_processes, -1).tolist()
-    totals = [sum(column) for column in zip(*rows, strict=True)]
+    ranks = data_ranks(accelerator)  # tensor-parallel ranks hold copies of their data-parallel rank's sums
+    totals = [sum(column) / ranks.replicas for column in zip(*rows, strict=True)]
     loss_sum, num_items = totals[:2]
-    num_items += window.num_host_items * accelerator.num_processes  # every process ran equal micro-batches
+    num_items += window.num_host_items * ranks.size  # every data-parallel rank ran equal micro-batches
     timing = {name: [row[len(sums) + i] for row in rows] for i, name in enumerate(_PER_PROCESS)}
     elapsed = max(timing["elapsed"])
     samples_per_s = window.num_steps * cfg.global_batch_size / elapsed

@@ -69,24 +69,32 @@ class GPTConfig(at.TrainConfig):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention, each position seeing only itself and earlier ones."""
+    """Multi-head self-attention, each position seeing only itself and earlier ones.
+
+    Separate q, k and v projections (not one fused qkv) and shapes read from the projections' outputs with
+    the head count left to `view`, so tensor parallelism can split the heads: under `tp_size=2` each process
+    holds half of q, k and v's output features, that is half of the heads, and the same code runs.
+    """
 
     def __init__(self, d_model: int, n_head: int, dropout: float):
         super().__init__()
         if d_model % n_head:
             raise at.ConfigError(f"d_model={d_model} is not a multiple of n_head={n_head}")
-        self.n_head = n_head
+        self.head_dim = d_model // n_head
         self.dropout = dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        # (batch, length, 3, heads, head_dim) -> 3 x (batch, heads, length, head_dim)
-        q, k, v = self.qkv(x).view(batch, length, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        batch, length, _ = q.shape
+        # (batch, length, heads * head_dim) -> (batch, heads, length, head_dim)
+        q, k, v = (t.view(batch, length, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, length, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
 class Block(nn.Module):
@@ -129,11 +137,17 @@ class GPT(nn.Module):
         length = input_ids.shape[1]
         if length > self.block_size:
             raise ValueError(f"a sequence of {length} tokens is longer than block_size={self.block_size}")
-        positions = torch.arange(length, device=input_ids.device)
+        positions = torch.arange(length, device=input_ids.device)[None]  # (1, length): sequence on dim 1
         x = self.dropout(self.token_embedding(input_ids) + self.position_embedding(positions))
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_final(x))
+
+
+def _padded_length(length: int, block_size: int) -> int:
+    """`length` rounded up to a multiple of 8, within block_size. Causal attention keeps the padding at the end
+    from changing any real position, and its targets are ignored."""
+    return min(-(-length // 8) * 8, max(length, block_size))
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -228,6 +242,23 @@ class ByteGPT(at.Recipe):
 
     Config = GPTConfig
     wrap_classes = (Block,)
+    tp_plan = {
+        # Megatron-style: vocabulary-parallel embeddings, column- then row-parallel attention and MLP, and the
+        # activations between them sharded along the sequence (sequence parallelism); the LM head's logits are
+        # gathered for the loss. The head stays tied to the token embedding (both split along the vocabulary).
+        "token_embedding": "embedding",
+        "position_embedding": "embedding",
+        "blocks.*.ln_attention": "sequence_parallel",
+        "blocks.*.attention.q": "colwise",
+        "blocks.*.attention.k": "colwise",
+        "blocks.*.attention.v": "colwise",
+        "blocks.*.attention.proj": "rowwise",
+        "blocks.*.ln_mlp": "sequence_parallel",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+        "ln_final": "sequence_parallel",
+        "lm_head": "colwise_gather_output",
+    }
 
     def build_model(self, cfg: GPTConfig) -> nn.Module:
         return GPT(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.block_size, cfg.dropout)
@@ -236,9 +267,10 @@ class ByteGPT(at.Recipe):
         return build_splits(cfg)
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Pad to the longest sequence of the batch: inputs with PAD_ID, targets with IGNORE_INDEX."""
+        """Pad to the longest sequence of the batch, rounded up to a multiple of 8: inputs with PAD_ID, targets
+        with IGNORE_INDEX (sequence parallelism splits the length evenly over up to 8 processes)."""
         sequences = [torch.as_tensor(example["input_ids"], dtype=torch.long) for example in examples]
-        length = max(len(sequence) for sequence in sequences) - 1
+        length = _padded_length(max(len(sequence) for sequence in sequences) - 1, self.cfg.block_size)
         input_ids = torch.full((len(sequences), length), PAD_ID, dtype=torch.long)
         targets = torch.full((len(sequences), length), IGNORE_INDEX, dtype=torch.long)
         for row, sequence in enumerate(sequences):

@@ -1,0 +1,125 @@
+"""The device mesh of a run, built in one place: data parallel (replicated x sharded) x tensor parallel.
+
+A layout splits its processes over the dimensions `(dp_replicate, dp_shard, tp)`, in accelerate's order:
+- `tp`: tensor parallelism, the recipe's `tp_plan` splitting each layer's weights (tensor_parallel.py);
+- `dp_shard`: FSDP2 sharding of parameters, gradients and optimizer state;
+- `dp_replicate`: replicas of the sharded model (HSDP: shard within a group, all-reduce between groups).
+Processes that differ only in `tp` form one data-parallel rank: they see the same batches. The batch plan,
+the data sharding, evaluation and the item counts use `data_parallel_size` and `data_parallel_rank`, never
+the process count.
+
+The sizes come from the accelerate config's `parallelism_config` section (`parallelism_config_tp_size`,
+`..._dp_replicate_size`, `..._dp_shard_size`), which accelerate's launcher accepts for FSDP layouts only, or
+from the layout setting `tp_size` (any layout, e.g. `accelerate_configs/cpu_tp.settings.yaml`). Without FSDP,
+every process is one tensor-parallel rank (world size = tp_size): DDP across tensor-parallel groups does not
+train (torch's `replicate` over a TP mesh, measured), so data parallelism beside TP takes an FSDP layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from accelerate import Accelerator
+
+from . import launch_fixes
+from .errors import LayoutError
+from .layout import LayoutSettings
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """How many processes each dimension spans; their product is the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks: groups of processes that see different batches."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def needs_mesh(self) -> bool:
+        """Whether the layout goes beyond what accelerate builds by itself (DDP, or FSDP over all processes)."""
+        return self.tp > 1 or self.dp_replicate > 1
+
+
+def mesh_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool) -> MeshShape:
+    """The mesh this launch asks for, or a one-line error naming what does not fit.
+
+    Raises:
+        LayoutError: sizes that do not divide the world, TP and the accelerate config disagreeing, data
+            parallelism beside TP without FSDP.
+    """
+    launcher = launch_fixes.launcher_parallelism_sizes()
+    tp = layout.tp_size
+    if tp < 1:
+        raise LayoutError(f"tp_size={tp}: must be at least 1")
+    if launcher.get("tp", 1) > 1 and tp > 1 and launcher["tp"] != tp:
+        raise LayoutError(
+            f"tp_size={tp} disagrees with parallelism_config_tp_size={launcher['tp']} of the accelerate config:"
+            " set it in one place"
+        )
+    tp = max(tp, launcher.get("tp", 1))
+    dp_replicate = launcher.get("dp_replicate", 1)
+    if world_size % (tp * dp_replicate):
+        raise LayoutError(
+            f"{world_size} process(es) cannot be split into tp_size={tp} x dp_replicate_size={dp_replicate}"
+            " groups: launch a multiple of their product"
+        )
+    data_parallel = world_size // tp
+    if data_parallel > 1 and tp > 1 and not is_fsdp:
+        raise LayoutError(
+            f"tensor parallelism over {tp} of {world_size} processes needs FSDP for the data-parallel dimension"
+            " (DDP across tensor-parallel groups does not train): launch an FSDP layout such as"
+            " accelerate_configs/cpu_fsdp_tp.yaml, or as many processes as tp_size"
+        )
+    dp_shard = data_parallel // dp_replicate
+    if is_fsdp and dp_shard == 1 and world_size > 1:
+        raise LayoutError(
+            f"this FSDP layout leaves FSDP nothing to shard over (tp {tp} x dp_replicate {dp_replicate} ="
+            f" {world_size} processes): launch more processes, or a layout without FSDP (cpu_tp.yaml)"
+        )
+    expected_shard = launcher.get("dp_shard", 1)
+    if expected_shard > 1 and expected_shard != dp_shard:
+        raise LayoutError(
+            f"parallelism_config_dp_shard_size={expected_shard} of the accelerate config, but {world_size}"
+            f" process(es) / (tp {tp} x dp_replicate {dp_replicate}) leaves {dp_shard}: fix num_processes or"
+            " the sizes"
+        )
+    return MeshShape(dp_replicate, dp_shard, tp)
+
+
+@dataclass(frozen=True)
+class DataRanks:
+    """This process's data-parallel rank and the number of them: what the data path and the counts use."""
+
+    rank: int
+    size: int
+    replicas: int  # processes per data-parallel rank (tensor-parallel ranks), which see the same batches
+
+
+def data_ranks(accelerator: Accelerator) -> DataRanks:
+    """This process's place in the data-parallel dimension of the run's mesh (every process without a mesh)."""
+    config = accelerator.parallelism_config
+    tp = config.tp_size if config is not None else 1
+    rank = accelerator.process_index // tp  # accelerate's mesh order puts tp innermost
+    return DataRanks(rank, accelerator.num_processes // tp, tp)
+
+
+def describe_mesh(accelerator: Accelerator) -> str:
+    """The mesh in words, like "dp_shard 2 x tp 2"; empty without one."""
+    config = accelerator.parallelism_config
+    if config is None:
+        return ""
+    sizes = {"dp_replicate": config.dp_replicate_size, "dp_shard": config.dp_shard_size, "tp": config.tp_size}
+    return " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1)
+
+
+def set_up_mesh(accelerator: Accelerator, layout: LayoutSettings) -> MeshShape:
+    """Decide the run's mesh and, where it needs one, give it to accelerate (launch_fixes.attach_mesh)."""
+    shape = mesh_shape(layout, accelerator.num_processes, accelerator.is_fsdp2)
+    if shape.needs_mesh:
+        launch_fixes.attach_mesh(accelerator, shape.dp_replicate, shape.dp_shard, shape.tp)
+    return shape
