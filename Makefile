@@ -17,7 +17,8 @@ MAIN_PORT ?= 29500
 NODE_FLAGS = --machine_rank $(NODE_RANK) --main_process_ip $(MAIN_ADDR) --main_process_port $(MAIN_PORT)
 
 .PHONY: install train train-cpu-ddp train-cpu-fsdp train-gpu train-4gpu train-8gpu train-4gpu-fsdp train-8gpu-fsdp \
-	train-4gpu-powersgd train-2node train-2node-cpu test test-slow bench lint clean
+	train-4gpu-powersgd train-2node train-2node-cpu train-cpu-tp train-cpu-fsdp-tp train-cpu-hsdp train-8gpu-fsdp-tp \
+	train-2node-hsdp test test-slow bench lint clean
 
 install: $(VENV)/.installed
 
@@ -36,6 +37,15 @@ train-cpu-ddp: install  ## 2 gloo processes on the CPU
 train-cpu-fsdp: install  ## 2 gloo processes on the CPU, parameters sharded with FSDP2
 	$(LAUNCH) --config_file accelerate_configs/cpu_fsdp.yaml $(RUN_RECIPE)
 
+train-cpu-tp: install  ## 2 gloo processes on the CPU, tensor parallel (the recipe's tp_plan; tp_size from cpu_tp.settings.yaml)
+	$(LAUNCH) --config_file accelerate_configs/cpu_tp.yaml $(RUN_RECIPE)
+
+train-cpu-fsdp-tp: install  ## 4 gloo processes on the CPU: FSDP2 over 2 data-parallel ranks x tensor parallel pairs
+	$(LAUNCH) --config_file accelerate_configs/cpu_fsdp_tp.yaml $(RUN_RECIPE)
+
+train-cpu-hsdp: install  ## 4 gloo processes on the CPU: FSDP2 within pairs, replicated across them (HSDP)
+	$(LAUNCH) --config_file accelerate_configs/cpu_hsdp.yaml $(RUN_RECIPE)
+
 train-gpu: install
 	$(LAUNCH) --config_file accelerate_configs/gpu.yaml $(RUN_RECIPE)
 
@@ -51,11 +61,17 @@ train-4gpu-fsdp: install
 train-8gpu-fsdp: install
 	$(LAUNCH) --config_file accelerate_configs/8gpu_fsdp.yaml $(RUN_RECIPE)
 
+train-8gpu-fsdp-tp: install
+	$(LAUNCH) --config_file accelerate_configs/8gpu_fsdp_tp.yaml $(RUN_RECIPE)
+
 train-4gpu-powersgd: install  ## PowerSGD comes from accelerate_configs/4gpu_ddp_powersgd.settings.yaml
 	$(LAUNCH) --config_file accelerate_configs/4gpu_ddp_powersgd.yaml $(RUN_RECIPE)
 
 train-2node: install  ## on each node: make train-2node NODE_RANK=r MAIN_ADDR=<node 0 address>
 	$(LAUNCH) --config_file accelerate_configs/2node_4gpu.yaml $(NODE_FLAGS) $(RUN_RECIPE)
+
+train-2node-hsdp: install  ## on each node: make train-2node-hsdp NODE_RANK=r MAIN_ADDR=<node 0 address>
+	$(LAUNCH) --config_file accelerate_configs/2node_hsdp.yaml $(NODE_FLAGS) $(RUN_RECIPE)
 
 train-2node-cpu: install  ## the CPU twin; both node ranks may run on one machine with MAIN_ADDR=127.0.0.1
 	$(LAUNCH) --config_file accelerate_configs/2node_cpu.yaml $(NODE_FLAGS) $(RUN_RECIPE)

@@ -27,7 +27,7 @@ matches), test_preemption.py (elastic restarts).
   are taken from the environment before construction (`launcher_parallelism_sizes`, `parallelism_config_hidden`)
   and the config and mesh handed back after it (`attach_mesh`); TP is applied by tensor_parallel.py before
   `prepare`, and under FSDP2 the attached config (`_FsdpMesh`) reports TP as already done so `prepare` only
-  shards, over the mesh's own dimensions (a dimension accelerate flattens has no process group in torch 2.13).
+  shards.
 
 The per-step speed shortcuts are not here: they are the loop's step verbs (step.py).
 """
@@ -179,23 +179,16 @@ def parallelism_config_hidden() -> Iterator[None]:
 
 
 class _FsdpMesh(ParallelismConfig):
-    """The run's sizes and mesh for an FSDP2 layout, as `prepare` should read them.
+    """The run's sizes and mesh for an FSDP2 layout whose tensor parallelism tensor_parallel.py already applied.
 
-    - `tp_enabled` is False so that `prepare` skips accelerate's transformers-only TP step (tensor_parallel.py
-      applied TP already) and goes straight to `fully_shard`; `tp_size` and the mesh's `tp` dimension stay,
-      and they are what the data loader reads.
-    - `fsdp_dim_names` names the mesh's own dimensions instead of the `dp_shard_cp` that accelerate flattens
-      out of `dp_shard`: with torch 2.13 a flattened dimension sliced from the root mesh has no process group,
-      and `fully_shard` fails on it with `IndexError: list index out of range` (in `DeviceMesh.get_group`).
+    `tp_enabled` is False so that `prepare` skips accelerate's transformers-only TP step and goes straight to
+    `fully_shard` over the data-parallel dimensions. The mesh is built by an ordinary `ParallelismConfig`
+    (whose `tp_enabled` puts the `tp` dimension into it) and handed to this one.
     """
 
     @property
     def tp_enabled(self) -> bool:
         return False
-
-    @property
-    def fsdp_dim_names(self) -> list[str]:
-        return ["dp_replicate", "dp_shard"] if self.dp_replicate_enabled else ["dp_shard"]
 
 
 def attach_mesh(accelerator: Accelerator, dp_replicate: int, dp_shard: int, tp: int) -> None:

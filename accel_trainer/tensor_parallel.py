@@ -139,11 +139,11 @@ def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
                 replicated = distribute_tensor(parameter.detach(), device_mesh, [Replicate()])
                 submodule.register_parameter(key, nn.Parameter(replicated, parameter.requires_grad))
 
-    def inputs_replicated(inputs: Any, device_mesh: DeviceMesh) -> Any:
+    def inputs_replicated(submodule: nn.Module, inputs: Any, device_mesh: DeviceMesh) -> Any:
         return tuple(DTensor.from_local(x, device_mesh, [Replicate()]) if isinstance(x, torch.Tensor)
                      and not isinstance(x, DTensor) else x for x in inputs)  # fmt: skip
 
-    def outputs_local(outputs: Any, device_mesh: DeviceMesh) -> Any:
+    def outputs_local(submodule: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
     distribute_module(module, mesh, parameters_replicated, inputs_replicated, outputs_local)  # type: ignore[arg-type]

@@ -31,11 +31,24 @@ EXPECTED = {
     "4gpu_ddp_powersgd.yaml": ("MULTI_GPU", 4, "bf16", False),
     "2node_cpu.yaml": ("MULTI_GPU", 2, "no", False),
     "2node_4gpu.yaml": ("MULTI_GPU", 8, "bf16", False),
+    "cpu_tp.yaml": ("MULTI_GPU", 2, "no", False),
+    "cpu_fsdp_tp.yaml": ("FSDP", 4, "no", False),
+    "cpu_hsdp.yaml": ("FSDP", 4, "no", False),
+    "8gpu_fsdp_tp.yaml": ("FSDP", 8, "bf16", False),
+    "2node_hsdp.yaml": ("FSDP", 8, "bf16", False),
+}
+# file -> (dp_replicate, dp_shard, tp) of its mesh, from its parallelism_config section or its settings file
+MESHES = {
+    "cpu_tp.yaml": (1, 1, 2),
+    "cpu_fsdp_tp.yaml": (1, 2, 2),
+    "cpu_hsdp.yaml": (2, 2, 1),
+    "8gpu_fsdp_tp.yaml": (1, 4, 2),
+    "2node_hsdp.yaml": (2, 4, 1),
 }
 
 
 def test_the_layout_folder_holds_exactly_the_known_layouts():
-    assert len(CONFIGS) == 11
+    assert len(CONFIGS) == 16
     assert {path.name for path in CONFIGS} == set(EXPECTED)
 
 
@@ -52,8 +65,11 @@ def test_layout_parses_and_matches_what_its_header_promises(path):
     assert f"accelerate launch --config_file accelerate_configs/{path.name}" in header
     first_line = header.splitlines()[0]
     assert re.search(rf"\b{num_processes}\b", first_line) or num_processes == 1
+    dp_replicate, _, tp = MESHES.get(path.name, (1, 1, 1))
     assert ("FSDP" in first_line) == (distributed_type == "FSDP")
-    assert ("DDP" in first_line) == (distributed_type == "MULTI_GPU")
+    assert ("DDP" in first_line) == (distributed_type == "MULTI_GPU" and tp == 1)
+    assert ("tensor parallel" in first_line) == (tp > 1)
+    assert ("HSDP" in first_line) == (dp_replicate > 1)
     if distributed_type == "FSDP":
         assert config["fsdp_config"]["fsdp_version"] == 2
     if "2node" in path.name:
@@ -77,7 +93,23 @@ def test_layout_is_used_by_a_makefile_target_named_in_its_header(path):
 
 
 def test_each_settings_file_belongs_to_a_layout():
-    assert [path.name for path in SETTINGS] == ["4gpu_ddp_powersgd.settings.yaml"]
+    assert [path.name for path in SETTINGS] == ["4gpu_ddp_powersgd.settings.yaml", "cpu_tp.settings.yaml"]
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_a_mesh_layout_names_sizes_whose_product_is_its_process_count(name):
+    path = REPO / "accelerate_configs" / name
+    config = yaml.safe_load(path.read_text())
+    dp_replicate, dp_shard, tp = MESHES[name]
+    assert dp_replicate * dp_shard * tp == config["num_processes"]
+    if config["distributed_type"] == "FSDP":  # accelerate's launcher carries the sizes
+        section = config["parallelism_config"]
+        assert section["parallelism_config_dp_replicate_size"] == dp_replicate
+        assert section["parallelism_config_dp_shard_size"] == dp_shard
+        assert section["parallelism_config_tp_size"] == tp
+    else:  # accelerate refuses a parallelism_config without FSDP: our settings file carries tp_size
+        settings = yaml.safe_load(settings_file_of(path).read_text())
+        assert settings == {"tp_size": tp}
     assert all(path in map(settings_file_of, CONFIGS) for path in SETTINGS)
 
 

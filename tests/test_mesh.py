@@ -1,0 +1,159 @@
+"""How a launch becomes a mesh (mesh.py), and how a recipe's tp_plan is checked and applied (tensor_parallel.py).
+
+The layouts themselves train in test_model_parallel.py; these are the in-process rules and error messages,
+and the canaries of the accelerate behaviour launch_fixes.attach_mesh works around.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, ParallelismConfig
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from accel_trainer import ConfigError, LayoutError, launch_fixes
+from accel_trainer.layout import LayoutSettings
+from accel_trainer.mesh import MeshShape, mesh_shape
+from accel_trainer.tensor_parallel import _check_sequence_lengths, apply_tensor_parallel
+
+
+def launcher_sizes(monkeypatch, **sizes: int) -> None:
+    """The environment accelerate's launcher gives workers for a config's parallelism_config section."""
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for name, size in sizes.items():
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", str(size))
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "sizes", "world", "fsdp", "expected"),
+    [
+        (2, {}, 2, False, MeshShape(tp=2)),  # cpu_tp.yaml: tp_size from the settings file
+        (1, {"dp_shard": 2, "tp": 2}, 4, True, MeshShape(dp_shard=2, tp=2)),  # cpu_fsdp_tp.yaml
+        (1, {"dp_replicate": 2, "dp_shard": 2}, 4, True, MeshShape(dp_replicate=2, dp_shard=2)),  # cpu_hsdp.yaml
+        (2, {"dp_shard": 4, "tp": 2}, 8, True, MeshShape(dp_shard=4, tp=2)),  # the same tp in both places
+        (1, {}, 2, True, MeshShape(dp_shard=2)),  # plain FSDP: accelerate's own layout, no mesh of ours
+    ],
+)
+def test_a_launch_becomes_a_mesh_of_data_parallel_and_tensor_parallel_ranks(monkeypatch, tp_size, sizes, world,
+                                                                              fsdp, expected):  # fmt: skip
+    if sizes:
+        launcher_sizes(monkeypatch, **sizes)
+    shape = mesh_shape(LayoutSettings(tp_size=tp_size), world, fsdp)
+    assert shape == expected
+    assert shape.needs_mesh == (expected.tp > 1 or expected.dp_replicate > 1)
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "sizes", "world", "fsdp", "message"),
+    [
+        (2, {}, 4, False, "needs FSDP for the data-parallel dimension"),
+        (3, {}, 4, False, "cannot be split into tp_size=3"),
+        (2, {"dp_shard": 2, "tp": 4}, 8, True, "disagrees with parallelism_config_tp_size=4"),
+        (1, {"dp_shard": 1, "tp": 2}, 2, True, "leaves FSDP nothing to shard over"),
+        (1, {"dp_shard": 2, "tp": 2}, 8, True, "parallelism_config_dp_shard_size=2"),
+        (1, {"dp_shard": 2, "cp": 2}, 4, True, "parallelism_config_cp_size > 1"),
+        (0, {}, 2, False, "tp_size=0"),
+    ],
+)
+def test_a_mesh_that_does_not_fit_the_launch_is_a_one_line_error(monkeypatch, tp_size, sizes, world, fsdp,
+                                                                 message):  # fmt: skip
+    if sizes:
+        launcher_sizes(monkeypatch, **sizes)
+    with pytest.raises(LayoutError, match=message):
+        mesh_shape(LayoutSettings(tp_size=tp_size), world, fsdp)
+
+
+def test_canary_accelerate_refuses_a_parallelism_config_on_a_cpu_launch():
+    """Why attach_mesh hands the mesh over after construction: under MULTI_CPU (what a CPU FSDP launch is until
+    enable_fsdp_on_cpu) accelerate 1.15 refuses any mesh. When this stops raising, the detour can go."""
+    cpu_launch = SimpleNamespace(multi_device=False, num_processes=4, is_fsdp2=False, is_main_process=True,
+                                 distributed_type=DistributedType.MULTI_CPU)  # fmt: skip
+    with pytest.raises(ValueError, match="only compatible"):
+        ParallelismConfig(dp_shard_size=2, tp_size=2)._validate_accelerator(cpu_launch)
+
+
+def test_canary_accelerates_own_tensor_parallel_step_is_for_transformers_models():
+    """Why the FSDP mesh config reports TP as done: accelerate's TP step imports transformers under FSDP2."""
+    assert "from transformers" in inspect.getsource(Accelerator._prepare_tp)
+
+
+def test_the_config_handed_to_accelerate_under_fsdp_hides_tp_from_prepare_but_not_from_the_data_path():
+    config = launch_fixes._FsdpMesh(dp_shard_size=2, tp_size=2)
+    assert not config.tp_enabled and config.tp_size == 2
+    assert "tp" not in config._get_mesh()[0]  # why attach_mesh builds the mesh with a plain ParallelismConfig
+    assert "tp" in ParallelismConfig(dp_shard_size=2, tp_size=2)._get_mesh()[0]
+
+
+@pytest.fixture
+def tp_mesh():
+    """A 1-process tensor-parallel mesh: enough to check and apply a plan (the splitting is tested on 2)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 8)
+        self.norm = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, ids):
+        return self.head(self.norm(self.down(self.up(self.embedding(ids)))))
+
+
+PLAN = {"embedding": "embedding", "norm": "sequence_parallel", "up": "colwise", "down": "rowwise",
+        "head": "colwise_gather_output"}  # fmt: skip
+
+
+def test_a_plan_is_applied_with_tied_weights_tied_again(tp_mesh):
+    model = TinyLM()
+    apply_tensor_parallel(model, PLAN, tp_mesh)
+    assert model.head.weight is model.embedding.weight
+    assert all(isinstance(parameter, DTensor) for parameter in model.parameters())
+    assert model(torch.randint(0, 10, (2, 4))).shape == (2, 4, 10)
+
+
+def test_modules_a_plan_without_sequence_parallelism_leaves_alone_get_replicated_parameters(tp_mesh):
+    model = TinyLM()
+    apply_tensor_parallel(model, {"embedding": "embedding", "up": "colwise", "down": "rowwise",
+                                  "head": "colwise_gather_output"}, tp_mesh)  # fmt: skip
+    assert isinstance(model.norm.weight, DTensor) and model.norm.weight.placements[0].is_replicate()
+    output = model(torch.randint(0, 10, (2, 4)))
+    assert not isinstance(output, DTensor)  # the recipe's loss sees plain tensors
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        ({}, "has no tp_plan"),
+        ({**PLAN, "up": "diagonal"}, "'diagonal' is not one of"),
+        ({**PLAN, "blocks.*.up": "colwise"}, "'blocks.*.up' matches no module of TinyLM"),
+        ({key: style for key, style in PLAN.items() if key != "norm"} | {"up": "sequence_parallel"},
+         "norm has none"),
+        ({**PLAN, "head": "rowwise"}, "are tied but tp_plan splits them differently"),
+    ],
+)  # fmt: skip
+def test_a_plan_that_cannot_be_applied_is_a_one_line_error(tp_mesh, plan, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_tensor_parallel(TinyLM(), plan, tp_mesh)
+
+
+def test_sequence_parallelism_refuses_a_batch_whose_length_it_cannot_split():
+    check = _check_sequence_lengths(tp_size=2)
+    check(nn.Identity(), (torch.zeros(3, 8),), {})
+    with pytest.raises(ConfigError, match="length 5: pad batches to a multiple of 2"):
+        check(nn.Identity(), (torch.zeros(3, 5),), {})

@@ -1,0 +1,153 @@
+"""Tensor parallelism and 2-D meshes on the CPU: the trajectory of one process, each rank holding its shard.
+
+{1 process} = {TP 2} = {FSDP x TP 2x2} = {HSDP 2x2}, for the variable-length token-loss GPT (sequence parallel,
+LM head tied to the vocabulary-split embedding) and a mean-loss MLP (a LayerNorm left to replication): the
+gradient norm and the loss of every step agree to 1e-6 (relative), the weights after 10 AdamW steps to 1e-4,
+and each process holds the share of the parameters its mesh gives it. Checkpoints of a tensor-parallel run are
+sharded, resume bitwise on the same layout and continue on another, and export to the run's own weights.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import BIN, final_parameters, rank_summary, read_metrics, slow, train_and_dump
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 10
+COMMON = [f"max_steps={STEPS}", "global_batch_size=16", "micro_batch_size=4", "log_every_steps=1", "warmup_steps=2"]
+RECIPES = {
+    "gpt": [
+        *COMMON,
+        "n_layer=2",
+        "d_model=32",
+        "n_head=4",
+        "block_size=32",
+        "max_source_bytes=100000",
+        "eval_every_steps=0",
+    ],  # fmt: skip
+    "mlp_tp": [*COMMON, "eval_every_steps=5"],
+}
+WORLD = {"cpu": 1, "cpu_tp": 2, "cpu_fsdp_tp": 4, "cpu_hsdp": 4}
+GRADIENTS = dict(rtol=1e-6, atol=1e-7)
+WEIGHTS = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Each recipe on one process: the global batch of 16 as 4 accumulated micro-batches of 4."""
+    runs = {}
+    for recipe, overrides in RECIPES.items():
+        out = tmp_path_factory.mktemp(f"{recipe}_cpu")
+        runs[recipe] = out, train_and_dump("cpu", out, recipe, *overrides, world_size=1)
+    return runs
+
+
+def train_records(records: list[dict]) -> list[dict]:
+    return [r for r in records if "loss" in r and "grad_norm" in r]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "layout"),
+    [("gpt", "cpu_tp"), ("mlp_tp", "cpu_tp"), ("gpt", "cpu_fsdp_tp"), slow("mlp_tp", "cpu_fsdp_tp"),
+     ("gpt", "cpu_hsdp"), slow("mlp_tp", "cpu_hsdp")],
+)  # fmt: skip
+def test_a_mesh_layout_follows_the_one_process_trajectory(recipe, layout, references, tmp_path):
+    reference_dir, reference_records = references[recipe]
+    records = train_and_dump(layout, tmp_path, recipe, *RECIPES[recipe], world_size=WORLD[layout])
+
+    expected, actual = train_records(reference_records), train_records(records)
+    assert [r["step"] for r in actual] == list(range(1, STEPS + 1))
+    torch.testing.assert_close(
+        torch.tensor([r["grad_norm"] for r in actual], dtype=torch.float64),
+        torch.tensor([r["grad_norm"] for r in expected], dtype=torch.float64),
+        **GRADIENTS,
+    )
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in actual], dtype=torch.float64),
+        torch.tensor([r["loss"] for r in expected], dtype=torch.float64),
+        **GRADIENTS,
+    )
+    assert [r["items_seen"] for r in actual] == [r["items_seen"] for r in expected]  # TP ranks counted once
+    reference, trained = final_parameters(reference_dir), final_parameters(tmp_path)
+    assert trained.keys() == reference.keys()
+    worst = max((trained[k] - reference[k]).abs().max().item() for k in reference)
+    print(f"{recipe}: max |1 process - {layout}| after {STEPS} steps = {worst:.3g}")
+    for name in reference:
+        torch.testing.assert_close(trained[name], reference[name], **WEIGHTS)
+    evals = [r for r in records if "eval/loss" in r]
+    reference_evals = [r for r in reference_records if "eval/loss" in r]
+    assert [r["eval/loss"] for r in evals] == pytest.approx([r["eval/loss"] for r in reference_evals], rel=1e-5)
+
+
+ROWWISE_BIASES = ("proj.bias", "mlp.2.bias", "3.bias")  # added once after the sum: replicated, not split
+
+
+@pytest.mark.parametrize("recipe", ["gpt", "mlp_tp"])
+def test_each_tensor_parallel_rank_holds_its_half_of_the_split_layers(recipe, references, tmp_path):
+    train_and_dump("cpu_tp", tmp_path, recipe, *RECIPES[recipe], "max_steps=1", world_size=2)
+    reference = final_parameters(references[recipe][0])
+    reference.pop("lm_head.weight", None)  # tied to the token embedding: one tensor
+    whole = sum(t.numel() for name, t in reference.items()
+                if ".ln" in f".{name}" or name.startswith("0.") or name.endswith(ROWWISE_BIASES))  # fmt: skip
+    split = sum(t.numel() for t in reference.values()) - whole
+    local = [rank_summary(tmp_path, rank)["local_elements"] for rank in (0, 1)]
+    assert sum(local) == split + 2 * whole
+    # an even split, but for the GPT's 257-row vocabulary: 129 rows of d_model=32 on one rank, 128 on the other
+    assert abs(local[0] - local[1]) == (32 if recipe == "gpt" else 0)
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    """The GPT on 2 tensor-parallel processes, checkpointed at steps 5 and 10."""
+    out = tmp_path_factory.mktemp("gpt_tp")
+    train_and_dump("cpu_tp", out, "gpt", *RECIPES["gpt"], "save_every_steps=5", "keep_last=0", world_size=2)
+    return out
+
+
+def step_folder(run_dir, step: int):
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def test_a_tensor_parallel_checkpoint_is_sharded_and_resumes_bitwise_on_its_layout(tp_run, tmp_path):
+    folder = step_folder(tp_run, 5)
+    assert (folder / "distributed").is_dir() and not (folder / "model.safetensors").exists()
+    train_and_dump("cpu_tp", tmp_path, "gpt", *RECIPES["gpt"], f"resume={folder}", world_size=2)
+
+    resumed, uninterrupted = final_parameters(tmp_path), final_parameters(tp_run)
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+    losses = {r["step"]: r["loss"] for r in train_records(read_metrics(tmp_path))}
+    assert losses == {r["step"]: r["loss"] for r in train_records(read_metrics(tp_run)) if r["step"] > 5}
+
+
+@pytest.mark.parametrize(("layout", "world_size"), [("cpu", 1), slow("cpu_fsdp_tp", 4)])
+def test_a_tensor_parallel_checkpoint_continues_on_another_layout(tp_run, layout, world_size, tmp_path):
+    train_and_dump(layout, tmp_path, "gpt", *RECIPES["gpt"], f"resume={step_folder(tp_run, 5)}",
+                   world_size=world_size)  # fmt: skip
+    resumed, uninterrupted = final_parameters(tmp_path), final_parameters(tp_run)
+    for name in uninterrupted:
+        torch.testing.assert_close(resumed[name], uninterrupted[name], **WEIGHTS)
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_continues_under_tensor_parallelism(tp_run, tmp_path):
+    fsdp = tmp_path / "fsdp"
+    train_and_dump("cpu_fsdp", fsdp, "gpt", *RECIPES["gpt"], "save_every_steps=5", world_size=2)
+    train_and_dump("cpu_tp", tmp_path / "tp", "gpt", *RECIPES["gpt"], f"resume={step_folder(fsdp, 5)}",
+                   world_size=2)  # fmt: skip
+    resumed, uninterrupted = final_parameters(tmp_path / "tp"), final_parameters(tp_run)
+    for name in uninterrupted:
+        torch.testing.assert_close(resumed[name], uninterrupted[name], **WEIGHTS)
+
+
+def test_export_of_a_tensor_parallel_checkpoint_equals_the_runs_weights(tp_run, tmp_path):
+    subprocess.run([BIN / "accel-trainer", "export", str(step_folder(tp_run, STEPS)), "--output", str(tmp_path)],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    exported, final = load_file(str(tmp_path / "model.safetensors")), final_parameters(tp_run)
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[name], final[name]) for name in final)
