@@ -4,10 +4,14 @@ A file-size limit (`ulimit -f`, so writes fail with EFBIG, as on a full disk or 
 step 6 fail on 1 process and under 2-process FSDP (whose sharded save is collective): every process stops
 with one line naming the checkpoints folder and the cause, no temporary folder is left for `resume=auto`
 to trip on, the checkpoint of step 4 still verifies, and the same command without the limit continues the
-run from it to the end.
+run from it to the end. A checkpoints folder that became read-only (a read-only bind mount when the tests run as
+root, whom permission bits do not stop) fails the same way.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -19,13 +23,25 @@ RUN = ["save_every_steps=2", "keep_last=0", "warmup_steps=0", "eval_every_steps=
 LIMIT_KB = 64  # the VAE's model.safetensors has 685 kB; metrics.jsonl and the small files stay far below
 
 
-def launch(layout: str, out, *overrides: str, limit_kb: int | None = None):
+def launch(layout: str, out, *overrides: str, limit_kb: int | None = None, read_only: Path | None = None):
     command = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / f"{layout}.yaml",
                "--main_process_port", str(free_port()), WORKERS / "run_recipe.py", "vae", f"output_dir={out}",
                *RUN, *overrides, *TEST_OVERRIDES]  # fmt: skip
     if limit_kb is not None:
         command = ["bash", "-c", f'ulimit -f {limit_kb}; exec "$@"', "bash", *command]
-    return run_command(command, env=clean_env(), check=limit_kb is None)
+    if read_only is not None:
+        command = read_only_for(read_only, command)
+    return run_command(command, env=clean_env(), check=limit_kb is None and read_only is None)
+
+
+def read_only_for(folder: Path, command: list) -> list:
+    """`command` seeing `folder` read-only: a read-only bind mount in a private mount namespace for root (whom
+    permission bits do not stop), the folder's write bits taken away for anyone else (the caller restores them)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return command
+    remount = f'mount --bind "{folder}" "{folder}" && mount -o remount,bind,ro "{folder}" && exec "$@"'
+    return ["unshare", "--mount", "bash", "-c", remount, "bash", *command]
 
 
 @pytest.mark.multiprocess
@@ -47,6 +63,27 @@ def test_a_save_that_fails_midway_stops_the_run_and_loses_nothing(layout, tmp_pa
     checkpoint_files.verify(tmp_path / "checkpoints" / "step_00000004")
 
     launch(layout, tmp_path, "max_steps=8")  # the same command, with room on the disk
+
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == list(range(1, 9))
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoints_folder_that_became_read_only_stops_the_run_in_one_line_and_loses_nothing(tmp_path):
+    launch("cpu", tmp_path, "max_steps=4")
+    checkpoints = tmp_path / "checkpoints"
+
+    failed = launch("cpu", tmp_path, "max_steps=8", read_only=checkpoints)  # a remount, a quota, another user
+    checkpoints.chmod(0o755)
+
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("accel-trainer: error:")]
+    assert failed.returncode != 0 and len(errors) == 1, failed.stderr
+    assert f"saving the checkpoint of step 6 in {checkpoints} failed" in errors[0]
+    assert "Read-only file system" in errors[0] or "Permission denied" in errors[0]
+    assert "newest complete checkpoint is step_00000004" in errors[0]
+    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".tmp")]
+    checkpoint_files.verify(checkpoints / "step_00000004")
+
+    launch("cpu", tmp_path, "max_steps=8")  # the same command, once the folder is writable again
 
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == list(range(1, 9))
 
