@@ -86,6 +86,7 @@ bench: install  ## per-step overhead against a plain loop, checkpoint throughput
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/checkpoint_speed.py
 	$(BIN)/python benchmarks/scaling.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/layout_memory.py
 
 lint: install
 	$(BIN)/ruff check accel_trainer recipes tests benchmarks

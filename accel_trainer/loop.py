@@ -35,7 +35,7 @@ from .prepared_run import Run, micro_batches, prepare_run
 from .profiling import StepProfiler, dump_out_of_memory, parse_steps
 from .recipe import Recipe
 from .report import write_report
-from .run_info import header, write_run_info
+from .run_info import header, parameters_held, write_run_info
 from .step_log import Window, log_record
 from .trackers import Trackers
 
@@ -59,13 +59,14 @@ def train_loop(
         if not (run_dir / "final").is_dir():  # stopped between its last checkpoint and its final weights
             run.final_weights()
         return state.metrics
+    held = parameters_held(run.model, accelerator)
     if accelerator.is_main_process:  # only once the checkpoint (if any) has been accepted
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
         (run_dir / "layout.yaml").write_text(layout_to_yaml(layout))
         (run_dir / "model_summary.txt").write_text(run.model_summary)
-        write_run_info(run_dir, accelerator, layout, state.step)
+        write_run_info(run_dir, accelerator, layout, state.step, held)
         drop_records_after(run_dir, state.step)
-        print(header(recipe_name, accelerator, run.plan, run.num_parameters, run_dir), flush=True)
+        print(header(recipe_name, accelerator, run.plan, run.num_parameters, run_dir, held), flush=True)
     trackers = None
     if accelerator.is_main_process and cfg.trackers:
         trackers = Trackers(cfg.trackers, run_dir, config_to_dict(cfg), state.step, state.tracker_ids)

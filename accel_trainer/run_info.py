@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
+from torch.distributed.tensor import DTensor
 
 from .batching import BatchPlan
 from .layout import LayoutSettings, layout_to_dict
@@ -27,14 +29,25 @@ from .mesh import describe_mesh
 _PACKAGES = ("accel-trainer", "torch", "accelerate", "datasets", "safetensors", "transformers")
 
 
-def header(recipe_name: str, accelerator: Accelerator, plan: BatchPlan, num_parameters: int, run_dir: Path) -> str:
+def parameters_held(model: torch.nn.Module, accelerator: Accelerator) -> list[int]:
+    """The parameter elements each process holds itself (its shard under FSDP or tensor parallelism), by rank.
+
+    A collective on several processes: every process calls it.
+    """
+    held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    return gather_object([held]) if accelerator.num_processes > 1 else [held]
+
+
+def header(recipe_name: str, accelerator: Accelerator, plan: BatchPlan, num_parameters: int, run_dir: Path,
+           held: list[int]) -> str:  # fmt: skip
     """The start-of-run lines: what trains, on what, with which batches, where it writes."""
     device = accelerator.device.type
     if device == "cuda":
         device = f"cuda ({torch.cuda.get_device_name(accelerator.device)})"
     mesh = describe_mesh(accelerator)
     return "\n".join([
-        f"accel-trainer: recipe {recipe_name}, {num_parameters:,} parameters",
+        f"accel-trainer: recipe {recipe_name}, {num_parameters:,} parameters"
+        f"{f' ({max(held):,} held per process)' if max(held) < num_parameters else ''}",
         f"  layout: {accelerator.num_processes} process(es) on {device}, {accelerator.distributed_type.value}"
         f"{f' (mesh {mesh})' if mesh else ''}, precision {accelerator.mixed_precision}",
         f"  batch: {plan.global_batch_size} per step = {plan.micro_batch_size} per micro-batch x"
@@ -44,7 +57,8 @@ def header(recipe_name: str, accelerator: Accelerator, plan: BatchPlan, num_para
     ])  # fmt: skip
 
 
-def write_run_info(run_dir: Path, accelerator: Accelerator, layout: LayoutSettings, start_step: int) -> None:
+def write_run_info(run_dir: Path, accelerator: Accelerator, layout: LayoutSettings, start_step: int,
+                   held: list[int]) -> None:  # fmt: skip
     """Append this start to `run_info.json` (main process)."""
     path = run_dir / "run_info.json"
     try:
@@ -63,6 +77,7 @@ def write_run_info(run_dir: Path, accelerator: Accelerator, layout: LayoutSettin
         "layout": {"distributed_type": accelerator.distributed_type.value, "num_processes": accelerator.num_processes,
                    "mesh": describe_mesh(accelerator), "mixed_precision": accelerator.mixed_precision,
                    **layout_to_dict(layout)},
+        "parameters_held_per_process": held,
     })  # fmt: skip
     path.write_text(json.dumps({"starts": starts}, indent=1))
 
