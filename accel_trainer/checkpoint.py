@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
@@ -87,7 +87,7 @@ def save(
     them, publishes and runs `after_publish` (retention) in the background, so training continues during
     the write. A sharded (FSDP, tensor-parallel) save is always synchronous: it needs collectives.
     """
-    step, sharded = state.step, is_sharded(trained.model)
+    step, sharded = state.step, is_sharded(accelerator, trained.model)
     temporary = files.temporary_folder(run_dir, step)
     if accelerator.is_main_process:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -173,9 +173,23 @@ def _write_tensors(
     ]
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether the model's parameters are spread over processes (FSDP2 or tensor parallel: DTensors), so that
-    its checkpoints are sharded DCP saves and its full weights take a collective."""
+def tied_names(model_state: dict[str, Any]) -> list[list[str]]:
+    """Groups of state names that share one tensor (tied weights: an LM head and its embedding), so that an
+    export can keep one name of each, as `final/model.safetensors` does (safetensors keeps the first sorted)."""
+    groups: dict[tuple[int, int], list[str]] = {}
+    for name, value in model_state.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if isinstance(local, torch.Tensor) and local.numel():
+            groups.setdefault((local.untyped_storage().data_ptr(), int(local.storage_offset())), []).append(name)
+    return [sorted(names) for names in groups.values() if len(names) > 1]
+
+
+def is_sharded(accelerator: Accelerator, model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are spread over processes, so that its checkpoints are sharded DCP saves
+    and its full weights take a collective: FSDP2 (whose root parameters are plain tensors between a no-grad
+    forward and the next backward, so the layout decides) or tensor parallel (DTensors always)."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
     return any(isinstance(parameter, DTensor) for parameter in model.parameters())
 
 
@@ -214,6 +228,7 @@ def _write_small_files(
         "layout": {"distributed_type": accelerator.distributed_type.value,
                    "mixed_precision": accelerator.mixed_precision, **layout_to_dict(identity.layout)},
         "parameter_shapes": {name: list(t.shape) for name, t in model_state.items()},
+        "tied_parameters": tied_names(model_state),
         "config": config_to_dict(identity.cfg),
     }  # fmt: skip
     (temporary / TRAIN_STATE).write_text(json.dumps(recorded, indent=1))

@@ -11,6 +11,7 @@ an unsharded checkpoint of the earlier pickle format, which `resume=` refuses.
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -37,6 +38,9 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
     target = Path(output) if output else folder.parent.parent / "export" / folder.name
     try:  # a manifest proves integrity, not content: whoever wrote the folder may have listed no files
         weights = _model_state(folder)
+        for _, *others in json.loads((folder / checkpoint_checks.TRAIN_STATE).read_text()).get("tied_parameters", []):
+            for name in others:  # one name per tied tensor, as final/model.safetensors holds them
+                weights.pop(name, None)
         target.mkdir(parents=True, exist_ok=True)
         save_file(state_files.writable(weights), str(target / "model.safetensors"))
         shutil.copyfile(folder / "config.yaml", target / "config.yaml")

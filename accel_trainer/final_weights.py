@@ -31,7 +31,7 @@ def save_final(
 
     average_running_stats(accelerator, model)
     state: Any
-    if is_sharded(model):  # FSDP or tensor parallel: a collective, every process takes part; full on the main one
+    if is_sharded(accelerator, model):  # FSDP or tensor parallel: a collective; full tensors on the main process
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(accelerator.unwrap_model(model), options=options)
     else:
