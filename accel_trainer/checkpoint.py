@@ -35,13 +35,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from . import checkpoint_files as files
 from . import state_files
@@ -51,6 +50,7 @@ from .checkpoint_files import CheckpointError
 from .config import TrainConfig, config_to_dict, config_to_yaml
 from .layout import LayoutSettings, layout_to_dict
 from .rng_states import capture_rng_states, rng_file_name
+from .sharding import is_sharded, tied_names
 from .train_state import TrainState
 
 SHARDED = "distributed"
@@ -171,26 +171,6 @@ def _write_tensors(
         functools.partial(save_file, weights, str(temporary / "model.safetensors")),
         functools.partial(state_files.save, optimizer_copy, temporary / OPTIMIZER, "optimizer"),
     ]
-
-
-def tied_names(model_state: dict[str, Any]) -> list[list[str]]:
-    """Groups of state names that share one tensor (tied weights: an LM head and its embedding), so that an
-    export can keep one name of each, as `final/model.safetensors` does (safetensors keeps the first sorted)."""
-    groups: dict[tuple[int, int], list[str]] = {}
-    for name, value in model_state.items():
-        local = value.to_local() if isinstance(value, DTensor) else value
-        if isinstance(local, torch.Tensor) and local.numel():
-            groups.setdefault((local.untyped_storage().data_ptr(), int(local.storage_offset())), []).append(name)
-    return [sorted(names) for names in groups.values() if len(names) > 1]
-
-
-def is_sharded(accelerator: Accelerator, model: torch.nn.Module) -> bool:
-    """Whether the model's parameters are spread over processes, so that its checkpoints are sharded DCP saves
-    and its full weights take a collective: FSDP2 (whose root parameters are plain tensors between a no-grad
-    forward and the next backward, so the layout decides) or tensor parallel (DTensors always)."""
-    if accelerator.distributed_type == DistributedType.FSDP:
-        return True
-    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
 
 
 def _attempt(work: Callable[[], None]) -> str | None:

@@ -11,9 +11,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from . import checkpoint_files
 from .batchnorm import average_running_stats
-from .checkpoint import is_sharded
 from .config import TrainConfig, config_to_yaml
 from .recipe import Recipe
+from .sharding import is_sharded
 
 
 def save_final(

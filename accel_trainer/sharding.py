@@ -1,0 +1,34 @@
+"""Whether a model is spread over processes, and which of its state's tensors are one (tied weights).
+
+Both decide how the model's state is written: a sharded model's checkpoint is a collective DCP save and its
+full weights a collective gather; tied names are written once in `final/model.safetensors` and in exports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
+
+
+def tied_names(model_state: dict[str, Any]) -> list[list[str]]:
+    """Groups of state names that share one tensor (tied weights: an LM head and its embedding), so that an
+    export can keep one name of each, as `final/model.safetensors` does (safetensors keeps the first sorted)."""
+    groups: dict[tuple[int, int], list[str]] = {}
+    for name, value in model_state.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if isinstance(local, torch.Tensor) and local.numel():
+            groups.setdefault((local.untyped_storage().data_ptr(), int(local.storage_offset())), []).append(name)
+    return [sorted(names) for names in groups.values() if len(names) > 1]
+
+
+def is_sharded(accelerator: Accelerator, model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are spread over processes, so that its checkpoints are sharded DCP saves
+    and its full weights take a collective: FSDP2 (whose root parameters are plain tensors between a no-grad
+    forward and the next backward, so the layout decides) or tensor parallel (DTensors always)."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
