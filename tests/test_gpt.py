@@ -51,14 +51,18 @@ def test_the_dataset_is_deterministic_and_its_sequences_vary_in_length():
     assert 0.02 < len(eval_) / (len(train) + len(eval_)) < 0.1  # eval_fraction of the paragraphs, 0.05
 
 
-def test_collate_pads_to_the_longest_sequence_and_the_loss_ignores_the_padding():
+def test_collate_pads_to_the_longest_sequence_rounded_up_to_8_and_the_loss_ignores_the_padding():
+    """Lengths are multiples of 8 so sequence parallelism can split them evenly over up to 8 processes."""
     recipe, cfg = recipe_and_config()
     sequences = [torch.tensor(list(b"def f(x):\n    return x\n")), torch.tensor(list(b"pass")), torch.tensor([7, 9])]
     batch = recipe.collate([{"input_ids": s} for s in sequences])
+    longest = len(sequences[0]) - 1
+    padded = -(-longest // 8) * 8
 
-    assert batch["input_ids"].shape == batch["targets"].shape == (3, len(sequences[0]) - 1)
-    assert batch["input_ids"][1].tolist() == list(b"pas") + [gpt_module().PAD_ID] * (len(sequences[0]) - 4)
-    assert batch["targets"][2].tolist() == [9] + [-100] * (len(sequences[0]) - 2)
+    assert padded > longest  # the example exercises the rounding
+    assert batch["input_ids"].shape == batch["targets"].shape == (3, padded)
+    assert batch["input_ids"][1].tolist() == list(b"pas") + [gpt_module().PAD_ID] * (padded - 3)
+    assert batch["targets"][2].tolist() == [9] + [-100] * (padded - 1)
 
     torch.manual_seed(0)
     model = recipe.build_model(cfg).eval()
