@@ -273,7 +273,7 @@ def _load(
     if recorded["world_size"] != accelerator.num_processes or not rng_file.is_file():
         if accelerator.is_main_process:
             warnings.warn(
-                f"accel-trainer: resuming on {accelerator.num_processes} processes from a checkpoint of"
+                f"accel-trainer: resuming on {accelerator.num_processes} process(es) from a checkpoint of"
                 f" {recorded['world_size']}: weights, optimizer and data order continue exactly, random streams"
                 " (dropout, sampling) restart from the seed",
                 stacklevel=2,

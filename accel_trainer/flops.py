@@ -68,16 +68,16 @@ def flops_per_sample(recipe: Recipe, cfg: TrainConfig, batch: Any, num_parameter
     """
     declared = getattr(recipe, "flops_per_sample", None)
     if declared:
-        return float(declared), "the recipe's flops_per_sample"
+        return float(declared), "declared by the recipe's flops_per_sample"
     samples = _batch_size(batch) or cfg.micro_batch_size
     try:
         with _rng_untouched():
             total = _count_on_meta(recipe, cfg, batch)
     except Exception as error:  # noqa: BLE001 - a model that cannot be built or run on meta
-        return 6.0 * num_parameters, f"6N estimate (counting failed: {type(error).__name__})"
+        return 6.0 * num_parameters, f"a 6N estimate: counting failed with {type(error).__name__}"
     if total <= 0:
-        return 6.0 * num_parameters, "6N estimate (no FLOPs counted)"
-    return total / samples, "counted (FlopCounterMode, forward + backward)"
+        return 6.0 * num_parameters, "a 6N estimate: counting found no FLOPs"
+    return total / samples, "counted by FlopCounterMode, forward + backward"
 
 
 def to_meta(batch: Any) -> Any:

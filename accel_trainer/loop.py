@@ -15,6 +15,7 @@ import contextlib
 import functools
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +61,12 @@ def train_loop(
             run.final_weights()
         return state.metrics
     held = parameters_held(run.model, accelerator)
+    ran = replace(layout, tp_size=run.ranks.replicas)  # also when the accelerate config set it (mesh.py)
     if accelerator.is_main_process:  # only once the checkpoint (if any) has been accepted
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
-        (run_dir / "layout.yaml").write_text(layout_to_yaml(layout))
+        (run_dir / "layout.yaml").write_text(layout_to_yaml(ran))
         (run_dir / "model_summary.txt").write_text(run.model_summary)
-        write_run_info(run_dir, accelerator, layout, state.step, held)
+        write_run_info(run_dir, accelerator, ran, state.step, held)
         drop_records_after(run_dir, state.step)
         print(header(recipe_name, accelerator, run.plan, run.num_parameters, run_dir, held), flush=True)
     trackers = None
@@ -109,6 +111,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
     if has_eval and cfg.eval_every_steps > 0 and state.step == 0:
         baseline, seconds = _timed(evaluate, accelerator, run.recipe, model, *run.eval_batches())
         log.write({"step": 0, **baseline, "eval/seconds": seconds, "samples_seen": 0})
+        _event(run, "eval", step=0, seconds=seconds)
         run.checkpointer.after_step(stop=False, scores=baseline)  # checks keep_best_metric's name; saves nothing
     window = Window.empty(accelerator.device)  # after the baseline evaluation: its time is not training time
     profiler = StepProfiler(accelerator, run.run_dir, parse_steps(cfg.profile_steps))

@@ -99,7 +99,10 @@ def drop_records_after(run_dir: Path, step: int) -> None:
     if not path.is_file():
         return
     if step == 0:
-        path.replace(run_dir / "metrics.abandoned.jsonl")
+        if path.stat().st_size:  # an empty file holds nothing worth setting aside
+            path.replace(run_dir / "metrics.abandoned.jsonl")
+        else:
+            path.unlink()
         return
     kept: list[str] = []
     dropped: list[str] = []

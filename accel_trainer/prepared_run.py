@@ -30,7 +30,7 @@ from .schedules import recipe_scheduler
 from .step import StepVerbs
 from .step_log import Speed
 from .streams import TrainStream, eval_batches
-from .tensor_parallel import apply_tensor_parallel
+from .tensor_parallel import apply_tensor_parallel, check_tp_plan
 from .wrapping import prepare_blocks
 
 
@@ -84,6 +84,8 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     mesh = accelerator.torch_device_mesh
     if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
         apply_tensor_parallel(model.to(accelerator.device), dict(recipe.tp_plan), mesh["tp"])
+    else:
+        check_tp_plan(model, dict(recipe.tp_plan))  # a plan's mistakes surface on the first run, any layout
     if layout.sync_batchnorm:
         model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
     prepare_blocks(model, recipe, layout.activation_checkpointing, is_main_process=accelerator.is_main_process)

@@ -91,12 +91,13 @@ def _summary(training: list[dict], evaluations: list[dict], config: dict) -> str
         rows.append("- final evaluation: " + " | ".join(format_metric(k, v) for k, v in final.items()
                                                      if k.startswith("eval/")))  # fmt: skip
         names = sorted({k for e in evaluations for k in e if k.startswith("eval/") and k != "eval/seconds"})
-        best = [f"{k} {min(e[k] for e in evaluations if k in e):.4g}" for k in names]
-        rows.append("- lowest eval values: " + ", ".join(best))
+        spans = [f"{k} {min(e[k] for e in evaluations if k in e):.4g} .. {max(e[k] for e in evaluations if k in e):.4g}"
+                 for k in names]  # fmt: skip
+        rows.append("- eval values over the run (lowest .. highest): " + ", ".join(spans))
+        rows += _best(evaluations, config)
     trained_s = sum(r.get("step_time_s", 0) * (r["step"] - p) for p, r in zip([0] + [t["step"] for t in training],
                                                                               training, strict=False))  # fmt: skip
-    eval_s = sum(e.get("eval/seconds", 0) for e in evaluations)
-    rows.append(f"- time in logged steps: {trained_s:.1f} s training, {eval_s:.1f} s evaluating")
+    rows.append(f"- optimizer steps take {trained_s:.1f} s in all (step_time_s of the logged windows)")
     if last:
         rows.append(f"- throughput (last window): {last.get('items_per_s', 0):.4g} items/s,"
                     f" {last.get('samples_per_s', 0):.4g} samples/s, {last.get('tflops', 0):.3g} TFLOP/s per device"
@@ -104,6 +105,16 @@ def _summary(training: list[dict], evaluations: list[dict], config: dict) -> str
         memory = [f"{k} {last[k]:.3g}" for k in ("mem_allocated_gb", "mem_reserved_gb", "host_rss_gb") if k in last]
         rows.append("- memory (peak of the last window): " + ", ".join(memory))
     return "\n".join(rows)
+
+
+def _best(evaluations: list[dict], config: dict) -> list[str]:
+    """The best evaluation by keep_best_metric in its direction (keep_best_mode), when the run names one."""
+    name, mode = config.get("keep_best_metric"), config.get("keep_best_mode", "min")
+    scored = [e for e in evaluations if name and name in e]
+    if not scored:
+        return []
+    best = (min if mode == "min" else max)(scored, key=lambda e: e[name])
+    return [f"- best {name} (keep_best_mode={mode}): {best[name]:.4g} at step {best.get('step', '?')}"]
 
 
 def _goodput(run_dir: Path) -> str:

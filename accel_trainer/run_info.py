@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 from torch.distributed.tensor import DTensor
 
 from .batching import BatchPlan
 from .layout import LayoutSettings, layout_to_dict
-from .mesh import describe_mesh
+from .mesh import data_ranks, describe_mesh
 
 _PACKAGES = ("accel-trainer", "torch", "accelerate", "datasets", "safetensors", "transformers")
 
@@ -48,13 +48,26 @@ def header(recipe_name: str, accelerator: Accelerator, plan: BatchPlan, num_para
     return "\n".join([
         f"accel-trainer: recipe {recipe_name}, {num_parameters:,} parameters"
         f"{f' ({max(held):,} held per process)' if max(held) < num_parameters else ''}",
-        f"  layout: {accelerator.num_processes} process(es) on {device}, {accelerator.distributed_type.value}"
-        f"{f' (mesh {mesh})' if mesh else ''}, precision {accelerator.mixed_precision}",
+        f"  layout: {accelerator.num_processes} process(es) on {device}, {_strategy(accelerator)}"
+        f"{f' (mesh {mesh})' if mesh else ''}, precision {_precision(accelerator)}",
         f"  batch: {plan.global_batch_size} per step = {plan.micro_batch_size} per micro-batch x"
         f" {plan.num_processes} {'data-parallel rank(s)' if mesh else 'process(es)'} x {plan.accumulation_steps}"
         " accumulation step(s)",
         f"  run folder: {run_dir}",
     ])  # fmt: skip
+
+
+def _precision(accelerator: Accelerator) -> str:
+    return "fp32" if accelerator.mixed_precision == "no" else f"{accelerator.mixed_precision} mixed"
+
+
+def _strategy(accelerator: Accelerator) -> str:
+    """How the processes share the work, in the words the docs use (accelerate's names say MULTI_CPU, NO)."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return "FSDP2"
+    if accelerator.num_processes == 1:
+        return "single process"
+    return "tensor parallel" if data_ranks(accelerator).size == 1 else "DDP"
 
 
 def write_run_info(run_dir: Path, accelerator: Accelerator, layout: LayoutSettings, start_step: int,

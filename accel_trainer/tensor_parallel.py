@@ -44,12 +44,31 @@ from .errors import ConfigError
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding", "sequence_parallel")
 
 
+def check_tp_plan(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, nn.Module, str]]:
+    """(module name, module, style) for every module the plan names, checked on every layout, so that a plan
+    written on one process fails on the first run rather than on the first tensor-parallel launch.
+
+    Raises:
+        ConfigError: an unknown style, an entry matching no module, or (under sequence parallelism) a module
+            with parameters that no entry names.
+    """
+    matches = _matches(model, plan)
+    for _, _, style in matches:
+        if style not in STYLES:
+            raise ConfigError(f"tp_plan style {style!r} is not one of {', '.join(STYLES)}")
+    if "sequence_parallel" in plan.values():
+        named = {name for name, _, _ in matches}
+        for name, module in model.named_modules():
+            if name not in named and any(True for _ in module.parameters(recurse=False)):
+                raise _unplanned(name, module)
+    return matches
+
+
 def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMesh) -> None:
     """Split `model` in place over the 1-D tensor-parallel `mesh` as `plan` says.
 
     Raises:
-        ConfigError: an empty plan, an unknown style, an entry matching no module, a module left out under
-            sequence parallelism, or tied weights split two different ways.
+        ConfigError: an empty plan, anything check_tp_plan refuses, or tied weights split two different ways.
     """
     if not plan:
         raise ConfigError(
@@ -58,20 +77,30 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMe
         )
     sequence_parallel = "sequence_parallel" in plan.values()
     tied = _tied_parameters(model)
-    styles = {name: _style(style, module, sequence_parallel) for name, module, style in _matches(model, plan)}
+    styles = {name: _style(style, module, sequence_parallel) for name, module, style in check_tp_plan(model, plan)}
     parallelize_module(model, mesh, styles)  # type: ignore[arg-type]
     _tie_again(model, tied)
     leftovers = [name for name, module in model.named_modules() if _has_plain_parameters(module)]
-    if leftovers and sequence_parallel:
-        raise ConfigError(
-            f"tp_plan uses sequence_parallel, so every module with parameters needs an entry; {leftovers[0]} has"
-            ' none (a norm: "sequence_parallel"; a linear layer: "colwise" or "rowwise")'
-        )
+    if leftovers and sequence_parallel:  # a style that leaves some of its module's parameters plain
+        raise _unplanned(leftovers[0], model.get_submodule(leftovers[0]))
     for name in leftovers:
         _replicate(model.get_submodule(name), mesh)
     if sequence_parallel:
         model.register_forward_pre_hook(_check_sequence_lengths(mesh.size()), with_kwargs=True)
     model.tp_size = mesh.size()  # type: ignore[assignment]  # accelerate's prepare checks it on a tensor-parallel layout without FSDP
+
+
+def _unplanned(name: str, module: nn.Module) -> ConfigError:
+    if isinstance(module, nn.Embedding):
+        advice = '"embedding"'
+    elif isinstance(module, nn.Linear):
+        advice = '"colwise", "rowwise" or "colwise_gather_output"'
+    else:
+        advice = '"sequence_parallel" for a norm'
+    return ConfigError(
+        f"tp_plan uses sequence_parallel, so every module with parameters needs an entry; {name}"
+        f" ({type(module).__name__}) has none: give it {advice}"
+    )
 
 
 def _matches(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, nn.Module, str]]:

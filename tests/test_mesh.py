@@ -18,10 +18,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+import accel_trainer as at
 from accel_trainer import ConfigError, LayoutError, launch_fixes
 from accel_trainer.layout import LayoutSettings
 from accel_trainer.mesh import MeshShape, mesh_shape
-from accel_trainer.tensor_parallel import _check_sequence_lengths, apply_tensor_parallel
+from accel_trainer.tensor_parallel import _check_sequence_lengths, apply_tensor_parallel, check_tp_plan
 
 
 def launcher_sizes(monkeypatch, **sizes: int) -> None:
@@ -143,13 +144,38 @@ def test_modules_a_plan_without_sequence_parallelism_leaves_alone_get_replicated
         ({**PLAN, "up": "diagonal"}, "'diagonal' is not one of"),
         ({**PLAN, "blocks.*.up": "colwise"}, "'blocks.*.up' matches no module of TinyLM"),
         ({key: style for key, style in PLAN.items() if key != "norm"} | {"up": "sequence_parallel"},
-         "norm has none"),
+         'norm \\(LayerNorm\\) has none: give it "sequence_parallel"'),
+        ({key: style for key, style in PLAN.items() if key != "embedding"}, 'embedding \\(Embedding\\) has none: give it "embedding"'),
         ({**PLAN, "head": "rowwise"}, "are tied but tp_plan splits them differently"),
     ],
 )  # fmt: skip
 def test_a_plan_that_cannot_be_applied_is_a_one_line_error(tp_mesh, plan, message):
     with pytest.raises(ConfigError, match=message):
         apply_tensor_parallel(TinyLM(), plan, tp_mesh)
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        ({**PLAN, "up": "diagonal"}, "'diagonal' is not one of"),
+        ({**PLAN, "blocks.*.up": "colwise"}, "'blocks.*.up' matches no module of TinyLM"),
+        ({key: style for key, style in PLAN.items() if key != "down"}, 'down \\(Linear\\) has none: give it "colwise"'),
+    ],
+)  # fmt: skip
+def test_a_plan_is_checked_without_a_mesh_so_its_mistakes_show_on_one_process(plan, message):
+    assert [name for name, _, _ in check_tp_plan(TinyLM(), PLAN)] == list(PLAN)
+    with pytest.raises(ConfigError, match=message):
+        check_tp_plan(TinyLM(), plan)
+
+
+def test_a_one_process_run_refuses_a_recipe_whose_plan_names_no_module(tmp_path):
+    @at.register_recipe("mistyped_tp_plan")
+    class MistypedPlan(at.get_recipe("gpt")):
+        tp_plan = {**at.get_recipe("gpt").tp_plan, "blocks.*.attn.q": "colwise"}
+
+    with pytest.raises(ConfigError, match="'blocks.\\*.attn.q' matches no module of GPT"):
+        at.train("mistyped_tp_plan", output_dir=str(tmp_path), max_steps=1, show_progress_bar=False)
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_sequence_parallelism_refuses_a_batch_whose_length_it_cannot_split():

@@ -8,6 +8,7 @@ import pytest
 
 import accel_trainer as at
 from accel_trainer.cli import main as cli
+from accel_trainer.report import _summary
 
 QUICK = {"max_steps": 6, "log_every_steps": 2, "eval_every_steps": 3, "show_progress_bar": False}
 
@@ -26,6 +27,20 @@ def test_a_finished_run_has_a_report_with_its_final_metrics_and_curves(two_runs)
     assert "- steps: 6 of max_steps=6" in report and "- final evaluation: eval/loss" in report
     assert "items/s" in report and "![curves](report.png)" in report
     assert (run / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_summary_gives_each_eval_metrics_range_and_the_best_in_keep_best_modes_direction():
+    training = [{"step": 2, "loss": 1.0, "step_time_s": 0.5}, {"step": 4, "loss": 0.5, "step_time_s": 0.25}]
+    evaluations = [{"step": 0, "eval/accuracy": 0.1}, {"step": 2, "eval/accuracy": 0.9},
+                   {"step": 4, "eval/accuracy": 0.7}]  # fmt: skip
+
+    summary = _summary(training, evaluations, {"max_steps": 4, "keep_best_metric": "eval/accuracy",
+                                               "keep_best_mode": "max"})  # fmt: skip
+
+    assert "- eval values over the run (lowest .. highest): eval/accuracy 0.1 .. 0.9" in summary
+    assert "- best eval/accuracy (keep_best_mode=max): 0.9 at step 2" in summary
+    assert "- optimizer steps take 1.5 s in all" in summary  # 2 steps x 0.5 s + 2 steps x 0.25 s
+    assert "best" not in _summary(training, evaluations, {"max_steps": 4})
 
 
 def test_report_redraws_from_the_run_folder(two_runs, capsys):
@@ -62,6 +77,6 @@ def test_events_record_starts_evaluations_checkpoints_and_the_end_for_the_time_b
 
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     kinds = [(e["event"], e.get("step")) for e in events]
-    assert kinds == [("start", 0), ("eval", 3), ("checkpoint", 3), ("eval", 6), ("checkpoint", 6), ("end", 6),
+    assert kinds == [("start", 0), ("eval", 0), ("eval", 3), ("checkpoint", 3), ("eval", 6), ("checkpoint", 6), ("end", 6),
                      ("start", 6), ("eval", 9), ("checkpoint", 9), ("end", 9)]  # fmt: skip
     assert "over 2 attempt(s)" in (tmp_path / "report.md").read_text()
