@@ -145,7 +145,8 @@ def test_modules_a_plan_without_sequence_parallelism_leaves_alone_get_replicated
         ({**PLAN, "blocks.*.up": "colwise"}, "'blocks.*.up' matches no module of TinyLM"),
         ({key: style for key, style in PLAN.items() if key != "norm"} | {"up": "sequence_parallel"},
          'norm \\(LayerNorm\\) has none: give it "sequence_parallel"'),
-        ({key: style for key, style in PLAN.items() if key != "embedding"}, 'embedding \\(Embedding\\) has none: give it "embedding"'),
+        ({key: style for key, style in PLAN.items() if key != "embedding"},
+         'embedding \\(Embedding\\) has none: give it "embedding"'),
         ({**PLAN, "head": "rowwise"}, "are tied but tp_plan splits them differently"),
     ],
 )  # fmt: skip
@@ -159,7 +160,8 @@ def test_a_plan_that_cannot_be_applied_is_a_one_line_error(tp_mesh, plan, messag
     [
         ({**PLAN, "up": "diagonal"}, "'diagonal' is not one of"),
         ({**PLAN, "blocks.*.up": "colwise"}, "'blocks.*.up' matches no module of TinyLM"),
-        ({key: style for key, style in PLAN.items() if key != "down"}, 'down \\(Linear\\) has none: give it "colwise"'),
+        ({key: style for key, style in PLAN.items() if key != "down"},
+         'down \\(Linear\\) has none: give it "colwise"'),
     ],
 )  # fmt: skip
 def test_a_plan_is_checked_without_a_mesh_so_its_mistakes_show_on_one_process(plan, message):

@@ -77,6 +77,6 @@ def test_events_record_starts_evaluations_checkpoints_and_the_end_for_the_time_b
 
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     kinds = [(e["event"], e.get("step")) for e in events]
-    assert kinds == [("start", 0), ("eval", 0), ("eval", 3), ("checkpoint", 3), ("eval", 6), ("checkpoint", 6), ("end", 6),
-                     ("start", 6), ("eval", 9), ("checkpoint", 9), ("end", 9)]  # fmt: skip
+    assert kinds == [("start", 0), ("eval", 0), ("eval", 3), ("checkpoint", 3), ("eval", 6), ("checkpoint", 6),
+                     ("end", 6), ("start", 6), ("eval", 9), ("checkpoint", 9), ("end", 9)]  # fmt: skip
     assert "over 2 attempt(s)" in (tmp_path / "report.md").read_text()

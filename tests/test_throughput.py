@@ -61,7 +61,8 @@ def test_gpt_flops_per_sample_match_the_analytic_count():
 def test_a_recipe_can_declare_its_own_flops_per_sample():
     recipe, cfg, batch = first_micro_batch("vae")
     recipe.flops_per_sample = 123.0
-    assert flops_per_sample(recipe, cfg, batch, num_parameters=0) == (123.0, "declared by the recipe's flops_per_sample")
+    declared = (123.0, "declared by the recipe's flops_per_sample")
+    assert flops_per_sample(recipe, cfg, batch, num_parameters=0) == declared
 
 
 def test_counting_flops_leaves_every_random_stream_where_it_was():
