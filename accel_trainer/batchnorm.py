@@ -19,11 +19,13 @@ from accelerate import Accelerator
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .errors import ConfigError
+from .sharding import pipeline_size
 
 
 def average_running_stats(accelerator: Accelerator, model: torch.nn.Module) -> None:
-    """Average every BatchNorm's floating-point running statistics over the processes (one all-reduce)."""
-    if accelerator.num_processes == 1:
+    """Average every BatchNorm's floating-point running statistics over the processes (one all-reduce); a
+    pipeline's processes hold different layers, and see the same batches: nothing to average."""
+    if accelerator.num_processes == 1 or pipeline_size(accelerator) > 1:
         return
     buffers = [
         buffer

@@ -49,6 +49,8 @@ from .checkpoint_checks import FORMAT, TRAIN_STATE, check_compatible, check_form
 from .checkpoint_files import CheckpointError
 from .config import TrainConfig, config_to_dict, config_to_yaml
 from .layout import LayoutSettings, layout_to_dict
+from .pipeline_split import tied_groups
+from .pipeline_state import merge_optimizer_skeletons, restrict_optimizer_skeleton
 from .rng_states import capture_rng_states, rng_file_name
 from .sharding import is_sharded, tied_names
 from .train_state import TrainState
@@ -66,6 +68,14 @@ class Trained:
     model: torch.nn.Module
     optimizer: Any  # accelerate's AcceleratedOptimizer
     scheduler: Any
+    whole: torch.nn.Module | None = None  # on a pipeline layout, the model whose stages `model` holds a part of
+
+    def shapes_and_ties(self, model_state: dict[str, Any]) -> tuple[dict[str, Any], list[list[str]]]:
+        """The state whose shapes a checkpoint records and checks, and the groups of tied names: the whole
+        model's on a pipeline layout (each process's own state holds only its stages)."""
+        if self.whole is None:
+            return model_state, tied_names(model_state)
+        return self.whole.state_dict(), [sorted(names) for names in tied_groups(self.whole)]
 
 
 @dataclass(frozen=True)
@@ -98,10 +108,12 @@ def save(
         heavy_writes: list[Callable[[], None]] = []
 
         def write_local_files() -> None:
-            heavy_writes.extend(_write_tensors(accelerator, temporary, model_state, optimizer_state, writer, sharded))
+            heavy_writes.extend(_write_tensors(accelerator, temporary, model_state, optimizer_state, writer, sharded,
+                                               pipeline=trained.whole is not None))  # fmt: skip
             state_files.save(capture_rng_states(), temporary / rng_file_name(accelerator.process_index))
             if accelerator.is_main_process:
-                _write_small_files(accelerator, temporary, state, trained.scheduler, identity, model_state)
+                _write_small_files(accelerator, temporary, state, trained.scheduler, identity,
+                                   *trained.shapes_and_ties(model_state))  # fmt: skip
 
         problem = _agree(accelerator, _attempt(write_local_files))
 
@@ -147,11 +159,13 @@ def _prepare_folder(accelerator: Accelerator, temporary: Path, writer: Backgroun
 
 def _write_tensors(
     accelerator: Accelerator, temporary: Path, model_state: Any, optimizer_state: Any,
-    writer: BackgroundWriter | None, sharded: bool,
+    writer: BackgroundWriter | None, sharded: bool, pipeline: bool = False,
 ) -> list[Callable[[], None]]:  # fmt: skip
     """Write the sharded tensors (every process), or return the main process's writes of full ones."""
     if sharded:
         optimizer_skeleton, optimizer_tensors = state_files.split(optimizer_state, "optimizer")
+        if pipeline:  # each process holds the optimizer state of its own stages
+            optimizer_skeleton = merge_optimizer_skeletons(gather_object([optimizer_skeleton]))
         tensors = {**{MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}, **optimizer_tensors}
         dcp.save(
             state_files.writable(tensors),
@@ -195,7 +209,7 @@ def _agree(accelerator: Accelerator, problem: str | None) -> str | None:
 
 def _write_small_files(
     accelerator: Accelerator, temporary: Path, state: TrainState, scheduler: Any, identity: RunIdentity,
-    model_state: dict[str, Any],
+    model_state: dict[str, Any], tied: list[list[str]],
 ) -> None:  # fmt: skip
     scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
     state_files.save({"scheduler": scheduler.state_dict(), "scaler": scaler}, temporary / TRAINER)
@@ -208,7 +222,7 @@ def _write_small_files(
         "layout": {"distributed_type": accelerator.distributed_type.value,
                    "mixed_precision": accelerator.mixed_precision, **layout_to_dict(identity.layout)},
         "parameter_shapes": {name: list(t.shape) for name, t in model_state.items()},
-        "tied_parameters": tied_names(model_state),
+        "tied_parameters": tied,
         "config": config_to_dict(identity.cfg),
     }  # fmt: skip
     (temporary / TRAIN_STATE).write_text(json.dumps(recorded, indent=1))
@@ -242,8 +256,8 @@ def restore(
     cfg = identity.cfg
     try:  # the manifest proves integrity, not content: a folder written by someone else may not fit
         recorded = json.loads((folder / TRAIN_STATE).read_text())
-        check_compatible(recorded, identity.recipe_name, cfg, model_state, same_run=cfg.resume == "auto",
-                         warn=accelerator.is_main_process)  # fmt: skip
+        check_compatible(recorded, identity.recipe_name, cfg, trained.shapes_and_ties(model_state)[0],
+                         same_run=cfg.resume == "auto", warn=accelerator.is_main_process)  # fmt: skip
         rng_states = _load(accelerator, folder, recorded, trained, model_state, optimizer_state)
         return TrainState.from_dict(recorded), rng_states
     except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as error:
@@ -256,13 +270,25 @@ def _load(
 ) -> dict[str, Any] | None:  # fmt: skip
     """Load model, optimizer, schedule and scaler from a checked checkpoint; return this process's RNG states."""
     optimizer_skeleton = state_files.load_skeleton(folder / OPTIMIZER)
+    sources: dict[str, str] = {}
+    if trained.whole is not None:  # a pipeline process loads the part of its stages
+        optimizer_skeleton, sources = restrict_optimizer_skeleton(
+            optimizer_skeleton, _optimizer_names(optimizer_state), recorded.get("tied_parameters", [])
+        )
     if (folder / SHARDED).is_dir():
-        optimizer_state = _load_sharded(folder, model_state, optimizer_state, optimizer_skeleton)
+        optimizer_state = _load_sharded(folder, model_state, optimizer_state, optimizer_skeleton, sources)
         options = None
     else:  # full tensors, which set_state_dict shards itself when this run is FSDP
         model_state = load_file(str(folder / "model.safetensors"))
         optimizer_state = state_files.load(folder / OPTIMIZER)
         options = StateDictOptions(full_state_dict=True)
+        if trained.whole is not None:
+            held = set(trained.model.state_dict())
+            model_state = {name: tensor for name, tensor in model_state.items() if name in held}
+            saved = state_files.split(optimizer_state, "optimizer")[1]
+            keys = state_files.tensor_keys(optimizer_skeleton)
+            optimizer_state = state_files.join(optimizer_skeleton, {key: saved[sources.get(key, key)] for key in keys})
+            options = None
     set_state_dict(trained.model, trained.optimizer.optimizer, model_state_dict=model_state,
                    optim_state_dict=optimizer_state, options=options)  # fmt: skip
     trainer = state_files.load(folder / TRAINER)
@@ -282,9 +308,15 @@ def _load(
     return state_files.load(rng_file)
 
 
+def _optimizer_names(optimizer_state: dict[str, Any]) -> list[str]:
+    """The parameter names of an optimizer state dict (torch's get_state_dict form), in its groups' order."""
+    return [name for group in optimizer_state.get("param_groups", []) for name in group["params"]]
+
+
 def _load_sharded(folder: Path, model_state: dict[str, Any], optimizer_state: dict[str, Any],
-                  optimizer_skeleton: Any) -> dict[str, Any]:  # fmt: skip
-    """Load the sharded tensors in place into this run's (possibly sharded) state; returns the optimizer's."""
+                  optimizer_skeleton: Any, sources: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Load the sharded tensors in place into this run's (possibly sharded) state; returns the optimizer's.
+    `sources` maps a key of this run's optimizer state to the key it was saved under, where they differ."""
     _, live_optimizer_tensors = state_files.split(optimizer_state, "optimizer")
     saved_keys = state_files.tensor_keys(optimizer_skeleton)
     unknown = [key for key in saved_keys if key not in live_optimizer_tensors]
@@ -294,6 +326,6 @@ def _load_sharded(folder: Path, model_state: dict[str, Any], optimizer_state: di
             " counterpart here): was it written with another optimizer?"
         )
     targets = {MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}
-    targets.update({key: live_optimizer_tensors[key] for key in saved_keys})
+    targets.update({(sources or {}).get(key, key): live_optimizer_tensors[key] for key in saved_keys})
     dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder / SHARDED)))
     return state_files.join(optimizer_skeleton, live_optimizer_tensors)

@@ -9,13 +9,15 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from .batchnorm import average_running_stats
+from .pipeline import Pipeline
 from .recipe import Recipe
 
 
 def evaluate(
-    accelerator: Accelerator, recipe: Recipe, model: torch.nn.Module, batches: Any, padded: bool
+    accelerator: Accelerator, recipe: Recipe | Pipeline, model: torch.nn.Module, batches: Any, padded: bool
 ) -> dict[str, float]:
-    """Means of the recipe's per-sample eval metrics over the whole eval set, each sample counted once.
+    """Means of the recipe's per-sample eval metrics over the whole eval set, each sample counted once (on a
+    pipeline layout, `recipe` is the pipeline, which runs the recipe's eval_metrics on its last stage).
 
     Metrics are divided by the number of samples, or by the total of a `num_items` entry when the recipe
     returns one (per-sample sums over tokens, giving a token-weighted mean). A `padded` loader's batches are

@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from . import checkpoint_files
 from .batchnorm import average_running_stats
 from .config import TrainConfig, config_to_yaml
 from .recipe import Recipe
-from .sharding import is_sharded
+from .sharding import is_sharded, pipeline_size
 
 
 def save_final(
@@ -31,7 +32,10 @@ def save_final(
 
     average_running_stats(accelerator, model)
     state: Any
-    if is_sharded(accelerator, model):  # FSDP or tensor parallel: a collective; full tensors on the main process
+    if pipeline_size(accelerator) > 1:  # each process holds its stages' weights: gathered on the main process
+        parts = gather_object([{name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}])
+        state = {name: tensor for part in parts for name, tensor in part.items()}
+    elif is_sharded(accelerator, model):  # FSDP or tensor parallel: a collective; full tensors on the main process
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(accelerator.unwrap_model(model), options=options)
     else:

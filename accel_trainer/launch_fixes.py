@@ -28,6 +28,9 @@ matches), test_preemption.py (elastic restarts).
   and the config and mesh handed back after it (`attach_mesh`); TP is applied by tensor_parallel.py before
   `prepare`, and under FSDP2 the attached config (`_FsdpMesh`) reports TP as already done so `prepare` only
   shards.
+- Pipelines: accelerate has no pipeline dimension, and its prepared loaders split batches over every process
+  that is not a tp or cp rank, so pipeline stages would each see different data. `attach_pipeline` records
+  the stage count for mesh.data_ranks and `prepare_loader_for_data_ranks` prepares loaders for the data ranks.
 
 The per-step speed shortcuts are not here: they are the loop's step verbs (step.py).
 """
@@ -37,14 +40,18 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.data_loader import prepare_data_loader
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
+from torch.utils.data import DataLoader
 
 from .errors import LayoutError
 
@@ -202,6 +209,37 @@ def attach_mesh(accelerator: Accelerator, dp_replicate: int, dp_shard: int, tp: 
     state = AcceleratorState()
     state.parallelism_config = config
     state.device_mesh = mesh
+
+
+@dataclass
+class PipelineParallelism(ParallelismConfig):
+    """The run's sizes on a pipeline layout: accelerate's config has no pipeline dimension, so this one carries
+    it for mesh.data_ranks. No device mesh is attached: the pipeline's point-to-point sends use the world group,
+    and accelerate's `prepare` never sees the model (prepared_run.py)."""
+
+    pp_size: int = 1
+
+
+def attach_pipeline(pp: int) -> None:
+    AcceleratorState().parallelism_config = PipelineParallelism(pp_size=pp)
+
+
+def prepare_loader_for_data_ranks(accelerator: Accelerator, loader: DataLoader, rank: int, size: int) -> Any:
+    """`accelerator.prepare_data_loader` for the data-parallel ranks of a pipeline layout.
+
+    accelerate shards a loader over all processes, or over its mesh's data dimensions when the mesh has tp
+    or cp ones; it knows no pipeline stages, which must all see the same batches. This passes the data rank
+    and count explicitly, with the Accelerator's own loader settings (canary: test_pipeline.py).
+    """
+    prepared = prepare_data_loader(
+        loader, accelerator.device, num_processes=size, process_index=rank, split_batches=accelerator.split_batches,
+        put_on_device=accelerator.device_placement, rng_types=accelerator.rng_types.copy(),
+        dispatch_batches=accelerator.dispatch_batches, even_batches=accelerator.even_batches,
+        use_seedable_sampler=accelerator.use_seedable_sampler, data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking, use_stateful_dataloader=accelerator.use_stateful_dataloader,
+    )  # fmt: skip
+    accelerator._dataloaders.append(prepared)  # as accelerator.prepare_data_loader does
+    return prepared
 
 
 _CONFIG_FLAGS = ("--config_file", "--config-file")

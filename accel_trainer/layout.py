@@ -47,6 +47,15 @@ class LayoutSettings:
     tp_size: int = 1
     """Tensor-parallel processes per model replica (the recipe's tp_plan splits its layers over them); or
     parallelism_config_tp_size in an FSDP layout's accelerate config (mesh.py)."""
+    pp_size: int = 1
+    """Pipeline stages the model is cut into, one group of blocks per process (pipeline.py); the layout's
+    processes must be pp_size (pipeline parallelism beside data or tensor parallelism is not built yet)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"] = "1f1b"
+    """Pipeline schedule (torch.distributed.pipelining); the interleaved and looped ones give each process two
+    stages, which needs at least 2 x pp_size - 1 blocks."""
+    pp_microbatches: int = 0
+    """Slices of each micro-batch that flow through the pipeline (more: smaller bubbles, smaller matrices);
+    0 takes the number of stages. Must divide micro_batch_size."""
     peak_tflops: float = 0.0
     """Peak TFLOP/s of one device in the compute dtype, for MFU; 0 takes the datasheet table (GPUs only)."""
     ddp_find_unused_parameters: bool = False

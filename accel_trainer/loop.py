@@ -109,7 +109,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
     state = run.checkpointer.state
     has_eval = run.eval_set is not None
     if has_eval and cfg.eval_every_steps > 0 and state.step == 0:
-        baseline, seconds = _timed(evaluate, accelerator, run.recipe, model, *run.eval_batches())
+        baseline, seconds = _timed(evaluate, accelerator, run.evaluator, model, *run.eval_batches())
         log.write({"step": 0, **baseline, "eval/seconds": seconds, "samples_seen": 0})
         _event(run, "eval", step=0, seconds=seconds)
         run.checkpointer.after_step(stop=False, scores=baseline)  # checks keep_best_metric's name; saves nothing
@@ -132,7 +132,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         scores: dict[str, float] | None = None
         if has_eval and (step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)):
             note_where(f"the evaluation after step {step}")
-            scores, seconds = _timed(evaluate, accelerator, run.recipe, model, *run.eval_batches())
+            scores, seconds = _timed(evaluate, accelerator, run.evaluator, model, *run.eval_batches())
             window.excluded_s += seconds
             log.write({"step": step, **scores, "eval/seconds": seconds, "samples_seen": state.samples_seen})
             _event(run, "eval", step=step, seconds=seconds)
@@ -157,7 +157,11 @@ def _optimizer_step(run: Run, is_log_step: bool) -> tuple[list[float], Any]:
     cfg = run.cfg
     grad_norm = None
     if cfg.max_grad_norm > 0 or is_log_step:
-        grad_norm = run.verbs.clip_grad_norm(run.model.parameters(), cfg.max_grad_norm or float("inf"))
+        max_norm = cfg.max_grad_norm or float("inf")
+        if run.pipeline is not None:  # one norm over all stages
+            grad_norm = run.pipeline.clip_grad_norm(max_norm)
+        else:
+            grad_norm = run.verbs.clip_grad_norm(run.model.parameters(), max_norm)
     lrs = [group["lr"] for group in run.optimizer.param_groups] if is_log_step else []  # the LRs of this step
     if run.verbs.optimizer_step():
         run.scheduler.step()  # the schedule follows the optimizer steps actually taken
@@ -219,22 +223,26 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
         # With one micro-batch per step there is nothing to accumulate and no synchronisation to skip.
         context = accelerator.accumulate(model) if plan.accumulation_steps > 1 else contextlib.nullcontext()
         with context:
-            output = read_loss_output(run.recipe.compute_loss(model, batch))
+            if run.pipeline is not None:  # the stages run forward and backward (divided like backward's)
+                output = run.pipeline.train(batch)
+            else:
+                output = read_loss_output(run.recipe.compute_loss(model, batch))
+                run.verbs.backward(output.loss)  # divided by the accumulation steps
             if output.num_items is not None:
                 num_items = output.num_items.to(accelerator.device, torch.float32)
                 step_items = num_items if step_items is None else step_items + num_items
-                run.verbs.backward(output.loss)
                 window.add(output)
                 window.num_items += num_items
             else:
                 # Training micro-batches are always full (the tail of an epoch is dropped), on every path.
-                run.verbs.backward(output.loss)  # divided by the accumulation steps
                 window.add(output, weight=plan.micro_batch_size)
                 window.num_host_items += plan.micro_batch_size
+    if run.pipeline is not None:
+        run.pipeline.sum_tied_gradients()
     if step_items is not None:
         # accelerate scaled each sum by 1/accumulation_steps and the gradient all-reduce averaged over
         # processes; undo both and divide by the true item count of the step instead.
-        total_items = accelerator.reduce(step_items, reduction="sum") / run.ranks.replicas  # TP ranks: copies
+        total_items = accelerator.reduce(step_items, reduction="sum") / run.ranks.replicas  # TP, PP: copies
         scale = plan.accumulation_steps * plan.num_processes / total_items
         for parameter in model.parameters():
             if parameter.grad is not None:

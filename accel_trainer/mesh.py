@@ -1,10 +1,13 @@
-"""The device mesh of a run, built in one place: data parallel (replicated x sharded) x tensor parallel.
+"""The device mesh of a run, built in one place: pipeline x data parallel (replicated x sharded) x tensor.
 
-A layout splits its processes over the dimensions `(dp_replicate, dp_shard, tp)`, in accelerate's order:
+A layout splits its processes over the dimensions `(pp, dp_replicate, dp_shard, tp)`, pp outermost, the
+rest in accelerate's order:
+- `pp`: pipeline stages, each process running its part of the model's blocks (pipeline.py); for now a
+  pipeline layout is pipeline only (world size = pp_size);
 - `tp`: tensor parallelism, the recipe's `tp_plan` splitting each layer's weights (tensor_parallel.py);
 - `dp_shard`: FSDP2 sharding of parameters, gradients and optimizer state;
 - `dp_replicate`: replicas of the sharded model (HSDP: shard within a group, all-reduce between groups).
-Processes that differ only in `tp` form one data-parallel rank: they see the same batches. The batch plan,
+Processes that differ only in `pp` or `tp` form one data-parallel rank: they see the same batches. The batch plan,
 the data sharding, evaluation and the item counts use `data_parallel_size` and `data_parallel_rank`, never
 the process count.
 
@@ -33,6 +36,7 @@ class MeshShape:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def data_parallel_size(self) -> int:
@@ -42,7 +46,7 @@ class MeshShape:
     @property
     def needs_mesh(self) -> bool:
         """Whether the layout goes beyond what accelerate builds by itself (DDP, or FSDP over all processes)."""
-        return self.tp > 1 or self.dp_replicate > 1
+        return self.tp > 1 or self.dp_replicate > 1 or self.pp > 1
 
 
 def mesh_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool) -> MeshShape:
@@ -53,6 +57,8 @@ def mesh_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool) -> MeshSh
             parallelism beside TP without FSDP.
     """
     launcher = launch_fixes.launcher_parallelism_sizes()
+    if layout.pp_size != 1:
+        return _pipeline_shape(layout, world_size, is_fsdp, launcher)
     tp = layout.tp_size
     if tp < 1:
         raise LayoutError(f"tp_size={tp}: must be at least 1")
@@ -91,6 +97,24 @@ def mesh_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool) -> MeshSh
     return MeshShape(dp_replicate, dp_shard, tp)
 
 
+def _pipeline_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool, launcher: dict[str, int]
+                    ) -> MeshShape:  # fmt: skip
+    pp = layout.pp_size
+    if pp < 1:
+        raise LayoutError(f"pp_size={pp}: must be at least 1")
+    if is_fsdp or layout.tp_size > 1 or any(size > 1 for size in launcher.values()):
+        raise LayoutError(
+            f"pp_size={pp} with FSDP or tensor parallelism: pipeline parallelism runs alone for now (one process"
+            " per stage); launch accelerate_configs/cpu_pp.yaml, or drop pp_size"
+        )
+    if world_size != pp:
+        raise LayoutError(
+            f"pp_size={pp} but {world_size} process(es) were launched: a pipeline layout runs one process per"
+            f" stage, so launch {pp}"
+        )
+    return MeshShape(pp=pp)
+
+
 @dataclass(frozen=True)
 class DataRanks:
     """This process's data-parallel rank and the number of them: what the data path and the counts use."""
@@ -104,8 +128,10 @@ def data_ranks(accelerator: Accelerator) -> DataRanks:
     """This process's place in the data-parallel dimension of the run's mesh (every process without a mesh)."""
     config = accelerator.parallelism_config
     tp = config.tp_size if config is not None else 1
-    rank = accelerator.process_index // tp  # accelerate's mesh order puts tp innermost
-    return DataRanks(rank, accelerator.num_processes // tp, tp)
+    pp = getattr(config, "pp_size", 1)
+    per_stage = accelerator.num_processes // pp  # pp outermost, tp innermost (accelerate's order)
+    rank = accelerator.process_index % per_stage // tp
+    return DataRanks(rank, per_stage // tp, tp * pp)
 
 
 def describe_mesh(accelerator: Accelerator) -> str:
@@ -113,13 +139,16 @@ def describe_mesh(accelerator: Accelerator) -> str:
     config = accelerator.parallelism_config
     if config is None:
         return ""
-    sizes = {"dp_replicate": config.dp_replicate_size, "dp_shard": config.dp_shard_size, "tp": config.tp_size}
+    sizes = {"pp": getattr(config, "pp_size", 1), "dp_replicate": config.dp_replicate_size,
+             "dp_shard": config.dp_shard_size, "tp": config.tp_size}  # fmt: skip
     return " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1)
 
 
 def set_up_mesh(accelerator: Accelerator, layout: LayoutSettings) -> MeshShape:
     """Decide the run's mesh and, where it needs one, give it to accelerate (launch_fixes.attach_mesh)."""
     shape = mesh_shape(layout, accelerator.num_processes, accelerator.is_fsdp2)
-    if shape.needs_mesh:
+    if shape.pp > 1:
+        launch_fixes.attach_pipeline(shape.pp)
+    elif shape.needs_mesh:
         launch_fixes.attach_mesh(accelerator, shape.dp_replicate, shape.dp_shard, shape.tp)
     return shape

@@ -6,6 +6,7 @@ the per-process seed after `accelerator.prepare`) and hands the loop a `Run`.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,16 +15,19 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from . import data
+from . import data, launch_fixes
 from .batching import BatchPlan, plan_batches
 from .batchnorm import convert_to_sync_batchnorm
 from .checkpoint import RunIdentity, Trained
 from .checkpointer import Checkpointer
 from .config import TrainConfig
+from .errors import LayoutError
 from .events import EventLog
 from .final_weights import save_final
 from .flops import peak_for_mfu
+from .layout import LayoutSettings
 from .mesh import DataRanks, data_ranks
+from .pipeline import Pipeline
 from .recipe import Recipe
 from .run_info import model_summary
 from .schedules import recipe_scheduler
@@ -57,9 +61,15 @@ class Run:
     model_summary: str
     speed: Speed
     ranks: DataRanks  # the data-parallel dimension: what the data path and the item counts use
+    pipeline: Pipeline | None = None  # a pipeline layout's stages: they run forward and backward
     stream: TrainStream | None = None
     first_batch: Any = None  # the shapes of the first micro-batch (meta tensors), for counting FLOPs
     events: EventLog | None = None
+
+    @property
+    def evaluator(self) -> Any:
+        """What computes the eval metrics of a batch: the recipe, or on a pipeline layout its stages."""
+        return self.pipeline if self.pipeline is not None else self.recipe
 
     def eval_batches(self) -> tuple[Any, bool]:
         """This process's eval micro-batches, and whether they still hold the loader's padding duplicates."""
@@ -93,6 +103,10 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     data.check_dataset(train_set, "training")
     if eval_set is not None:
         data.check_dataset(eval_set, "eval")
+    pipeline = None
+    if layout.pp_size > 1:  # the stages of this process; the optimizer and checkpoints see only their weights
+        pipeline = _pipeline(recipe, model.to(accelerator.device), train_set, plan, layout, accelerator)
+        model = pipeline.view
     optimizer = recipe.build_optimizer(cfg, model)
     # deliberately not prepared: see schedules.py
     scheduler = recipe_scheduler(recipe, cfg, optimizer, warn=accelerator.is_main_process)
@@ -104,15 +118,39 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (Run.eval_batches)
     if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == 1:
         eval_loader = data.eval_loader(recipe, eval_set, plan, workers)
-    # A None loader (a stream, or no eval set) passes through prepare unchanged.
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if pipeline is not None:  # not wrapped (there is no gradient to average); loaders for the data ranks
+        optimizer = accelerator.prepare(optimizer)
+        if train_loader is not None:
+            train_loader = launch_fixes.prepare_loader_for_data_ranks(accelerator, train_loader, ranks.rank,
+                                                                      ranks.size)  # fmt: skip
+    else:  # A None loader (a stream, or no eval set) passes through prepare unchanged.
+        model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     set_seed(cfg.seed + ranks.rank)  # independent dropout per data-parallel rank, shared by its TP ranks
     steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
-    checkpointer = Checkpointer(accelerator, run_dir, Trained(model, optimizer, scheduler), identity,
-                                has_eval=eval_set is not None)  # fmt: skip
+    trained = Trained(model, optimizer, scheduler, whole=pipeline.model if pipeline is not None else None)
+    checkpointer = Checkpointer(accelerator, run_dir, trained, identity, has_eval=eval_set is not None)
     return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
                eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer,
-               num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks)  # fmt: skip
+               num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks,
+               pipeline)  # fmt: skip
+
+
+def _pipeline(recipe: Recipe, model: Any, train_set: Any, plan: BatchPlan, layout: LayoutSettings,
+              accelerator: Accelerator) -> Pipeline:  # fmt: skip
+    """Cut the model into this process's stages, traced on the shapes of a first micro-batch."""
+    if layout.activation_checkpointing or layout.sync_batchnorm or accelerator.scaler is not None:
+        raise LayoutError(
+            "a pipeline layout does not combine with activation_checkpointing, sync_batchnorm or fp16 yet:"
+            " turn them off, or use bf16"
+        )
+    examples = data.as_torch(train_set)
+    if data.is_stream(train_set):
+        sample = list(itertools.islice(iter(examples), plan.micro_batch_size))
+    else:
+        sample = [examples[i] for i in range(min(plan.micro_batch_size, len(examples)))]
+    return Pipeline(recipe, model, recipe.collate(sample), schedule=layout.pp_schedule,
+                    microbatches=layout.pp_microbatches, accumulation_steps=plan.accumulation_steps,
+                    device=accelerator.device, autocast=accelerator.autocast)  # fmt: skip
 
 
 def micro_batches(run: Run) -> Any:

@@ -25,10 +25,16 @@ def tied_names(model_state: dict[str, Any]) -> list[list[str]]:
     return [sorted(names) for names in groups.values() if len(names) > 1]
 
 
+def pipeline_size(accelerator: Accelerator) -> int:
+    """The number of pipeline stages' processes (launch_fixes.attach_pipeline), 1 without a pipeline."""
+    return getattr(accelerator.parallelism_config, "pp_size", 1)
+
+
 def is_sharded(accelerator: Accelerator, model: torch.nn.Module) -> bool:
     """Whether the model's parameters are spread over processes, so that its checkpoints are sharded DCP saves
     and its full weights take a collective: FSDP2 (whose root parameters are plain tensors between a no-grad
-    forward and the next backward, so the layout decides) or tensor parallel (DTensors always)."""
-    if accelerator.distributed_type == DistributedType.FSDP:
+    forward and the next backward, so the layout decides), tensor parallel (DTensors always) or a pipeline
+    (each process holds its stages' weights)."""
+    if accelerator.distributed_type == DistributedType.FSDP or pipeline_size(accelerator) > 1:
         return True
     return any(isinstance(parameter, DTensor) for parameter in model.parameters())

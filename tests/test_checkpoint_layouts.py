@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, REPO, WORKERS, clean_env, final_parameters, read_metrics, train_and_dump
+from conftest import BIN, REPO, WORKERS, clean_env, final_parameters, read_metrics, slow, train_and_dump
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,7 +35,7 @@ def fsdp_run(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize(("layout", "world_size"), [("cpu", 1), ("cpu_ddp", 2)])
+@pytest.mark.parametrize(("layout", "world_size"), [("cpu", 1), slow("cpu_ddp", 2)])
 def test_fsdp_checkpoint_resumes_on_another_layout_and_continues_the_trajectory(fsdp_run, layout, world_size,
                                                                                   tmp_path):  # fmt: skip
     assert (checkpoint(fsdp_run, 10) / "distributed").is_dir()  # really a sharded checkpoint

@@ -89,7 +89,7 @@ def gpt_reference(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", ["cpu", "cpu_ddp", "cpu_fsdp", "2node_cpu"])
+@pytest.mark.parametrize("layout", ["cpu", "cpu_ddp", "cpu_fsdp", slow("2node_cpu")])
 def test_token_loss_gradient_equals_one_big_batch_on_every_layout(layout, gpt_reference, tmp_path):
     run_layout(layout, tmp_path, "gpt", [*GPT, ACCUMULATE])
 

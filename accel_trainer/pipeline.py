@@ -1,0 +1,282 @@
+"""Pipeline parallelism: the recipe's model cut into stages (pipeline_split.py), run by torch's schedules.
+
+One loop still runs every layout: where the loop would call the recipe's `compute_loss` and back-propagate,
+a pipeline layout calls `Pipeline.train`, which runs the schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS)
+over `pp_microbatches` slices of the micro-batch, forward and backward. Every process of the pipeline loads
+the same micro-batch: the first stage feeds the model's inputs in, the last stage computes the loss.
+
+The recipe's code runs unchanged. Its `compute_loss(model, batch)` is called twice with stand-ins for the
+model: once with one that only records the arguments it is called with (the inputs the first stage needs),
+and, on the last stage, once per pipeline slice with one that returns that stage's output, on the rows of the
+batch in that slice (the schedule slices a row index, given as its "target"). A token loss's sums and counts
+add up over the slices exactly; a mean loss is averaged over equal slices. The loss, item count and terms go
+from the last stage to every process, so the loop logs and normalises as on any layout.
+
+Tracing (torch.export) fixes shapes: a micro-batch of shapes not seen before is traced again (about half a
+second for the GPT, cached), so variable-length batches work. Weights tied across stages (an LM head and its
+embedding) are held by each stage that uses them, their gradients summed between those processes before
+clipping and the step, which keeps the copies identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+
+from .errors import ConfigError, RecipeError
+from .losses import LossOutput, read_loss_output
+from .pipeline_split import (
+    first_chunk,
+    local_view,
+    share_model_parameters,
+    split_spec,
+    stage_tensor_names,
+    stages_of_process,
+    tied_groups,
+    traced_pipeline,
+)
+
+SCHEDULES: dict[str, tuple[Any, int]] = {  # name -> (torch schedule, stages per process)
+    "gpipe": (ScheduleGPipe, 1),
+    "1f1b": (Schedule1F1B, 1),
+    "interleaved_1f1b": (ScheduleInterleaved1F1B, 2),
+    "looped_bfs": (ScheduleLoopedBFS, 2),
+}
+
+
+class _Called(Exception):
+    """Raised by the input-recording stand-in: the arguments the recipe calls its model with."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__("model called")
+        self.args, self.kwargs = args, kwargs
+
+
+class _InputRecorder(nn.Module):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise _Called(args, kwargs)
+
+
+class _StageOutput(nn.Module):
+    """The model as the recipe's loss sees it on the last stage: it returns what the last stage computed."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.output
+
+
+def model_inputs(recipe_function: Any, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments `recipe_function(model, batch)` calls its model with."""
+    try:
+        recipe_function(_InputRecorder(), batch)
+    except _Called as called:
+        return called.args, called.kwargs
+    raise RecipeError(f"{recipe_function.__name__} never called the model, so a pipeline cannot feed it")
+
+
+def rows(values: Any, index: torch.Tensor, size: int) -> Any:
+    """The rows `index` of every tensor in `values` whose first dimension is the batch's `size`."""
+    if isinstance(values, torch.Tensor):
+        return values[index.to(values.device)] if values.ndim and values.shape[0] == size else values
+    if isinstance(values, dict):
+        return {key: rows(value, index, size) for key, value in values.items()}
+    if isinstance(values, (tuple, list)):
+        return type(values)(rows(value, index, size) for value in values)
+    return values
+
+
+def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.ndim:
+            return int(value.shape[0])
+    raise RecipeError("the model's inputs hold no tensor with a batch dimension, so a pipeline cannot slice them")
+
+
+@dataclass
+class _Compiled:
+    """The stages and schedule traced for one set of input shapes."""
+
+    modules: list[nn.Module]
+    schedule: Any
+
+
+@dataclass
+class _Step:
+    """What the loss function of the current schedule call needs and collects."""
+
+    batch: Any = None
+    size: int = 0
+    train: bool = True
+    losses: list[LossOutput] = field(default_factory=list)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Pipeline:
+    """This process's stages of the recipe's model, and the schedule that trains and evaluates them."""
+
+    def __init__(self, recipe: Any, model: nn.Module, sample_batch: Any, *, schedule: str, microbatches: int,
+                 accumulation_steps: int, device: torch.device, autocast: Any = contextlib.nullcontext
+                 ) -> None:  # fmt: skip
+        self.recipe, self.model, self.device, self.autocast = recipe, model, device, autocast
+        self.accumulation_steps = accumulation_steps
+        self.process, self.size = dist.get_rank(), dist.get_world_size()
+        self.schedule_class, per_process = SCHEDULES[schedule]
+        self.num_stages = self.size * per_process
+        self.chunks = microbatches or self.num_stages
+        self.spec = split_spec(model, recipe, self.num_stages)
+        self.stage_ids = stages_of_process(self.process, self.size, self.num_stages)
+        self._compiled: dict[Any, _Compiled] = {}
+        self._step = _Step()
+        self._term_names: list[str] | None = None
+        self._counts_items = False
+        args, kwargs = model_inputs(recipe.compute_loss, sample_batch)
+        rows_per_batch = batch_size(args, kwargs)
+        if rows_per_batch % self.chunks:
+            raise ConfigError(
+                f"the pipeline slices each micro-batch into pp_microbatches={self.chunks}, which does not divide"
+                f" micro_batch_size={rows_per_batch}: make it a divisor"
+            )
+        pipe = self._trace(args, kwargs, self.chunks, train=True)
+        holders = {i: stage_tensor_names(pipe.get_stage_module(i)) for i in range(self.num_stages)}
+        self.view = local_view(model, set().union(*(holders[i] for i in self.stage_ids)))
+        self._tied = self._tie_across_processes(holders)
+
+    # -- tracing -------------------------------------------------------------------------------------------
+
+    def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int, train: bool) -> Any:
+        self.model.train(train)
+        return traced_pipeline(self.model, first_chunk(args, chunks), first_chunk(kwargs, chunks), self.spec)
+
+    def _compiled_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> _Compiled:
+        chunks = self.chunks if train else 1
+        shapes = tuple((tuple(v.shape), v.dtype) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+        key = (train, shapes)
+        if key not in self._compiled:
+            pipe = self._trace(args, kwargs, chunks, train)
+            for i in self.stage_ids:
+                share_model_parameters(pipe.get_stage_module(i), self.model)
+            stages = [pipe.build_stage(i, self.device) for i in self.stage_ids]
+            # Evaluation runs forward only, the whole micro-batch at once (any size).
+            schedule_class: Any = self.schedule_class if train else ScheduleGPipe if len(stages) == 1 else ScheduleLoopedBFS
+            single = schedule_class in (ScheduleGPipe, Schedule1F1B)  # one stage per process
+            schedule = schedule_class(stages[0] if single else stages, chunks, loss_fn=self._loss, scale_grads=False)
+            self._compiled[key] = _Compiled([stage.submod for stage in stages], schedule)
+        return self._compiled[key]
+
+    # -- the loss on the last stage --------------------------------------------------------------------------
+
+    def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        step = self._step
+        batch = rows(step.batch, index, step.size)
+        if not step.train:
+            for name, value in self.recipe.eval_metrics(_StageOutput(output), batch).items():
+                step.metrics[name] = value if name not in step.metrics else torch.cat([step.metrics[name], value])
+            return torch.zeros((), device=self.device)
+        result = read_loss_output(self.recipe.compute_loss(_StageOutput(output), batch))
+        step.losses.append(result)
+        loss = result.loss if result.num_items is not None else result.loss / self.chunks
+        return loss / self.accumulation_steps  # as accelerate's backward divides it
+
+    # -- the loop's calls ------------------------------------------------------------------------------------
+
+    def train(self, batch: Any) -> LossOutput:
+        """Forward and backward of one micro-batch through the pipeline; its loss as `compute_loss` gives it
+        on one process (a sum with its item count, or a mean), on every process."""
+        args, kwargs = model_inputs(self.recipe.compute_loss, batch)
+        compiled = self._compiled_for(args, kwargs, train=True)
+        for module in compiled.modules:
+            module.train()
+        size = batch_size(args, kwargs)
+        self._step = _Step(batch=batch, size=size, train=True)
+        with self.autocast():
+            compiled.schedule.step(*args, target=torch.arange(size), return_outputs=False, **kwargs)
+        return self._shared_loss()
+
+    def eval_metrics(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """The recipe's per-sample eval metrics of one batch, computed on the last stage, on every process."""
+        args, kwargs = model_inputs(self.recipe.eval_metrics, batch)
+        compiled = self._compiled_for(args, kwargs, train=False)
+        for module in compiled.modules:
+            module.eval()
+        size = batch_size(args, kwargs)
+        self._step = _Step(batch=batch, size=size, train=False)
+        with self.autocast():
+            compiled.schedule.eval(*args, target=torch.arange(size), **kwargs)
+        shared = [{name: value.cpu() for name, value in self._step.metrics.items()}]
+        dist.broadcast_object_list(shared, src=self._last_process)
+        return {name: value.to(self.device) for name, value in shared[0].items()}
+
+    @property
+    def _last_process(self) -> int:
+        return (self.num_stages - 1) % self.size
+
+    def _shared_loss(self) -> LossOutput:
+        """Combine the slices' losses on the last stage and give every process the result."""
+        losses = self._step.losses
+        if self._term_names is None:  # once: the recipe's terms, and whether its loss counts items
+            shape: list[Any] = [(sorted(losses[0].terms), losses[0].num_items is not None) if losses else None]
+            dist.broadcast_object_list(shape, src=self._last_process)
+            self._term_names, self._counts_items = shape[0]
+        terms = self._term_names
+        packed = torch.zeros(2 + len(terms), device=self.device)
+        if losses:
+            combine = torch.sum if self._counts_items else torch.mean
+            packed[0] = combine(torch.stack([r.loss.detach().float() for r in losses]))
+            if self._counts_items:
+                packed[1] = torch.stack([r.num_items.float() for r in losses]).sum()  # type: ignore[union-attr]
+            for i, name in enumerate(terms):
+                packed[2 + i] = combine(torch.stack([r.terms[name].float() for r in losses]))
+        dist.broadcast(packed, src=self._last_process)
+        num_items = packed[1] if self._counts_items else None
+        return LossOutput(packed[0], num_items, {name: packed[2 + i] for i, name in enumerate(terms)})
+
+    # -- weights tied across stages, and the global gradient norm --------------------------------------------
+
+    def _tie_across_processes(self, holders: dict[int, set[str]]) -> list[tuple[nn.Parameter, Any]]:
+        """For each tied group held by stages on several processes, this process's copy and a process group
+        of the holders (created on every process, in the same order, as torch requires)."""
+        tied = []
+        self.uncounted: set[str] = set()  # names whose gradient another process counts in the norm
+        for names in tied_groups(self.model):
+            processes = sorted({i % self.size for i, held in holders.items() if held & set(names)})
+            if len(processes) < 2:
+                continue
+            group = dist.new_group(processes)
+            mine = [name for name, _ in self.view.named_parameters() if name in names]
+            if mine:
+                tied.append((self.view.get_parameter(mine[0]), group))
+                if self.process != processes[0]:
+                    self.uncounted.add(mine[0])
+        return tied
+
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradients of weights tied across stages, so that every copy takes the same step."""
+        for parameter, group in self._tied:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            dist.all_reduce(parameter.grad, group=group)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of all stages' gradients together (each tied weight counted once); return it."""
+        named = [(name, p) for name, p in self.view.named_parameters() if p.grad is not None]
+        counted = [p.grad for name, p in named if p.grad is not None and name not in self.uncounted]
+        local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=self.device)
+        squared = local.float().pow(2)
+        dist.all_reduce(squared)
+        total = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, total)
+        return total
