@@ -171,7 +171,8 @@ class Pipeline:
                 share_model_parameters(pipe.get_stage_module(i), self.model)
             stages = [pipe.build_stage(i, self.device) for i in self.stage_ids]
             # Evaluation runs forward only, the whole micro-batch at once (any size).
-            schedule_class: Any = self.schedule_class if train else ScheduleGPipe if len(stages) == 1 else ScheduleLoopedBFS
+            forward_only = ScheduleGPipe if len(stages) == 1 else ScheduleLoopedBFS
+            schedule_class: Any = self.schedule_class if train else forward_only
             single = schedule_class in (ScheduleGPipe, Schedule1F1B)  # one stage per process
             schedule = schedule_class(stages[0] if single else stages, chunks, loss_fn=self._loss, scale_grads=False)
             self._compiled[key] = _Compiled([stage.submod for stage in stages], schedule)

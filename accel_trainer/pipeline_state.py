@@ -38,8 +38,9 @@ def _settings(group: dict[str, Any]) -> dict[str, Any]:
 def restrict_optimizer_skeleton(skeleton: Any, names: list[str], tied: list[list[str]]
                                 ) -> tuple[Any, dict[str, str]]:  # fmt: skip
     """The part of a merged skeleton for the parameters `names` this process holds (in its optimizer's
-    order), and for each tensor it refers to, the key it was saved under. A tied parameter whose own name the checkpoint lacks takes the
-    state saved under another name of its group (its tensor keys renamed to this process's)."""
+    order), and for each tensor it refers to, the key it was saved under. A tied parameter whose own name
+    the checkpoint lacks takes the state saved under another name of its group (its tensor keys renamed to
+    this process's)."""
     saved = skeleton.get("state", {})
     state: dict[str, Any] = {}
     sources: dict[str, str] = {}
