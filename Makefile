@@ -18,7 +18,7 @@ NODE_FLAGS = --machine_rank $(NODE_RANK) --main_process_ip $(MAIN_ADDR) --main_p
 
 .PHONY: install train train-cpu-ddp train-cpu-fsdp train-gpu train-4gpu train-8gpu train-4gpu-fsdp train-8gpu-fsdp \
 	train-4gpu-powersgd train-2node train-2node-cpu train-cpu-tp train-cpu-fsdp-tp train-cpu-hsdp train-8gpu-fsdp-tp \
-	train-2node-hsdp test test-slow bench lint clean
+	train-2node-hsdp train-cpu-pp test test-slow bench lint clean
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,9 @@ train-cpu-ddp: install  ## 2 gloo processes on the CPU
 
 train-cpu-fsdp: install  ## 2 gloo processes on the CPU, parameters sharded with FSDP2
 	$(LAUNCH) --config_file accelerate_configs/cpu_fsdp.yaml $(RUN_RECIPE)
+
+train-cpu-pp: install  ## 2 gloo processes on the CPU, pipeline parallel (2 stages, 1F1B; pp_size from cpu_pp.settings.yaml)
+	$(LAUNCH) --config_file accelerate_configs/cpu_pp.yaml $(RUN_RECIPE)
 
 train-cpu-tp: install  ## 2 gloo processes on the CPU, tensor parallel (the recipe's tp_plan; tp_size from cpu_tp.settings.yaml)
 	$(LAUNCH) --config_file accelerate_configs/cpu_tp.yaml $(RUN_RECIPE)

@@ -1,9 +1,10 @@
-"""What a checkpoint holds, and saving and restoring it on any layout.
+"""What a checkpoint holds, and saving it on any layout (checkpoint_restore.py loads it).
 
 A checkpoint folder (`checkpoints/step_00000120/`) holds no pickle, so loading one cannot run code:
     model.safetensors                  full weights (1 process or DDP), or
-    distributed/                       per-rank safetensors shards of model and optimizer (FSDP), written and
-                                       resharded on load by torch.distributed.checkpoint's HF storage
+    distributed/                       per-rank safetensors shards of model and optimizer (FSDP, tensor or
+                                       pipeline parallel), written and resharded on load by
+                                       torch.distributed.checkpoint's HF storage
     optimizer.safetensors              the optimizer state (state_files.py: tensors, JSON structure); under
                                        FSDP only its structure, the tensors being in distributed/
     trainer.safetensors                LR scheduler and fp16 gradient-scaler state
@@ -15,9 +16,10 @@ A checkpoint folder (`checkpoints/step_00000120/`) holds no pickle, so loading o
 Model and optimizer go through torch's layout-independent state-dict API (`get_state_dict` /
 `set_state_dict`, keyed by parameter names without DDP, FSDP or checkpoint-wrapper prefixes), and a sharded
 checkpoint is resharded on load, so a checkpoint written on one layout resumes on another: FSDP to 1 process
-or DDP and back. accelerate's `save_state` is not used because its non-FSDP files cannot be loaded into FSDP,
-it pickles (torch.save, and DCP's default format pickles its metadata), and it restores RNG states at the
-wrong moment for an exact mid-epoch resume (docs/accelerate-traps.md). A checkpoint of the earlier pickle
+or DDP and back, a pipeline to 1 process and back (pipeline_state.py). accelerate's `save_state` is not used
+because its non-FSDP files cannot be loaded into FSDP, it pickles (torch.save, and DCP's default format
+pickles its metadata), and it restores RNG states at the wrong moment for an exact mid-epoch resume
+(docs/accelerate-traps.md). A checkpoint of the earlier pickle
 format, or one holding any file accel-trainer does not write, is refused with one line.
 """
 
@@ -26,7 +28,6 @@ from __future__ import annotations
 import functools
 import json
 import shutil
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,22 +36,20 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from accelerate.utils import gather_object
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from . import checkpoint_files as files
 from . import state_files
 from .background_writer import BackgroundWriter
-from .checkpoint_checks import FORMAT, TRAIN_STATE, check_compatible, check_format, config_hash
+from .checkpoint_checks import FORMAT, TRAIN_STATE, config_hash
 from .checkpoint_files import CheckpointError
 from .config import TrainConfig, config_to_dict, config_to_yaml
 from .layout import LayoutSettings, layout_to_dict
-from .pipeline_split import tied_groups
-from .pipeline_state import merge_optimizer_skeletons, restrict_optimizer_skeleton
+from .pipeline_state import merge_optimizer_skeletons, whole_model_state
 from .rng_states import capture_rng_states, rng_file_name
 from .sharding import is_sharded, tied_names
 from .train_state import TrainState
@@ -73,9 +72,7 @@ class Trained:
     def shapes_and_ties(self, model_state: dict[str, Any]) -> tuple[dict[str, Any], list[list[str]]]:
         """The state whose shapes a checkpoint records and checks, and the groups of tied names: the whole
         model's on a pipeline layout (each process's own state holds only its stages)."""
-        if self.whole is None:
-            return model_state, tied_names(model_state)
-        return self.whole.state_dict(), [sorted(names) for names in tied_groups(self.whole)]
+        return (model_state, tied_names(model_state)) if self.whole is None else whole_model_state(self.whole)
 
 
 @dataclass(frozen=True)
@@ -227,105 +224,3 @@ def _write_small_files(
     }  # fmt: skip
     (temporary / TRAIN_STATE).write_text(json.dumps(recorded, indent=1))
     (temporary / "config.yaml").write_text(config_to_yaml(identity.cfg))
-
-
-def restore(
-    accelerator: Accelerator, folder: Path, trained: Trained, identity: RunIdentity
-) -> tuple[TrainState, dict[str, Any] | None]:
-    """Load a verified checkpoint into the prepared objects.
-
-    Returns its train state and this process's saved RNG states, which the caller applies at the moment that
-    matches the uninterrupted run (see loop.py); None when the process count changed, after a warning.
-
-    Raises:
-        CheckpointError: the checkpoint is incomplete or corrupt, or belongs to another recipe or model shape.
-    """
-    problem: list[str | None] = [None]
-    if accelerator.is_main_process:
-        try:
-            files.verify(folder)
-            check_format(folder)
-        except CheckpointError as error:
-            problem[0] = str(error)
-    if accelerator.num_processes > 1:
-        broadcast_object_list(problem)
-    if problem[0]:
-        raise CheckpointError(problem[0])
-    model_state: Any
-    model_state, optimizer_state = get_state_dict(trained.model, trained.optimizer.optimizer)
-    cfg = identity.cfg
-    try:  # the manifest proves integrity, not content: a folder written by someone else may not fit
-        recorded = json.loads((folder / TRAIN_STATE).read_text())
-        check_compatible(recorded, identity.recipe_name, cfg, trained.shapes_and_ties(model_state)[0],
-                         same_run=cfg.resume == "auto", warn=accelerator.is_main_process)  # fmt: skip
-        rng_states = _load(accelerator, folder, recorded, trained, model_state, optimizer_state)
-        return TrainState.from_dict(recorded), rng_states
-    except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as error:
-        raise CheckpointError(f"checkpoint {folder} cannot be loaded: {type(error).__name__}: {error}") from None
-
-
-def _load(
-    accelerator: Accelerator, folder: Path, recorded: dict[str, Any], trained: Trained, model_state: Any,
-    optimizer_state: Any,
-) -> dict[str, Any] | None:  # fmt: skip
-    """Load model, optimizer, schedule and scaler from a checked checkpoint; return this process's RNG states."""
-    optimizer_skeleton = state_files.load_skeleton(folder / OPTIMIZER)
-    sources: dict[str, str] = {}
-    if trained.whole is not None:  # a pipeline process loads the part of its stages
-        optimizer_skeleton, sources = restrict_optimizer_skeleton(
-            optimizer_skeleton, _optimizer_names(optimizer_state), recorded.get("tied_parameters", [])
-        )
-    if (folder / SHARDED).is_dir():
-        optimizer_state = _load_sharded(folder, model_state, optimizer_state, optimizer_skeleton, sources)
-        options = None
-    else:  # full tensors, which set_state_dict shards itself when this run is FSDP
-        model_state = load_file(str(folder / "model.safetensors"))
-        optimizer_state = state_files.load(folder / OPTIMIZER)
-        options = StateDictOptions(full_state_dict=True)
-        if trained.whole is not None:
-            held = set(trained.model.state_dict())
-            model_state = {name: tensor for name, tensor in model_state.items() if name in held}
-            saved = state_files.split(optimizer_state, "optimizer")[1]
-            keys = state_files.tensor_keys(optimizer_skeleton)
-            optimizer_state = state_files.join(optimizer_skeleton, {key: saved[sources.get(key, key)] for key in keys})
-            options = None
-    set_state_dict(trained.model, trained.optimizer.optimizer, model_state_dict=model_state,
-                   optim_state_dict=optimizer_state, options=options)  # fmt: skip
-    trainer = state_files.load(folder / TRAINER)
-    trained.scheduler.load_state_dict(trainer["scheduler"])
-    if accelerator.scaler is not None and trainer["scaler"] is not None:
-        accelerator.scaler.load_state_dict(trainer["scaler"])
-    rng_file = folder / rng_file_name(accelerator.process_index)
-    if recorded["world_size"] != accelerator.num_processes or not rng_file.is_file():
-        if accelerator.is_main_process:
-            warnings.warn(
-                f"accel-trainer: resuming on {accelerator.num_processes} process(es) from a checkpoint of"
-                f" {recorded['world_size']}: weights, optimizer and data order continue exactly, random streams"
-                " (dropout, sampling) restart from the seed",
-                stacklevel=2,
-            )
-        return None
-    return state_files.load(rng_file)
-
-
-def _optimizer_names(optimizer_state: dict[str, Any]) -> list[str]:
-    """The parameter names of an optimizer state dict (torch's get_state_dict form), in its groups' order."""
-    return [name for group in optimizer_state.get("param_groups", []) for name in group["params"]]
-
-
-def _load_sharded(folder: Path, model_state: dict[str, Any], optimizer_state: dict[str, Any],
-                  optimizer_skeleton: Any, sources: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Load the sharded tensors in place into this run's (possibly sharded) state; returns the optimizer's.
-    `sources` maps a key of this run's optimizer state to the key it was saved under, where they differ."""
-    _, live_optimizer_tensors = state_files.split(optimizer_state, "optimizer")
-    saved_keys = state_files.tensor_keys(optimizer_skeleton)
-    unknown = [key for key in saved_keys if key not in live_optimizer_tensors]
-    if unknown:
-        raise CheckpointError(
-            f"checkpoint {folder}: its optimizer state does not fit this run's optimizer ({unknown[0]} has no"
-            " counterpart here): was it written with another optimizer?"
-        )
-    targets = {MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}
-    targets.update({(sources or {}).get(key, key): live_optimizer_tensors[key] for key in saved_keys})
-    dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder / SHARDED)))
-    return state_files.join(optimizer_skeleton, live_optimizer_tensors)

@@ -20,7 +20,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from . import checkpoint
+from . import checkpoint, checkpoint_restore
 from . import checkpoint_files as files
 from .background_writer import BackgroundWriter
 from .batchnorm import average_running_stats
@@ -53,7 +53,7 @@ class Checkpointer:
         folder = resume_point(self.accelerator, self.cfg, self.run_dir)
         if folder is None:
             return self.state
-        self.state, rng_states = checkpoint.restore(self.accelerator, folder, self.trained, self.identity)
+        self.state, rng_states = checkpoint_restore.restore(self.accelerator, folder, self.trained, self.identity)
         if self.accelerator.is_main_process:
             print(f"resuming from {folder} at step {self.state.step}", flush=True)
         if rng_states:

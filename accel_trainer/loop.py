@@ -30,6 +30,7 @@ from .events import EventLog
 from .flops import flops_per_sample, to_meta
 from .layout import LayoutSettings
 from .losses import read_loss_output
+from .mesh import tensor_parallel_size
 from .metrics import MetricsLog, drop_records_after, format_metric
 from .preemption import Preempted, PreemptionWatcher, note_where
 from .prepared_run import Run, micro_batches, prepare_run
@@ -53,15 +54,9 @@ def train_loop(
     run = prepare_run(recipe, RunIdentity(recipe_name, cfg, layout), accelerator, run_dir)
     state = run.checkpointer.restore()
     if state.step >= cfg.max_steps:  # the run's files stay as they are: nothing is trained or written
-        if accelerator.is_main_process:
-            summary = " | ".join(format_metric(key, value) for key, value in state.metrics.items())
-            print(f"{run_dir} already reached step {state.step} of max_steps={cfg.max_steps}: nothing to train;"
-                  f" its final metrics: {summary}", flush=True)  # fmt: skip
-        if not (run_dir / "final").is_dir():  # stopped between its last checkpoint and its final weights
-            run.final_weights()
-        return state.metrics
+        return _already_trained(run)
     held = parameters_held(run.model, accelerator)
-    ran = replace(layout, tp_size=run.ranks.replicas)  # also when the accelerate config set it (mesh.py)
+    ran = replace(layout, tp_size=tensor_parallel_size(accelerator))  # also when the accelerate config set it
     if accelerator.is_main_process:  # only once the checkpoint (if any) has been accepted
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
         (run_dir / "layout.yaml").write_text(layout_to_yaml(ran))
@@ -92,6 +87,18 @@ def train_loop(
     if accelerator.is_main_process:
         _write_report(run_dir)
     return final
+
+
+def _already_trained(run: Run) -> dict[str, Any]:
+    """Say that a resumed run has nothing left to train; write its final weights if they are missing."""
+    state, max_steps = run.checkpointer.state, run.cfg.max_steps
+    if run.accelerator.is_main_process:
+        summary = " | ".join(format_metric(key, value) for key, value in state.metrics.items())
+        print(f"{run.run_dir} already reached step {state.step} of max_steps={max_steps}: nothing to train;"
+              f" its final metrics: {summary}", flush=True)  # fmt: skip
+    if not (run.run_dir / "final").is_dir():  # stopped between its last checkpoint and its final weights
+        run.final_weights()
+    return state.metrics
 
 
 def _write_report(run_dir: Path) -> None:

@@ -134,6 +134,12 @@ def data_ranks(accelerator: Accelerator) -> DataRanks:
     return DataRanks(rank, per_stage // tp, tp * pp)
 
 
+def tensor_parallel_size(accelerator: Accelerator) -> int:
+    """The run's tp size, wherever it was set (the layout setting or the accelerate config)."""
+    config = accelerator.parallelism_config
+    return config.tp_size if config is not None else 1
+
+
 def describe_mesh(accelerator: Accelerator) -> str:
     """The mesh in words, like "dp_shard 2 x tp 2"; empty without one."""
     config = accelerator.parallelism_config

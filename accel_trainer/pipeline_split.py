@@ -15,6 +15,7 @@ the names a one-process run uses.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -68,7 +69,9 @@ def traced_pipeline(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     removed here after each trace (canary: test_pipeline.py).
     """
     try:
-        return pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=spec)
+        with warnings.catch_warnings():  # torch.export's own deprecation notice, once per trace, not the user's
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            return pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=spec)
     finally:
         for name in spec:
             module = model.get_submodule(name)

@@ -12,22 +12,54 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
+from . import state_files
+from .pipeline_split import tied_groups
 from .state_files import TENSOR
+
+
+def whole_model_state(whole: nn.Module) -> tuple[dict[str, Any], list[list[str]]]:
+    """The whole model's state (for the shapes a checkpoint records) and its groups of tied names."""
+    return whole.state_dict(), [sorted(names) for names in tied_groups(whole)]
+
+
+def optimizer_part(skeleton: Any, optimizer_state: dict[str, Any], recorded: dict[str, Any], in_pipeline: bool
+                   ) -> tuple[Any, dict[str, str]]:  # fmt: skip
+    """The saved optimizer skeleton cut to this process's parameters, and the keys its tensors were saved
+    under, when this run or the checkpoint's is a pipeline (unchanged otherwise)."""
+    if not in_pipeline and recorded.get("layout", {}).get("pp_size", 1) == 1:
+        return skeleton, {}
+    names = [name for group in optimizer_state.get("param_groups", []) for name in group["params"]]
+    return restrict_optimizer_skeleton(skeleton, names, recorded.get("tied_parameters", []))
+
+
+def stages_part(model: nn.Module, model_state: dict[str, Any], optimizer_state: Any, skeleton: Any,
+                sources: dict[str, str]) -> tuple[dict[str, Any], Any]:  # fmt: skip
+    """This process's part of a full (unsharded) checkpoint's model and optimizer state."""
+    held = set(model.state_dict())
+    saved = state_files.split(optimizer_state, "optimizer")[1]
+    keys = state_files.tensor_keys(skeleton)
+    return ({name: tensor for name, tensor in model_state.items() if name in held},
+            state_files.join(skeleton, {key: saved[sources.get(key, key)] for key in keys}))  # fmt: skip
 
 
 def merge_optimizer_skeletons(skeletons: list[Any]) -> Any:
     """One skeleton of `{"state": {name: ...}, "param_groups": [...]}` from every process's part: states
-    joined, and parameter names appended to the group of the same hyperparameters."""
+    joined, and each process's parameter names appended to the matching group: the group at the same place
+    when every process has as many groups (groups of equal settings stay apart), else the group of the same
+    settings."""
     merged: dict[str, Any] = {"state": {}, "param_groups": []}
+    by_position = len({len(skeleton.get("param_groups", [])) for skeleton in skeletons}) == 1
     for skeleton in skeletons:
         merged["state"].update(skeleton.get("state", {}))
-        for group in skeleton.get("param_groups", []):
-            settings = _settings(group)
-            same = [g for g in merged["param_groups"] if _settings(g) == settings]
+        for index, group in enumerate(skeleton.get("param_groups", [])):
+            groups = merged["param_groups"]
+            same = groups[index : index + 1] if by_position else [g for g in groups if _settings(g) == _settings(group)]
             if same:
                 same[0]["params"] = same[0]["params"] + [p for p in group["params"] if p not in same[0]["params"]]
             else:
-                merged["param_groups"].append({**group, "params": list(group["params"])})
+                groups.append({**group, "params": list(group["params"])})
     return merged
 
 

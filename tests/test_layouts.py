@@ -36,6 +36,7 @@ EXPECTED = {
     "cpu_hsdp.yaml": ("FSDP", 4, "no", False),
     "8gpu_fsdp_tp.yaml": ("FSDP", 8, "bf16", False),
     "2node_hsdp.yaml": ("FSDP", 8, "bf16", False),
+    "cpu_pp.yaml": ("MULTI_GPU", 2, "no", False),
 }
 # file -> (dp_replicate, dp_shard, tp) of its mesh, from its parallelism_config section or its settings file
 MESHES = {
@@ -45,10 +46,11 @@ MESHES = {
     "8gpu_fsdp_tp.yaml": (1, 4, 2),
     "2node_hsdp.yaml": (2, 4, 1),
 }
+PIPELINES = {"cpu_pp.yaml": 2}  # file -> pipeline stages (pp_size), from its settings file
 
 
 def test_the_layout_folder_holds_exactly_the_known_layouts():
-    assert len(CONFIGS) == 16
+    assert len(CONFIGS) == 17
     assert {path.name for path in CONFIGS} == set(EXPECTED)
 
 
@@ -67,8 +69,10 @@ def test_layout_parses_and_matches_what_its_header_promises(path):
     assert re.search(rf"\b{num_processes}\b", first_line) or num_processes == 1
     dp_replicate, _, tp = MESHES.get(path.name, (1, 1, 1))
     assert ("FSDP" in first_line) == (distributed_type == "FSDP")
-    assert ("DDP" in first_line) == (distributed_type == "MULTI_GPU" and tp == 1)
+    pipeline = path.name in PIPELINES
+    assert ("DDP" in first_line) == (distributed_type == "MULTI_GPU" and tp == 1 and not pipeline)
     assert ("tensor parallel" in first_line) == (tp > 1)
+    assert ("pipeline parallel" in first_line) == pipeline
     assert ("HSDP" in first_line) == (dp_replicate > 1)
     if distributed_type == "FSDP":
         assert config["fsdp_config"]["fsdp_version"] == 2
@@ -93,7 +97,8 @@ def test_layout_is_used_by_a_makefile_target_named_in_its_header(path):
 
 
 def test_each_settings_file_belongs_to_a_layout():
-    assert [path.name for path in SETTINGS] == ["4gpu_ddp_powersgd.settings.yaml", "cpu_tp.settings.yaml"]
+    assert [path.name for path in SETTINGS] == ["4gpu_ddp_powersgd.settings.yaml", "cpu_pp.settings.yaml",
+                                                "cpu_tp.settings.yaml"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(MESHES))
@@ -117,6 +122,13 @@ def test_a_mesh_layout_names_sizes_whose_product_is_its_process_count(name):
 def test_settings_file_holds_valid_layout_settings_and_differs_from_the_defaults(path):
     _, layout = resolve_settings(Recipe.Config, layout_file=path)
     assert layout != LayoutSettings()
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_a_pipeline_layout_runs_one_process_per_stage(name):
+    path = REPO / "accelerate_configs" / name
+    _, layout = resolve_settings(Recipe.Config, layout_file=settings_file_of(path))
+    assert layout.pp_size == PIPELINES[name] == yaml.safe_load(path.read_text())["num_processes"]
 
 
 def test_the_powersgd_layout_names_powersgd():

@@ -6,9 +6,10 @@
 Writes `out/rank<r>.safetensors` with the parameters this rank holds at the end (none under FSDP, whose
 consolidated weights are the run's final/model.safetensors), so a test can compare ranks with each other,
 and `out/rank<r>.json` with the number of parameter elements the rank holds itself (half of them per rank
-under 2-process FSDP) and the step counts in the optimizer's own state (one step per accumulation window,
-never more), and the DDP communication hooks registered. ACCEL_TEST_RECIPE_FOLDER names a folder of extra
-recipes to register. Exits 3 if this process sees a different world size than the test expected.
+under 2-process FSDP) and trains (its stages' under a pipeline), the step counts in the optimizer's own
+state (one step per accumulation window, never more), and the DDP communication hooks registered.
+ACCEL_TEST_RECIPE_FOLDER names a folder of extra recipes to register. Exits 3 if this process sees a
+different world size than the test expected.
 """
 
 import json
@@ -71,9 +72,12 @@ for name, parameter in trained.named_parameters():
         local_elements += parameter.numel()
         parameters[name.replace("_checkpoint_wrapped_module.", "")] = parameter.detach().contiguous()
 optimizer_steps = {int(s["step"]) for s in built_optimizers[0].state.values()}  # AdamW's own count
+optimizer_elements = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()  # what this rank trains
+                         for group in built_optimizers[0].param_groups for p in group["params"])  # fmt: skip
 out = Path(os.environ["ACCEL_TEST_DUMP_DIR"])
 save_file(parameters, str(out / f"rank{state.process_index}.safetensors"))
-summary = {"local_elements": local_elements, "optimizer_steps": sorted(optimizer_steps), "comm_hooks": comm_hooks}
+summary = {"local_elements": local_elements, "optimizer_elements": optimizer_elements,
+           "optimizer_steps": sorted(optimizer_steps), "comm_hooks": comm_hooks}  # fmt: skip
 (out / f"rank{state.process_index}.json").write_text(json.dumps(summary))
 sys.stdout.flush()
 os._exit(0)

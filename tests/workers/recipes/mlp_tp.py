@@ -1,7 +1,8 @@
-"""A tensor-parallel MLP classifier for the mesh tests: a mean loss, and a module its tp_plan leaves alone.
+"""An MLP classifier for the mesh and pipeline tests: a mean loss, and a module its tp_plan leaves alone.
 
 LayerNorm -> Linear (colwise) -> GELU -> Linear (rowwise): the LayerNorm gets replicated DTensor parameters
-(tensor_parallel.py), so the tests cover the leftover path beside the GPT's sequence-parallel plan.
+(tensor_parallel.py), so the tests cover the leftover path beside the GPT's sequence-parallel plan. On a
+pipeline layout its pipeline_split puts the last Linear alone on the second stage.
 """
 
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class TensorParallelMlp(at.Recipe):
 
     Config = MlpConfig
     tp_plan = {"1": "colwise", "3": "rowwise"}
+    pipeline_split = ("3",)
 
     def build_model(self, cfg):
         return nn.Sequential(nn.LayerNorm(8), nn.Linear(8, cfg.hidden), nn.GELU(), nn.Linear(cfg.hidden, 4))

@@ -1,0 +1,120 @@
+"""Loading a verified checkpoint (checkpoint.py says what it holds) into a run's prepared objects, on any layout.
+
+Sharded checkpoints are read in place into this run's (possibly sharded) state with torch.distributed.checkpoint;
+full ones through `set_state_dict`, which shards them itself under FSDP. A pipeline process loads the part of its
+stages (pipeline_state.py).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from . import checkpoint_files as files
+from . import state_files
+from .checkpoint import MODEL_PREFIX, OPTIMIZER, SHARDED, TRAINER, RunIdentity, Trained
+from .checkpoint_checks import TRAIN_STATE, check_compatible, check_format
+from .checkpoint_files import CheckpointError
+from .pipeline_state import optimizer_part, stages_part
+from .rng_states import rng_file_name
+from .train_state import TrainState
+
+
+def restore(
+    accelerator: Accelerator, folder: Path, trained: Trained, identity: RunIdentity
+) -> tuple[TrainState, dict[str, Any] | None]:
+    """Load a verified checkpoint into the prepared objects.
+
+    Returns its train state and this process's saved RNG states, which the caller applies at the moment that
+    matches the uninterrupted run (see loop.py); None when the process count changed, after a warning.
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete or corrupt, or belongs to another recipe or model shape.
+    """
+    problem: list[str | None] = [None]
+    if accelerator.is_main_process:
+        try:
+            files.verify(folder)
+            check_format(folder)
+        except CheckpointError as error:
+            problem[0] = str(error)
+    if accelerator.num_processes > 1:
+        broadcast_object_list(problem)
+    if problem[0]:
+        raise CheckpointError(problem[0])
+    model_state: Any
+    model_state, optimizer_state = get_state_dict(trained.model, trained.optimizer.optimizer)
+    cfg = identity.cfg
+    try:  # the manifest proves integrity, not content: a folder written by someone else may not fit
+        recorded = json.loads((folder / TRAIN_STATE).read_text())
+        check_compatible(recorded, identity.recipe_name, cfg, trained.shapes_and_ties(model_state)[0],
+                         same_run=cfg.resume == "auto", warn=accelerator.is_main_process)  # fmt: skip
+        rng_states = _load(accelerator, folder, recorded, trained, model_state, optimizer_state)
+        return TrainState.from_dict(recorded), rng_states
+    except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        raise CheckpointError(f"checkpoint {folder} cannot be loaded: {type(error).__name__}: {error}") from None
+
+
+def _load(
+    accelerator: Accelerator, folder: Path, recorded: dict[str, Any], trained: Trained, model_state: Any,
+    optimizer_state: Any,
+) -> dict[str, Any] | None:  # fmt: skip
+    """Load model, optimizer, schedule and scaler from a checked checkpoint; return this process's RNG states."""
+    optimizer_skeleton, sources = optimizer_part(state_files.load_skeleton(folder / OPTIMIZER), optimizer_state,
+                                                 recorded, in_pipeline=trained.whole is not None)  # fmt: skip
+    if (folder / SHARDED).is_dir():
+        optimizer_state = _load_sharded(folder, model_state, optimizer_state, optimizer_skeleton, sources)
+        options = None
+    else:  # full tensors, which set_state_dict shards itself when this run is FSDP
+        model_state = load_file(str(folder / "model.safetensors"))
+        optimizer_state = state_files.load(folder / OPTIMIZER)
+        options = StateDictOptions(full_state_dict=True)
+        if trained.whole is not None:  # this process's stages' part
+            model_state, optimizer_state = stages_part(trained.model, model_state, optimizer_state,
+                                                       optimizer_skeleton, sources)  # fmt: skip
+            options = None
+    set_state_dict(trained.model, trained.optimizer.optimizer, model_state_dict=model_state,
+                   optim_state_dict=optimizer_state, options=options)  # fmt: skip
+    trainer = state_files.load(folder / TRAINER)
+    trained.scheduler.load_state_dict(trainer["scheduler"])
+    if accelerator.scaler is not None and trainer["scaler"] is not None:
+        accelerator.scaler.load_state_dict(trainer["scaler"])
+    rng_file = folder / rng_file_name(accelerator.process_index)
+    if recorded["world_size"] != accelerator.num_processes or not rng_file.is_file():
+        if accelerator.is_main_process:
+            warnings.warn(
+                f"accel-trainer: resuming on {accelerator.num_processes} process(es) from a checkpoint of"
+                f" {recorded['world_size']}: weights, optimizer and data order continue exactly, random streams"
+                " (dropout, sampling) restart from the seed",
+                stacklevel=2,
+            )
+        return None
+    return state_files.load(rng_file)
+
+
+def _load_sharded(folder: Path, model_state: dict[str, Any], optimizer_state: dict[str, Any],
+                  optimizer_skeleton: Any, sources: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Load the sharded tensors in place into this run's (possibly sharded) state; returns the optimizer's.
+    `sources` maps a key of this run's optimizer state to the key it was saved under, where they differ."""
+    _, live_optimizer_tensors = state_files.split(optimizer_state, "optimizer")
+    saved_keys = state_files.tensor_keys(optimizer_skeleton)
+    unknown = [key for key in saved_keys if key not in live_optimizer_tensors]
+    if unknown:
+        raise CheckpointError(
+            f"checkpoint {folder}: its optimizer state does not fit this run's optimizer ({unknown[0]} has no"
+            " counterpart here): was it written with another optimizer?"
+        )
+    targets = {MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}
+    targets.update({(sources or {}).get(key, key): live_optimizer_tensors[key] for key in saved_keys})
+    dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder / SHARDED)))
+    return state_files.join(optimizer_skeleton, live_optimizer_tensors)
