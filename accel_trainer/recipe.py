@@ -14,6 +14,7 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
     collate(examples)           -> optional; how a list of examples becomes a batch
     wrap_classes                -> optional class attribute: the block classes FSDP shards as units
     tp_plan                     -> optional class attribute: how tensor parallelism splits modules
+    pipeline_split              -> optional class attribute: the modules that begin a pipeline stage
     write_artifacts(model, eval_dataset, run_dir) -> optional; pictures or reports, main process only
 
 `self.cfg` holds the resolved config, so `compute_loss` can read recipe fields.
@@ -46,6 +47,9 @@ class Recipe:
     """Module-name patterns (`*` for one component, e.g. a block index) to tensor-parallel styles: "colwise",
     "rowwise", "colwise_gather_output", "embedding", "sequence_parallel" (tensor_parallel.py); used only on a
     layout with tp_size > 1, which refuses a recipe without one."""
+    pipeline_split: ClassVar[tuple[str, ...]] = ()
+    """Names of the modules that begin a new pipeline stage (pp_size - 1 of them, e.g. ("blocks.2",)); empty
+    spreads the wrap_classes blocks evenly over the stages (pipeline_split.py)."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg

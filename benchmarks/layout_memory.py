@@ -4,8 +4,8 @@
 
 Each layout trains the default GPT (4 layers, d_model 128, about 0.9M parameters) for 4 steps. The table gives
 the parameter elements each process holds (`parameters_held_per_process` in run_info.json: its FSDP or
-tensor-parallel shard), the model state that implies in fp32 with AdamW (parameter, gradient and two moments:
-16 bytes an element), and the peak host memory of the largest process (`host_rss_gb`; on the CPU it is
+tensor-parallel shard, or its pipeline stages), the model state that implies in fp32 with AdamW (parameter,
+gradient and two moments: 16 bytes an element), and the peak host memory of the largest process (`host_rss_gb`; on the CPU it is
 dominated by torch itself, about 0.4 GB, so the shards show in the first two columns).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-LAYOUTS = ["cpu", "cpu_ddp", "cpu_fsdp", "cpu_tp", "cpu_hsdp", "cpu_fsdp_tp"]
+LAYOUTS = ["cpu", "cpu_ddp", "cpu_fsdp", "cpu_tp", "cpu_hsdp", "cpu_fsdp_tp", "cpu_pp"]
 GPT = ["max_steps=4", "global_batch_size=16", "micro_batch_size=4", "log_every_steps=2", "eval_every_steps=0",
        "show_progress_bar=false", "save_every_steps=0"]  # fmt: skip
 BYTES_PER_ELEMENT = 16  # fp32 parameter + gradient + AdamW's two moments

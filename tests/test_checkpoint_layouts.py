@@ -60,6 +60,7 @@ def test_a_sharded_checkpoint_holds_no_pickle(fsdp_run):
     assert all(p.name.endswith((".safetensors", ".json", ".yaml")) for p in folder.rglob("*") if p.is_file())
 
 
+@pytest.mark.slow  # the other direction of the FSDP -> 1 process test above
 def test_ddp_checkpoint_resumes_under_fsdp(fsdp_run, tmp_path):
     train_and_dump("cpu_ddp", tmp_path / "ddp", "vae", *RUN, "max_steps=20", world_size=2)
     assert (checkpoint(tmp_path / "ddp", 10) / "model.safetensors").is_file()

@@ -68,6 +68,7 @@ def test_a_save_that_fails_midway_stops_the_run_and_loses_nothing(layout, tmp_pa
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # a second way for a save to fail midway (the EFBIG test above runs in make test)
 def test_a_checkpoints_folder_that_became_read_only_stops_the_run_in_one_line_and_loses_nothing(tmp_path):
     launch("cpu", tmp_path, "max_steps=4")
     checkpoints = tmp_path / "checkpoints"
