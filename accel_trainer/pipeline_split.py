@@ -123,11 +123,13 @@ def _unregister(model: nn.Module, name: str, registry: str) -> None:
 
 
 def share_model_parameters(stage_module: nn.Module, model: nn.Module) -> None:
-    """Make a traced stage use the model's own Parameter objects: `pipeline()` gives each stage a copy of a
-    weight several stages use (tied weights), which would leave the optimizer's parameter without gradients."""
-    own = dict(model.named_parameters(remove_duplicate=False))
-    for name, parameter in list(stage_module.named_parameters(remove_duplicate=False)):
-        if own.get(name, parameter) is not parameter:
+    """Make a traced stage use the model's own parameters and buffers: `pipeline()` gives each stage a copy of
+    a weight several stages use (tied weights), which would leave the optimizer's parameter without gradients,
+    and a later trace (new shapes) must update the same running statistics as the first."""
+    own = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    held = [*stage_module.named_parameters(remove_duplicate=False), *stage_module.named_buffers(remove_duplicate=False)]
+    for name, tensor in held:
+        if own.get(name, tensor) is not tensor:
             owner, _, attribute = name.rpartition(".")
             setattr(stage_module.get_submodule(owner), attribute, own[name])
 

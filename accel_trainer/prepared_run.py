@@ -21,7 +21,7 @@ from .batchnorm import convert_to_sync_batchnorm
 from .checkpoint import RunIdentity, Trained
 from .checkpointer import Checkpointer
 from .config import TrainConfig
-from .errors import LayoutError
+from .errors import ConfigError, LayoutError
 from .events import EventLog
 from .final_weights import save_final
 from .flops import peak_for_mfu
@@ -94,8 +94,8 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     mesh = accelerator.torch_device_mesh
     if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
         apply_tensor_parallel(model.to(accelerator.device), dict(recipe.tp_plan), mesh["tp"])
-    else:
-        check_tp_plan(model, dict(recipe.tp_plan))  # a plan's mistakes surface on the first run, any layout
+    else:  # a plan's mistakes show on the first run, though only a tensor-parallel layout needs it right
+        _warn_about_tp_plan(model, recipe, accelerator.is_main_process)
     if layout.sync_batchnorm:
         model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
     prepare_blocks(model, recipe, layout.activation_checkpointing, is_main_process=accelerator.is_main_process)
@@ -133,6 +133,14 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
                eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer,
                num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks,
                pipeline)  # fmt: skip
+
+
+def _warn_about_tp_plan(model: Any, recipe: Recipe, is_main_process: bool) -> None:
+    try:
+        check_tp_plan(model, dict(recipe.tp_plan))
+    except ConfigError as error:
+        if is_main_process:
+            warnings.warn(f"accel-trainer: {error} (it matters on a tensor-parallel layout only)", stacklevel=3)
 
 
 def _pipeline(recipe: Recipe, model: Any, train_set: Any, plan: BatchPlan, layout: LayoutSettings,

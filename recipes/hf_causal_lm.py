@@ -49,6 +49,7 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
 
     Config = HFCausalLMConfig
     wrap_classes = (GPT2Block,) if GPT2Block is not None else ()
+    tp_plan: dict[str, str] = {}  # not the GPT's: GPT-2's fused qkv (c_attn, a Conv1D) has no column split here
 
     def build_model(self, cfg: HFCausalLMConfig) -> Any:
         if GPT2Config is None:

@@ -170,14 +170,13 @@ def test_a_plan_is_checked_without_a_mesh_so_its_mistakes_show_on_one_process(pl
         check_tp_plan(TinyLM(), plan)
 
 
-def test_a_one_process_run_refuses_a_recipe_whose_plan_names_no_module(tmp_path):
+def test_a_one_process_run_warns_about_a_plan_that_names_no_module(tmp_path):
     @at.register_recipe("mistyped_tp_plan")
     class MistypedPlan(at.get_recipe("gpt")):
         tp_plan = {**at.get_recipe("gpt").tp_plan, "blocks.*.attn.q": "colwise"}
 
-    with pytest.raises(ConfigError, match="'blocks.\\*.attn.q' matches no module of GPT"):
+    with pytest.warns(UserWarning, match="'blocks.\\*.attn.q' matches no module of GPT .it matters on a tensor-par"):
         at.train("mistyped_tp_plan", output_dir=str(tmp_path), max_steps=1, show_progress_bar=False)
-    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_sequence_parallelism_refuses_a_batch_whose_length_it_cannot_split():
