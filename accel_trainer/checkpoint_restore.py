@@ -116,5 +116,7 @@ def _load_sharded(folder: Path, model_state: dict[str, Any], optimizer_state: di
         )
     targets = {MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}
     targets.update({(sources or {}).get(key, key): live_optimizer_tensors[key] for key in saved_keys})
-    dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder / SHARDED)))
+    with warnings.catch_warnings():  # one process loading a sharded checkpoint is what it should do
+        warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent is to load")
+        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder / SHARDED)))
     return state_files.join(optimizer_skeleton, live_optimizer_tensors)
