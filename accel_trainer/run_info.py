@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from .batching import BatchPlan
 from .layout import LayoutSettings, layout_to_dict
 from .mesh import data_ranks, describe_mesh
+from .sharding import pipeline_size
 
 _PACKAGES = ("accel-trainer", "torch", "accelerate", "datasets", "safetensors", "transformers")
 
@@ -67,6 +68,8 @@ def _strategy(accelerator: Accelerator) -> str:
         return "FSDP2"
     if accelerator.num_processes == 1:
         return "single process"
+    if pipeline_size(accelerator) > 1:
+        return "pipeline parallel"
     return "tensor parallel" if data_ranks(accelerator).size == 1 else "DDP"
 
 

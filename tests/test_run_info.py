@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+
+import pytest
+from accelerate.utils import DistributedType, ParallelismConfig
 
 import accel_trainer as at
-from accel_trainer import metrics
+from accel_trainer import launch_fixes, metrics
+from accel_trainer.run_info import _strategy
 
 
 def test_a_run_prints_a_header_and_records_each_start(tmp_path, capsys):
@@ -30,3 +35,18 @@ def test_off_a_terminal_the_progress_bar_is_a_status_line_at_most_every_30_s(tmp
     out = capsys.readouterr()
     assert "step 3/5 (60%) | eta" in out.out
     assert "it/s" not in out.err and "step/s" not in out.err  # no tqdm bar in a log file
+
+
+@pytest.mark.parametrize(
+    ("distributed_type", "processes", "sizes", "words"),
+    [(DistributedType.NO, 1, None, "single process"), (DistributedType.MULTI_CPU, 2, None, "DDP"),
+     (DistributedType.MULTI_GPU, 2, {"tp_size": 2}, "tensor parallel"), (DistributedType.FSDP, 4, None, "FSDP2"),
+     (DistributedType.MULTI_CPU, 2, {"pp_size": 2}, "pipeline parallel")],
+)  # fmt: skip
+def test_the_header_names_the_strategy_in_the_docs_words(distributed_type, processes, sizes, words):
+    config = None
+    if sizes is not None:
+        config = launch_fixes.PipelineParallelism(**sizes) if "pp_size" in sizes else ParallelismConfig(**sizes)
+    accelerator = SimpleNamespace(distributed_type=distributed_type, num_processes=processes, process_index=0,
+                                  parallelism_config=config)  # fmt: skip
+    assert _strategy(accelerator) == words
