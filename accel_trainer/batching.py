@@ -42,7 +42,7 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, num_processes: i
     if global_batch_size % per_step:
         raise ConfigError(
             f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size={micro_batch_size}"
-            f" x {num_processes} process(es) = {per_step}; pick a global_batch_size divisible by {per_step}"
+            f" x {num_processes} data-parallel rank(s) = {per_step}; pick a global_batch_size divisible by {per_step}"
             " or a smaller micro_batch_size"
         )
     return BatchPlan(global_batch_size, micro_batch_size, num_processes, global_batch_size // per_step)

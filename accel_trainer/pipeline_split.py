@@ -14,7 +14,10 @@ the names a one-process run uses.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import logging
 import warnings
 from typing import Any
 
@@ -68,11 +71,26 @@ def traced_pipeline(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     (torch 2.13), so a second trace (new shapes) wraps the wrapper and recurses without end; the marks are
     removed here after each trace (canary: test_pipeline.py).
     """
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")  # dumps the graph of a failed trace
+    level = shapes_log.level
     try:
-        with warnings.catch_warnings():  # torch.export's own deprecation notice, once per trace, not the user's
+        shapes_log.setLevel(logging.ERROR)
+        # torch.export's own deprecation notice (once per trace), and the graph it prints when a trace fails
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):  # fmt: skip
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             return pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=spec)
+    except RuntimeError as error:
+        if "capture your model as a full graph" not in str(error):
+            raise
+        cause = error.__cause__ or error
+        raise ConfigError(
+            f"torch could not trace {type(model).__name__} into one graph for the pipeline"
+            f" ({type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]}): its forward must not branch on"
+            " tensor values (docs/layouts.md, pipeline parallelism)"
+        ) from None
     finally:
+        shapes_log.setLevel(level)
         for name in spec:
             module = model.get_submodule(name)
             module.__dict__.pop("forward", None)

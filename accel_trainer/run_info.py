@@ -48,7 +48,7 @@ def header(recipe_name: str, accelerator: Accelerator, plan: BatchPlan, num_para
     mesh = describe_mesh(accelerator)
     return "\n".join([
         f"accel-trainer: recipe {recipe_name}, {num_parameters:,} parameters"
-        f"{f' ({max(held):,} held per process)' if max(held) < num_parameters else ''}",
+        f"{f' (at most {max(held):,} held by one process)' if max(held) < num_parameters else ''}",
         f"  layout: {accelerator.num_processes} process(es) on {device}, {_strategy(accelerator)}"
         f"{f' (mesh {mesh})' if mesh else ''}, precision {_precision(accelerator)}",
         f"  batch: {plan.global_batch_size} per step = {plan.micro_batch_size} per micro-batch x"

@@ -27,7 +27,7 @@ def test_sizes_that_do_not_divide_are_a_config_error_naming_the_numbers_and_the_
     message = str(caught.value)
     assert f"global_batch_size={global_batch_size}" in message
     assert f"micro_batch_size={micro_batch_size}" in message
-    assert f"{num_processes} process(es) = {per_step}" in message
+    assert f"{num_processes} data-parallel rank(s) = {per_step}" in message
     assert f"pick a global_batch_size divisible by {per_step}" in message
     assert "or a smaller micro_batch_size" in message
     assert "\n" not in message

@@ -25,9 +25,9 @@ from torch.distributed.pipelining import SplitPoint
 from accel_trainer import ConfigError, LayoutError
 from accel_trainer.layout import LayoutSettings
 from accel_trainer.mesh import MeshShape, mesh_shape
-from accel_trainer.pipeline_split import local_view, split_spec, stages_of_process, tied_groups
+from accel_trainer.pipeline_split import local_view, split_spec, stages_of_process, tied_groups, traced_pipeline
 from accel_trainer.pipeline_state import merge_optimizer_skeletons, restrict_optimizer_skeleton
-from conftest import BIN, final_parameters, rank_summary, read_metrics, slow, train_and_dump
+from conftest import BIN, accelerate_launch, final_parameters, rank_summary, read_metrics, slow, train_and_dump
 
 
 class Block(nn.Module):
@@ -128,6 +128,34 @@ def test_a_pipeline_layout_that_does_not_fit_the_launch_is_a_one_line_error(sett
     with pytest.raises(LayoutError, match=message):
         mesh_shape(LayoutSettings(**settings), world, fsdp)
     assert mesh_shape(LayoutSettings(pp_size=2), 2, False) == MeshShape(pp=2)
+
+
+class BranchesOnValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.first(x)
+        return self.second(x) if x.sum() > 0 else x
+
+
+def test_a_model_torch_cannot_trace_is_a_one_line_error_and_prints_no_graph(capsys):
+    with pytest.raises(
+        ConfigError, match="could not trace BranchesOnValues into one graph .*must not branch on tensor"
+    ):
+        traced_pipeline(BranchesOnValues(), (torch.randn(2, 4),), {}, {"second": SplitPoint.BEGINNING})
+    assert "def forward" not in capsys.readouterr().err
+
+
+def test_a_model_is_traced_again_for_new_shapes_and_left_as_it_was():
+    model = Stack(2)
+    for length in (3, 5):  # a second trace of a marked model would recurse without end
+        pipe = traced_pipeline(
+            model, (torch.zeros(2, length, dtype=torch.long),), {}, {"blocks.1": SplitPoint.BEGINNING}
+        )
+        assert pipe.num_stages == 2
+    assert "forward" not in vars(model.blocks[1])
 
 
 def test_canary_torch_pipeline_leaves_its_split_marks_on_the_model():
@@ -247,6 +275,16 @@ def test_a_one_process_checkpoint_continues_as_a_pipeline_its_tied_weights_state
     resumed, uninterrupted = final_parameters(tmp_path / "pp"), final_parameters(one)
     for name in uninterrupted:
         torch.testing.assert_close(resumed[name], uninterrupted[name], **WEIGHTS)
+
+
+@pipelines
+@pytest.mark.slow
+def test_mixed_precision_on_a_pipeline_is_a_one_line_error(tmp_path):
+    result = accelerate_launch("cpu_pp", "-m", "accel_trainer", "train", "gpt", f"output_dir={tmp_path}",
+                               *RECIPES["gpt"], "mixed_precision=bf16", check=False)  # fmt: skip
+    assert result.returncode != 0
+    assert "accel-trainer: error: a pipeline layout does not combine with" in result.stderr
+    assert "Traceback" not in result.stderr.split("ChildFailedError")[0].split("accel-trainer: error")[0]
 
 
 @pipelines
