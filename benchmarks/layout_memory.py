@@ -5,8 +5,9 @@
 Each layout trains the default GPT (4 layers, d_model 128, about 0.9M parameters) for 4 steps. The table gives
 the parameter elements each process holds (`parameters_held_per_process` in run_info.json: its FSDP or
 tensor-parallel shard, or its pipeline stages), the model state that implies in fp32 with AdamW (parameter,
-gradient and two moments: 16 bytes an element), and the peak host memory of the largest process (`host_rss_gb`; on the CPU it is
-dominated by torch itself, about 0.4 GB, so the shards show in the first two columns).
+gradient and two moments: 16 bytes an element), and the peak host memory of the largest process
+(`host_rss_gb`; on the CPU it is dominated by torch itself, about 0.5 GB, so the shards show in the first two
+columns).
 """
 
 from __future__ import annotations
