@@ -1,9 +1,10 @@
 """`events.jsonl`: what happened to a run and when, for the time breakdown ("goodput") of its report.
 
 One JSON object per line, written by the main process and flushed at once: `start` (with the step it
-resumed from), `eval` and `checkpoint` (with their seconds), `preempted` and `end`. Time spent training is
-what is left of each attempt's wall time; time lost to restarts is the wall time of steps trained again
-after a resume plus the gaps between attempts.
+resumed from and the seconds its setup took: data, model, checkpoint), `eval` and `checkpoint` (with their
+seconds), `preempted` and `end`. Time spent training is what is left of each attempt's wall time; time
+lost to restarts is the wall time of steps trained again after a resume plus the gaps between attempts
+(less the next attempt's setup). The imports before setup are not counted.
 """
 
 from __future__ import annotations
@@ -41,15 +42,18 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def time_breakdown(events: list[dict[str, Any]]) -> dict[str, float]:
-    """Seconds spent in all, evaluating, checkpointing, between attempts, and training (the rest)."""
+    """Seconds spent in all, setting up (data, model, checkpoint: before each `start`), evaluating,
+    checkpointing, between attempts, and training (the rest)."""
     attempts: list[list[dict[str, Any]]] = []
     for event in events:
         if event["event"] == "start" or not attempts:
             attempts.append([])
         attempts[-1].append(event)
+    setups = [attempt[0].get("setup_s", 0.0) for attempt in attempts]  # a later one is part of a gap
     wall = sum(attempt[-1]["time"] - attempt[0]["time"] for attempt in attempts)
     gaps = sum(later[0]["time"] - earlier[-1]["time"] for earlier, later in zip(attempts, attempts[1:], strict=False))
     evaluating = sum(e.get("seconds", 0.0) for e in events if e["event"] == "eval")
     saving = sum(e.get("seconds", 0.0) for e in events if e["event"] == "checkpoint")
-    return {"wall": wall + gaps, "evaluating": evaluating, "checkpointing": saving, "between_attempts": gaps,
-            "training_and_startup": max(wall - evaluating - saving, 0.0), "attempts": float(len(attempts))}  # fmt: skip
+    return {"wall": wall + gaps + (setups[0] if setups else 0.0), "setup": sum(setups), "evaluating": evaluating,
+            "checkpointing": saving, "between_attempts": max(gaps - sum(setups[1:]), 0.0),
+            "training": max(wall - evaluating - saving, 0.0), "attempts": float(len(attempts))}  # fmt: skip

@@ -51,6 +51,7 @@ def train_loop(
     Raises:
         Preempted: a signal stopped the run after it saved a checkpoint.
     """
+    setup_started = time.time()
     run = prepare_run(recipe, RunIdentity(recipe_name, cfg, layout), accelerator, run_dir)
     state = run.checkpointer.restore()
     if state.step >= cfg.max_steps:  # the run's files stay as they are: nothing is trained or written
@@ -69,7 +70,8 @@ def train_loop(
         trackers = Trackers(cfg.trackers, run_dir, config_to_dict(cfg), state.step, state.tracker_ids)
         state.tracker_ids = trackers.run_ids()
     run.events = EventLog(run_dir, enabled=accelerator.is_main_process)
-    run.events.write("start", step=state.step, world_size=accelerator.num_processes)
+    run.events.write("start", step=state.step, world_size=accelerator.num_processes,
+                     setup_s=time.time() - setup_started)  # fmt: skip
     log = MetricsLog(run_dir, enabled=accelerator.is_main_process, total_steps=cfg.max_steps,
                      show_progress_bar=cfg.show_progress_bar, initial=state.step, trackers=trackers)  # fmt: skip
     try:

@@ -124,7 +124,7 @@ def _goodput(run_dir: Path) -> str:
         return "- wall time: no events.jsonl"
     wall = times["wall"] or 1.0
     parts = [f"{name.replace('_', ' ')} {times[name]:.1f} s ({100 * times[name] / wall:.0f}%)"
-             for name in ("training_and_startup", "evaluating", "checkpointing", "between_attempts")]  # fmt: skip
+             for name in ("setup", "training", "evaluating", "checkpointing", "between_attempts")]  # fmt: skip
     dropped = run_dir / "metrics.dropped.jsonl"
     retrained = sum('"loss"' in line for line in dropped.read_text().splitlines()) if dropped.is_file() else 0
     return (
