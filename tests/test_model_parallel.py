@@ -55,7 +55,7 @@ def train_records(records: list[dict]) -> list[dict]:
 @pytest.mark.parametrize(
     ("recipe", "layout"),
     [("gpt", "cpu_tp"), slow("mlp_tp", "cpu_tp"), slow("gpt", "cpu_fsdp_tp"), ("mlp_tp", "cpu_fsdp_tp"),
-     slow("gpt", "cpu_hsdp"), ("mlp_tp", "cpu_hsdp")],
+     slow("gpt", "cpu_hsdp"), slow("mlp_tp", "cpu_hsdp")],
 )  # fmt: skip
 def test_a_mesh_layout_follows_the_one_process_trajectory(recipe, layout, references, tmp_path):
     reference_dir, reference_records = references[recipe]
