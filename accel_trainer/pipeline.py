@@ -159,7 +159,10 @@ class Pipeline:
 
     def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int, train: bool) -> Any:
         self.model.train(train)
-        return traced_pipeline(self.model, first_chunk(args, chunks), first_chunk(kwargs, chunks), self.spec)
+        # Traced in the run's precision: the messages between stages are sized for the dtypes they carry
+        # (traced in fp32, a bf16 run's stages misread each other's activations: NaN losses, measured).
+        with self.autocast():
+            return traced_pipeline(self.model, first_chunk(args, chunks), first_chunk(kwargs, chunks), self.spec)
 
     def _compiled_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> _Compiled:
         chunks = self.chunks if train else 1

@@ -146,10 +146,10 @@ def _warn_about_tp_plan(model: Any, recipe: Recipe, is_main_process: bool) -> No
 def _pipeline(recipe: Recipe, model: Any, train_set: Any, plan: BatchPlan, layout: LayoutSettings,
               accelerator: Accelerator) -> Pipeline:  # fmt: skip
     """Cut the model into this process's stages, traced on the shapes of a first micro-batch."""
-    if layout.activation_checkpointing or layout.sync_batchnorm or accelerator.mixed_precision != "no":
+    if layout.activation_checkpointing or layout.sync_batchnorm or accelerator.mixed_precision == "fp16":
         raise LayoutError(
-            "a pipeline layout does not combine with activation_checkpointing, sync_batchnorm or mixed precision"
-            " yet (its stages are traced in fp32): turn them off (mixed_precision=no)"
+            "a pipeline layout does not combine with activation_checkpointing, sync_batchnorm or fp16 yet (fp16's"
+            " loss scaler is not wired into the schedules): turn them off, or use mixed_precision=bf16"
         )
     examples = data.as_torch(train_set)
     if data.is_stream(train_set):

@@ -279,12 +279,24 @@ def test_a_one_process_checkpoint_continues_as_a_pipeline_its_tied_weights_state
 
 @pipelines
 @pytest.mark.slow
-def test_mixed_precision_on_a_pipeline_is_a_one_line_error(tmp_path):
+def test_fp16_on_a_pipeline_is_a_one_line_error(tmp_path):
     result = accelerate_launch("cpu_pp", "-m", "accel_trainer", "train", "gpt", f"output_dir={tmp_path}",
-                               *RECIPES["gpt"], "mixed_precision=bf16", check=False)  # fmt: skip
+                               *RECIPES["gpt"], "mixed_precision=fp16", check=False)  # fmt: skip
     assert result.returncode != 0
     assert "accel-trainer: error: a pipeline layout does not combine with" in result.stderr
     assert "Traceback" not in result.stderr.split("ChildFailedError")[0].split("accel-trainer: error")[0]
+
+
+@pipelines
+@pytest.mark.slow
+def test_a_bf16_pipeline_follows_the_one_process_bf16_trajectory(tmp_path):
+    """Stages traced in fp32 gave NaN losses under bf16 autocast; traced under it, they match one process."""
+    bf16 = [*RECIPES["gpt"], "mixed_precision=bf16"]
+    one = train_and_dump("cpu", tmp_path / "one", "gpt", *bf16, world_size=1)
+    pipeline = train_and_dump("cpu_pp", tmp_path / "pp", "gpt", *bf16, world_size=2)
+    for key in ("loss", "grad_norm"):
+        got, want = ([r[key] for r in train_records(records)] for records in (pipeline, one))
+        assert got == pytest.approx(want, rel=2e-3)
 
 
 @pipelines
