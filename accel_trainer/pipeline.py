@@ -73,9 +73,12 @@ class _StageOutput(nn.Module):
 
     def __init__(self, output: Any) -> None:
         super().__init__()
-        self.output = output
+        self.output, self.calls = output, 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls > 1:  # a second call would silently get the first call's output
+            raise RecipeError("the recipe calls its model more than once per batch, which a pipeline cannot run")
         return self.output
 
 

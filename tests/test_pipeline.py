@@ -22,9 +22,10 @@ from torch import nn
 from torch.distributed.pipelining import _IR as pipelining_ir
 from torch.distributed.pipelining import SplitPoint
 
-from accel_trainer import ConfigError, LayoutError
+from accel_trainer import ConfigError, LayoutError, RecipeError
 from accel_trainer.layout import LayoutSettings
 from accel_trainer.mesh import MeshShape, mesh_shape
+from accel_trainer.pipeline import _StageOutput
 from accel_trainer.pipeline_split import local_view, split_spec, stages_of_process, tied_groups, traced_pipeline
 from accel_trainer.pipeline_state import merge_optimizer_skeletons, restrict_optimizer_skeleton
 from conftest import BIN, accelerate_launch, final_parameters, rank_summary, read_metrics, slow, train_and_dump
@@ -156,6 +157,14 @@ def test_a_model_is_traced_again_for_new_shapes_and_left_as_it_was():
         )
         assert pipe.num_stages == 2
     assert "forward" not in vars(model.blocks[1])
+
+
+def test_the_last_stage_stand_in_returns_the_stage_output_once_and_refuses_a_second_call():
+    output = torch.ones(2, 3)
+    stand_in = _StageOutput(output)
+    assert stand_in(torch.zeros(2, 4)) is output
+    with pytest.raises(RecipeError, match="calls its model more than once"):
+        stand_in(torch.zeros(2, 4))
 
 
 def test_canary_torch_pipeline_leaves_its_split_marks_on_the_model():
