@@ -47,7 +47,7 @@ def vae_reference(tmp_path_factory):
     return out, records
 
 
-@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp", "2node_cpu"])
+@pytest.mark.parametrize("layout", [slow("cpu_ddp"), "cpu_fsdp", "2node_cpu"])
 def test_vae_trains_to_the_same_parameters_on_every_cpu_layout(layout, vae_reference, tmp_path):
     reference_dir, reference_records = vae_reference
     records = run_layout(layout, tmp_path, "vae", VAE)
@@ -89,7 +89,7 @@ def gpt_reference(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", ["cpu", "cpu_ddp", "cpu_fsdp", slow("2node_cpu")])
+@pytest.mark.parametrize("layout", ["cpu", slow("cpu_ddp"), "cpu_fsdp", slow("2node_cpu")])
 def test_token_loss_gradient_equals_one_big_batch_on_every_layout(layout, gpt_reference, tmp_path):
     run_layout(layout, tmp_path, "gpt", [*GPT, ACCUMULATE])
 

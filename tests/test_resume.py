@@ -166,6 +166,7 @@ def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the one-process async test runs in make test; this repeats it on two processes
 def test_async_saves_on_two_processes_publish_verified_checkpoints_and_resume(tmp_path):
     from accel_trainer import checkpoint_files
 
