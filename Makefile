@@ -18,7 +18,7 @@ NODE_FLAGS = --machine_rank $(NODE_RANK) --main_process_ip $(MAIN_ADDR) --main_p
 
 .PHONY: install train train-cpu-ddp train-cpu-fsdp train-gpu train-4gpu train-8gpu train-4gpu-fsdp train-8gpu-fsdp \
 	train-4gpu-powersgd train-2node train-2node-cpu train-cpu-tp train-cpu-fsdp-tp train-cpu-hsdp train-8gpu-fsdp-tp \
-	train-2node-hsdp train-cpu-pp test test-slow bench lint clean
+	train-2node-hsdp train-cpu-pp train-cpu-pp-fsdp train-8gpu-pp-fsdp test test-slow bench lint clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,9 @@ train-cpu-fsdp: install  ## 2 gloo processes on the CPU, parameters sharded with
 
 train-cpu-pp: install  ## 2 gloo processes on the CPU, pipeline parallel (2 stages, 1F1B; pp_size from cpu_pp.settings.yaml)
 	$(LAUNCH) --config_file accelerate_configs/cpu_pp.yaml $(RUN_RECIPE)
+
+train-cpu-pp-fsdp: install  ## 4 gloo processes on the CPU: 2 pipeline stages, each sharded over 2 processes with FSDP2
+	$(LAUNCH) --config_file accelerate_configs/cpu_pp_fsdp.yaml $(RUN_RECIPE)
 
 train-cpu-tp: install  ## 2 gloo processes on the CPU, tensor parallel (the recipe's tp_plan; tp_size from cpu_tp.settings.yaml)
 	$(LAUNCH) --config_file accelerate_configs/cpu_tp.yaml $(RUN_RECIPE)
@@ -66,6 +69,9 @@ train-8gpu-fsdp: install
 
 train-8gpu-fsdp-tp: install
 	$(LAUNCH) --config_file accelerate_configs/8gpu_fsdp_tp.yaml $(RUN_RECIPE)
+
+train-8gpu-pp-fsdp: install
+	$(LAUNCH) --config_file accelerate_configs/8gpu_pp_fsdp.yaml $(RUN_RECIPE)
 
 train-4gpu-powersgd: install  ## PowerSGD comes from accelerate_configs/4gpu_ddp_powersgd.settings.yaml
 	$(LAUNCH) --config_file accelerate_configs/4gpu_ddp_powersgd.yaml $(RUN_RECIPE)

@@ -9,6 +9,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from . import checkpoint_files
 from .batchnorm import average_running_stats
@@ -33,7 +34,8 @@ def save_final(
     average_running_stats(accelerator, model)
     state: Any
     if pipeline_size(accelerator) > 1:  # each process holds its stages' weights: gathered on the main process
-        parts = gather_object([{name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}])
+        stages = {name: full(tensor).detach().cpu() for name, tensor in model.state_dict().items()}  # FSDP: gathered
+        parts = gather_object([stages])
         state = {name: tensor for part in parts for name, tensor in part.items()}
     elif is_sharded(accelerator, model):  # FSDP or tensor parallel: a collective; full tensors on the main process
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -53,3 +55,8 @@ def save_final(
         checkpoint_files.follow_umask(*(path for path in final_dir.iterdir() if path.is_file()))
         recipe.write_artifacts(exported.eval(), eval_set, run_dir)
     accelerator.wait_for_everyone()
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded one (a collective over its mesh), or the tensor itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

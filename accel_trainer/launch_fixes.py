@@ -51,6 +51,7 @@ from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
 from .errors import LayoutError
@@ -214,14 +215,18 @@ def attach_mesh(accelerator: Accelerator, dp_replicate: int, dp_shard: int, tp: 
 @dataclass
 class PipelineParallelism(ParallelismConfig):
     """The run's sizes on a pipeline layout: accelerate's config has no pipeline dimension, so this one carries
-    it for mesh.data_ranks. No device mesh is attached: the pipeline's point-to-point sends use the world group,
-    and accelerate's `prepare` never sees the model (prepared_run.py)."""
+    it for mesh.data_ranks. accelerate's `prepare` never sees the model (prepared_run.py). Without FSDP no
+    device mesh is attached (the stages' sends use the world group); with FSDP the mesh is `(pp, dp_shard)`,
+    pp outermost, and each stage is sharded over its `dp_shard` slice (pipeline_sharding.py)."""
 
     pp_size: int = 1
 
 
-def attach_pipeline(pp: int) -> None:
-    AcceleratorState().parallelism_config = PipelineParallelism(pp_size=pp)
+def attach_pipeline(accelerator: Accelerator, pp: int, dp_shard: int = 1) -> None:
+    state = AcceleratorState()
+    state.parallelism_config = PipelineParallelism(pp_size=pp, dp_shard_size=dp_shard)
+    if dp_shard > 1:
+        state.device_mesh = init_device_mesh(accelerator.device.type, (pp, dp_shard), mesh_dim_names=("pp", "dp_shard"))
 
 
 def prepare_loader_for_data_ranks(accelerator: Accelerator, loader: DataLoader, rank: int, size: int) -> Any:

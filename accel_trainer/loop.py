@@ -229,8 +229,10 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
         window.data_wait_s += time.perf_counter() - waited
         if run.first_batch is None:
             run.first_batch = to_meta(batch)
-        # With one micro-batch per step there is nothing to accumulate and no synchronisation to skip.
-        context = accelerator.accumulate(model) if plan.accumulation_steps > 1 else contextlib.nullcontext()
+        # With one micro-batch per step there is nothing to accumulate and no synchronisation to skip; a
+        # pipeline's schedule skips it itself (torch's schedules know FSDP stages).
+        accumulates = plan.accumulation_steps > 1 and run.pipeline is None
+        context = accelerator.accumulate(model) if accumulates else contextlib.nullcontext()
         with context:
             if run.pipeline is not None:  # the stages run forward and backward (divided like backward's)
                 output = run.pipeline.train(batch)

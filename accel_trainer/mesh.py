@@ -2,8 +2,8 @@
 
 A layout splits its processes over the dimensions `(pp, dp_replicate, dp_shard, tp)`, pp outermost, the
 rest in accelerate's order:
-- `pp`: pipeline stages, each process running its part of the model's blocks (pipeline.py); for now a
-  pipeline layout is pipeline only (world size = pp_size);
+- `pp`: pipeline stages, each process running its part of the model's blocks (pipeline.py); a pipeline
+  combines with FSDP (each stage sharded over dp_shard processes, pipeline_sharding.py), not yet with TP or HSDP;
 - `tp`: tensor parallelism, the recipe's `tp_plan` splitting each layer's weights (tensor_parallel.py);
 - `dp_shard`: FSDP2 sharding of parameters, gradients and optimizer state;
 - `dp_replicate`: replicas of the sharded model (HSDP: shard within a group, all-reduce between groups).
@@ -102,17 +102,31 @@ def _pipeline_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool, laun
     pp = layout.pp_size
     if pp < 1:
         raise LayoutError(f"pp_size={pp}: must be at least 1")
-    if is_fsdp or layout.tp_size > 1 or any(size > 1 for size in launcher.values()):
+    if layout.tp_size > 1 or any(size > 1 for name, size in launcher.items() if name != "dp_shard"):
         raise LayoutError(
-            f"pp_size={pp} with FSDP or tensor parallelism: pipeline parallelism runs alone for now (one process"
-            " per stage); launch accelerate_configs/cpu_pp.yaml, or drop pp_size"
+            f"pp_size={pp} with tensor parallelism or HSDP: a pipeline combines with FSDP only for now; launch"
+            " accelerate_configs/cpu_pp_fsdp.yaml or cpu_pp.yaml, or drop pp_size"
         )
-    if world_size != pp:
+    if not is_fsdp:
+        if world_size != pp:
+            raise LayoutError(
+                f"pp_size={pp} but {world_size} process(es) were launched: a pipeline layout without FSDP runs one"
+                f" process per stage, so launch {pp} (or an FSDP layout, such as cpu_pp_fsdp.yaml, for more)"
+            )
+        return MeshShape(pp=pp)
+    if world_size % pp or world_size == pp:
         raise LayoutError(
-            f"pp_size={pp} but {world_size} process(es) were launched: a pipeline layout runs one process per"
-            f" stage, so launch {pp}"
+            f"pp_size={pp} on an FSDP layout of {world_size} process(es): FSDP shards each stage over"
+            f" {world_size}/{pp} processes, so launch a multiple of pp_size above it ({2 * pp}, ...)"
         )
-    return MeshShape(pp=pp)
+    dp_shard = world_size // pp
+    expected = launcher.get("dp_shard", 1)
+    if expected > 1 and expected != dp_shard:
+        raise LayoutError(
+            f"parallelism_config_dp_shard_size={expected} of the accelerate config, but {world_size} process(es)"
+            f" / pp_size {pp} leaves {dp_shard}: fix num_processes or the sizes"
+        )
+    return MeshShape(dp_shard=dp_shard, pp=pp)
 
 
 @dataclass(frozen=True)
@@ -154,7 +168,7 @@ def set_up_mesh(accelerator: Accelerator, layout: LayoutSettings) -> MeshShape:
     """Decide the run's mesh and, where it needs one, give it to accelerate (launch_fixes.attach_mesh)."""
     shape = mesh_shape(layout, accelerator.num_processes, accelerator.is_fsdp2)
     if shape.pp > 1:
-        launch_fixes.attach_pipeline(shape.pp)
+        launch_fixes.attach_pipeline(accelerator, shape.pp, shape.dp_shard)
     elif shape.needs_mesh:
         launch_fixes.attach_mesh(accelerator, shape.dp_replicate, shape.dp_shard, shape.tp)
     return shape

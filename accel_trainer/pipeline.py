@@ -13,9 +13,8 @@ add up over the slices exactly; a mean loss is averaged over equal slices. The l
 from the last stage to every process, so the loop logs and normalises as on any layout.
 
 Tracing (torch.export) fixes shapes: a micro-batch of shapes not seen before is traced again (about half a
-second for the GPT, cached), so variable-length batches work. Weights tied across stages (an LM head and its
-embedding) are held by each stage that uses them, their gradients summed between those processes before
-clipping and the step, which keeps the copies identical.
+second for the GPT, cached), so variable-length batches work, except for training under FSDP
+(pipeline_sharding.py). Weights tied across stages are summed between stages (pipeline_gradients.py).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -36,14 +36,16 @@ from torch.distributed.pipelining import (
 
 from .errors import ConfigError, RecipeError
 from .losses import LossOutput, read_loss_output
+from .pipeline_gradients import PipelineGradients
+from .pipeline_sharding import adopt_parameters, gathered_weights, pipeline_place, shard_stage
 from .pipeline_split import (
     first_chunk,
     local_view,
+    outermost_blocks,
     share_model_parameters,
     split_spec,
     stage_tensor_names,
     stages_of_process,
-    tied_groups,
     traced_pipeline,
 )
 
@@ -115,6 +117,7 @@ class _Compiled:
 
     modules: list[nn.Module]
     schedule: Any
+    shapes: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -132,16 +135,16 @@ class Pipeline:
     """This process's stages of the recipe's model, and the schedule that trains and evaluates them."""
 
     def __init__(self, recipe: Any, model: nn.Module, sample_batch: Any, *, schedule: str, microbatches: int,
-                 accumulation_steps: int, device: torch.device, autocast: Any = contextlib.nullcontext
-                 ) -> None:  # fmt: skip
+                 accumulation_steps: int, device: torch.device, autocast: Any = contextlib.nullcontext,
+                 mesh: DeviceMesh | None = None, reshard_after_forward: bool = False) -> None:  # fmt: skip
         self.recipe, self.model, self.device, self.autocast = recipe, model, device, autocast
         self.accumulation_steps = accumulation_steps
-        self.process, self.size = dist.get_rank(), dist.get_world_size()
+        self.place = pipeline_place(mesh)
         self.schedule_class, per_process = SCHEDULES[schedule]
-        self.num_stages = self.size * per_process
+        self.num_stages = self.place.stages * per_process
         self.chunks = microbatches or self.num_stages
         self.spec = split_spec(model, recipe, self.num_stages)
-        self.stage_ids = stages_of_process(self.process, self.size, self.num_stages)
+        self.stage_ids = stages_of_process(self.place.stage_rank, self.place.stages, self.num_stages)
         self._compiled: dict[Any, _Compiled] = {}
         self._step = _Step()
         self._term_names: list[str] | None = None
@@ -156,7 +159,14 @@ class Pipeline:
         pipe = self._trace(args, kwargs, self.chunks, train=True)
         holders = {i: stage_tensor_names(pipe.get_stage_module(i)) for i in range(self.num_stages)}
         self.view = local_view(model, set().union(*(holders[i] for i in self.stage_ids)))
-        self._tied = self._tie_across_processes(holders)
+        self._training: _Compiled | None = None  # under FSDP: the only training stages (one set of shapes)
+        if self.place.shard_mesh is not None:
+            self._training = self._compiled_for(args, kwargs, train=True)
+            blocks = outermost_blocks(model, tuple(recipe.wrap_classes))
+            for module in self._training.modules:
+                shard_stage(module, self.place.shard_mesh, blocks, reshard_after_forward)
+            adopt_parameters(self.view, self._training.modules)
+        self.gradients = PipelineGradients.of(model, self.view, holders, self.place)  # after FSDP: its parameters
 
     # -- tracing -------------------------------------------------------------------------------------------
 
@@ -171,17 +181,23 @@ class Pipeline:
         chunks = self.chunks if train else 1
         shapes = tuple((tuple(v.shape), v.dtype) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
         key = (train, shapes)
+        if key not in self._compiled and train and self._training is not None:
+            raise ConfigError(
+                f"pipeline x FSDP trains stages traced for one micro-batch shape, {_shapes(self._training)}, and"
+                f" met {[list(shape) for shape, _ in shapes]}: make every training micro-batch the same shape"
+                " (the gpt recipe: pad_to_block_size=true)"
+            )
         if key not in self._compiled:
             pipe = self._trace(args, kwargs, chunks, train)
             for i in self.stage_ids:
                 share_model_parameters(pipe.get_stage_module(i), self.model)
-            stages = [pipe.build_stage(i, self.device) for i in self.stage_ids]
+            stages = [pipe.build_stage(i, self.device, group=self.place.group) for i in self.stage_ids]
             # Evaluation runs forward only, the whole micro-batch at once (any size).
             forward_only = ScheduleGPipe if len(stages) == 1 else ScheduleLoopedBFS
             schedule_class: Any = self.schedule_class if train else forward_only
             single = schedule_class in (ScheduleGPipe, Schedule1F1B)  # one stage per process
             schedule = schedule_class(stages[0] if single else stages, chunks, loss_fn=self._loss, scale_grads=False)
-            self._compiled[key] = _Compiled([stage.submod for stage in stages], schedule)
+            self._compiled[key] = _Compiled([stage.submod for stage in stages], schedule, shapes)
         return self._compiled[key]
 
     # -- the loss on the last stage --------------------------------------------------------------------------
@@ -221,22 +237,33 @@ class Pipeline:
             module.eval()
         size = batch_size(args, kwargs)
         self._step = _Step(batch=batch, size=size, train=False)
-        with self.autocast():
+        with self._weights_for(compiled), self.autocast():
             compiled.schedule.eval(*args, target=torch.arange(size), **kwargs)
         shared = [{name: value.cpu() for name, value in self._step.metrics.items()}]
-        dist.broadcast_object_list(shared, src=self._last_process)
+        dist.broadcast_object_list(shared, src=self._last_process, group=self.place.group)
         return {name: value.to(self.device) for name, value in shared[0].items()}
+
+    @contextlib.contextmanager
+    def _weights_for(self, compiled: _Compiled) -> Any:
+        """Under FSDP, evaluation stages run on the training stages' gathered weights; else nothing to do."""
+        if self._training is None:
+            yield
+            return
+        with gathered_weights(self._training.modules):
+            for evaluating, training in zip(compiled.modules, self._training.modules, strict=True):
+                share_model_parameters(evaluating, training)
+            yield
 
     @property
     def _last_process(self) -> int:
-        return (self.num_stages - 1) % self.size
+        return self.place.process_of((self.num_stages - 1) % self.place.stages)
 
     def _shared_loss(self) -> LossOutput:
         """Combine the slices' losses on the last stage and give every process the result."""
         losses = self._step.losses
         if self._term_names is None:  # once: the recipe's terms, and whether its loss counts items
             shape: list[Any] = [(sorted(losses[0].terms), losses[0].num_items is not None) if losses else None]
-            dist.broadcast_object_list(shape, src=self._last_process)
+            dist.broadcast_object_list(shape, src=self._last_process, group=self.place.group)
             self._term_names, self._counts_items = shape[0]
         terms = self._term_names
         packed = torch.zeros(2 + len(terms), device=self.device)
@@ -247,43 +274,18 @@ class Pipeline:
                 packed[1] = torch.stack([r.num_items.float() for r in losses]).sum()  # type: ignore[union-attr]
             for i, name in enumerate(terms):
                 packed[2 + i] = combine(torch.stack([r.terms[name].float() for r in losses]))
-        dist.broadcast(packed, src=self._last_process)
+        dist.broadcast(packed, src=self._last_process, group=self.place.group)
         num_items = packed[1] if self._counts_items else None
         return LossOutput(packed[0], num_items, {name: packed[2 + i] for i, name in enumerate(terms)})
 
-    # -- weights tied across stages, and the global gradient norm --------------------------------------------
-
-    def _tie_across_processes(self, holders: dict[int, set[str]]) -> list[tuple[nn.Parameter, Any]]:
-        """For each tied group held by stages on several processes, this process's copy and a process group
-        of the holders (created on every process, in the same order, as torch requires)."""
-        tied = []
-        self.uncounted: set[str] = set()  # names whose gradient another process counts in the norm
-        for names in tied_groups(self.model):
-            processes = sorted({i % self.size for i, held in holders.items() if held & set(names)})
-            if len(processes) < 2:
-                continue
-            group = dist.new_group(processes)
-            mine = [name for name, _ in self.view.named_parameters() if name in names]
-            if mine:
-                tied.append((self.view.get_parameter(mine[0]), group))
-                if self.process != processes[0]:
-                    self.uncounted.add(mine[0])
-        return tied
+    # -- weights tied across stages, and the global gradient norm (pipeline_gradients.py) ------------------
 
     def sum_tied_gradients(self) -> None:
-        """Sum the gradients of weights tied across stages, so that every copy takes the same step."""
-        for parameter, group in self._tied:
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            dist.all_reduce(parameter.grad, group=group)
+        self.gradients.sum_tied()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm of all stages' gradients together (each tied weight counted once); return it."""
-        named = [(name, p) for name, p in self.view.named_parameters() if p.grad is not None]
-        counted = [p.grad for name, p in named if p.grad is not None and name not in self.uncounted]
-        local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=self.device)
-        squared = local.float().pow(2)
-        dist.all_reduce(squared)
-        total = squared.sqrt()
-        torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, total)
-        return total
+        return self.gradients.clip(max_norm, self.device)
+
+
+def _shapes(compiled: _Compiled) -> list[list[int]]:
+    return [list(shape) for shape, _ in compiled.shapes]

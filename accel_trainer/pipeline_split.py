@@ -47,7 +47,7 @@ def split_spec(model: nn.Module, recipe: Any, num_stages: int) -> dict[str, Spli
                 f" stages: name {num_stages - 1}, or drop pipeline_split to spread the wrap_classes blocks"
             )
         return dict.fromkeys(declared, SplitPoint.BEGINNING)
-    blocks = _outermost_blocks(model, tuple(recipe.wrap_classes))
+    blocks = outermost_blocks(model, tuple(recipe.wrap_classes))
     if not blocks:
         raise ConfigError(
             f"pipeline parallelism needs to know where {type(model).__name__} can be cut: give the recipe"
@@ -97,7 +97,7 @@ def traced_pipeline(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             module.__dict__.pop("_orig_forward", None)
 
 
-def _outermost_blocks(model: nn.Module, classes: tuple[type[nn.Module], ...]) -> list[str]:
+def outermost_blocks(model: nn.Module, classes: tuple[type[nn.Module], ...]) -> list[str]:
     """Names of the modules of `classes` that are not inside another one, in registration order."""
     blocks: list[str] = []
     if not classes:

@@ -14,6 +14,7 @@ from typing import Any
 
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from . import data, launch_fixes
 from .batching import BatchPlan, plan_batches
@@ -119,7 +120,7 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == 1:
         eval_loader = data.eval_loader(recipe, eval_set, plan, workers)
     if pipeline is not None:  # not wrapped (there is no gradient to average); loaders for the data ranks
-        optimizer = accelerator.prepare(optimizer)
+        optimizer = accelerator.prepare_optimizer(optimizer)  # alone: prepare() refuses that under FSDP2
         if train_loader is not None:
             train_loader = launch_fixes.prepare_loader_for_data_ranks(accelerator, train_loader, ranks.rank,
                                                                       ranks.size)  # fmt: skip
@@ -156,9 +157,13 @@ def _pipeline(recipe: Recipe, model: Any, train_set: Any, plan: BatchPlan, layou
         sample = list(itertools.islice(iter(examples), plan.micro_batch_size))
     else:
         sample = [examples[i] for i in range(min(plan.micro_batch_size, len(examples)))]
+    fsdp = accelerator.state.fsdp_plugin if accelerator.is_fsdp2 else None
+    if fsdp is not None and isinstance(fsdp.cpu_offload, CPUOffloadPolicy):
+        raise LayoutError("a pipeline layout does not offload parameters yet: set fsdp_offload_params: false")
     return Pipeline(recipe, model, recipe.collate(sample), schedule=layout.pp_schedule,
                     microbatches=layout.pp_microbatches, accumulation_steps=plan.accumulation_steps,
-                    device=accelerator.device, autocast=accelerator.autocast)  # fmt: skip
+                    device=accelerator.device, autocast=accelerator.autocast, mesh=accelerator.torch_device_mesh,
+                    reshard_after_forward=bool(fsdp is not None and fsdp.reshard_after_forward))  # fmt: skip
 
 
 def micro_batches(run: Run) -> Any:

@@ -64,11 +64,12 @@ def _precision(accelerator: Accelerator) -> str:
 
 def _strategy(accelerator: Accelerator) -> str:
     """How the processes share the work, in the words the docs use (accelerate's names say MULTI_CPU, NO)."""
+    pipeline = pipeline_size(accelerator) > 1
     if accelerator.distributed_type == DistributedType.FSDP:
-        return "FSDP2"
+        return "pipeline parallel x FSDP2" if pipeline else "FSDP2"
     if accelerator.num_processes == 1:
         return "single process"
-    if pipeline_size(accelerator) > 1:
+    if pipeline:
         return "pipeline parallel"
     return "tensor parallel" if data_ranks(accelerator).size == 1 else "DDP"
 

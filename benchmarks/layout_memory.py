@@ -22,7 +22,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-LAYOUTS = ["cpu", "cpu_ddp", "cpu_fsdp", "cpu_tp", "cpu_hsdp", "cpu_fsdp_tp", "cpu_pp"]
+LAYOUTS = ["cpu", "cpu_ddp", "cpu_fsdp", "cpu_tp", "cpu_hsdp", "cpu_fsdp_tp", "cpu_pp", "cpu_pp_fsdp"]
+FIXED_SHAPES = {"cpu_pp_fsdp"}  # pipeline x FSDP trains one batch shape: the GPT pads to block_size there
 GPT = ["max_steps=4", "global_batch_size=16", "micro_batch_size=4", "log_every_steps=2", "eval_every_steps=0",
        "show_progress_bar=false", "save_every_steps=0"]  # fmt: skip
 BYTES_PER_ELEMENT = 16  # fp32 parameter + gradient + AdamW's two moments
@@ -36,9 +37,10 @@ def free_port() -> int:
 
 def measure(layout: str, scratch: Path) -> dict:
     run_dir = scratch / layout
+    shape = ["pad_to_block_size=true"] if layout in FIXED_SHAPES else []
     command = [str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "accelerate_configs" / f"{layout}.yaml"),
                "--main_process_port", str(free_port()), "-m", "accel_trainer", "train", "gpt",
-               f"output_dir={run_dir}", *GPT]  # fmt: skip
+               f"output_dir={run_dir}", *GPT, *shape]  # fmt: skip
     subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True)
     start = json.loads((run_dir / "run_info.json").read_text())["starts"][-1]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

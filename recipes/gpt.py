@@ -60,6 +60,9 @@ class GPTConfig(at.TrainConfig):
     """Longest context in bytes; examples are cut to at most block_size + 1 bytes (inputs plus the next byte)."""
     dropout: float = 0.0
     """Dropout on attention weights and on each residual branch."""
+    pad_to_block_size: bool = False
+    """Pad every batch to block_size, not to its longest sequence: one shape for every batch, which pipeline x
+    FSDP layouts need (cpu_pp_fsdp.yaml); costs compute on the padding."""
     split_seed: int = 1234
     """Seed of the train/eval split of paragraphs, fixed so that runs with different seeds share one eval set."""
     eval_fraction: float = 0.05
@@ -270,7 +273,8 @@ class ByteGPT(at.Recipe):
         """Pad to the longest sequence of the batch, rounded up to a multiple of 8: inputs with PAD_ID, targets
         with IGNORE_INDEX (sequence parallelism splits the length evenly over up to 8 processes)."""
         sequences = [torch.as_tensor(example["input_ids"], dtype=torch.long) for example in examples]
-        length = _padded_length(max(len(sequence) for sequence in sequences) - 1, self.cfg.block_size)
+        longest = self.cfg.block_size if self.cfg.pad_to_block_size else max(len(s) for s in sequences) - 1
+        length = _padded_length(longest, self.cfg.block_size)
         input_ids = torch.full((len(sequences), length), PAD_ID, dtype=torch.long)
         targets = torch.full((len(sequences), length), IGNORE_INDEX, dtype=torch.long)
         for row, sequence in enumerate(sequences):

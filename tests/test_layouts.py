@@ -13,6 +13,7 @@ import yaml
 
 from accel_trainer.config import resolve_settings
 from accel_trainer.layout import SETTINGS_SUFFIX, LayoutSettings, settings_file_of
+from accel_trainer.mesh import mesh_shape
 from accel_trainer.recipe import Recipe
 from conftest import REPO
 
@@ -37,6 +38,8 @@ EXPECTED = {
     "8gpu_fsdp_tp.yaml": ("FSDP", 8, "bf16", False),
     "2node_hsdp.yaml": ("FSDP", 8, "bf16", False),
     "cpu_pp.yaml": ("MULTI_GPU", 2, "no", False),
+    "cpu_pp_fsdp.yaml": ("FSDP", 4, "no", False),
+    "8gpu_pp_fsdp.yaml": ("FSDP", 8, "bf16", False),
 }
 # file -> (dp_replicate, dp_shard, tp) of its mesh, from its parallelism_config section or its settings file
 MESHES = {
@@ -46,11 +49,12 @@ MESHES = {
     "8gpu_fsdp_tp.yaml": (1, 4, 2),
     "2node_hsdp.yaml": (2, 4, 1),
 }
-PIPELINES = {"cpu_pp.yaml": 2}  # file -> pipeline stages (pp_size), from its settings file
+# file -> (pipeline stages (pp_size, from its settings file), processes per stage)
+PIPELINES = {"cpu_pp.yaml": (2, 1), "cpu_pp_fsdp.yaml": (2, 2), "8gpu_pp_fsdp.yaml": (2, 4)}
 
 
 def test_the_layout_folder_holds_exactly_the_known_layouts():
-    assert len(CONFIGS) == 17
+    assert len(CONFIGS) == 19
     assert {path.name for path in CONFIGS} == set(EXPECTED)
 
 
@@ -97,7 +101,8 @@ def test_layout_is_used_by_a_makefile_target_named_in_its_header(path):
 
 
 def test_each_settings_file_belongs_to_a_layout():
-    assert [path.name for path in SETTINGS] == ["4gpu_ddp_powersgd.settings.yaml", "cpu_pp.settings.yaml",
+    assert [path.name for path in SETTINGS] == ["4gpu_ddp_powersgd.settings.yaml", "8gpu_pp_fsdp.settings.yaml",
+                                                "cpu_pp.settings.yaml", "cpu_pp_fsdp.settings.yaml",
                                                 "cpu_tp.settings.yaml"]  # fmt: skip
 
 
@@ -125,10 +130,14 @@ def test_settings_file_holds_valid_layout_settings_and_differs_from_the_defaults
 
 
 @pytest.mark.parametrize("name", sorted(PIPELINES))
-def test_a_pipeline_layout_runs_one_process_per_stage(name):
+def test_a_pipeline_layout_runs_its_stages_on_all_its_processes(name):
     path = REPO / "accelerate_configs" / name
     _, layout = resolve_settings(Recipe.Config, layout_file=settings_file_of(path))
-    assert layout.pp_size == PIPELINES[name] == yaml.safe_load(path.read_text())["num_processes"]
+    config = yaml.safe_load(path.read_text())
+    stages, per_stage = PIPELINES[name]
+    assert layout.pp_size == stages and stages * per_stage == config["num_processes"]
+    shape = mesh_shape(layout, config["num_processes"], config["distributed_type"] == "FSDP")
+    assert (shape.pp, shape.dp_shard) == (stages, per_stage)
 
 
 def test_the_powersgd_layout_names_powersgd():

@@ -122,8 +122,8 @@ def test_optimizer_skeletons_merge_over_stages_and_split_back_with_tied_names_ta
 
 @pytest.mark.parametrize(
     ("settings", "world", "fsdp", "message"),
-    [({"pp_size": 2}, 4, False, "launch 2"), ({"pp_size": 2}, 2, True, "runs alone for now"),
-     ({"pp_size": 2, "tp_size": 2}, 4, False, "runs alone for now"), ({"pp_size": 0}, 1, False, "at least 1")],
+    [({"pp_size": 2}, 4, False, "launch 2"), ({"pp_size": 2}, 2, True, "launch a multiple of pp_size above it"),
+     ({"pp_size": 2, "tp_size": 2}, 4, False, "combines with FSDP only"), ({"pp_size": 0}, 1, False, "at least 1")],
 )  # fmt: skip
 def test_a_pipeline_layout_that_does_not_fit_the_launch_is_a_one_line_error(settings, world, fsdp, message):
     with pytest.raises(LayoutError, match=message):

@@ -41,7 +41,8 @@ def test_off_a_terminal_the_progress_bar_is_a_status_line_at_most_every_30_s(tmp
     ("distributed_type", "processes", "sizes", "words"),
     [(DistributedType.NO, 1, None, "single process"), (DistributedType.MULTI_CPU, 2, None, "DDP"),
      (DistributedType.MULTI_GPU, 2, {"tp_size": 2}, "tensor parallel"), (DistributedType.FSDP, 4, None, "FSDP2"),
-     (DistributedType.MULTI_CPU, 2, {"pp_size": 2}, "pipeline parallel")],
+     (DistributedType.MULTI_CPU, 2, {"pp_size": 2}, "pipeline parallel"),
+     (DistributedType.FSDP, 4, {"pp_size": 2}, "pipeline parallel x FSDP2")],
 )  # fmt: skip
 def test_the_header_names_the_strategy_in_the_docs_words(distributed_type, processes, sizes, words):
     config = None
