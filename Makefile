@@ -18,7 +18,7 @@ NODE_FLAGS = --machine_rank $(NODE_RANK) --main_process_ip $(MAIN_ADDR) --main_p
 
 .PHONY: install train train-cpu-ddp train-cpu-fsdp train-gpu train-4gpu train-8gpu train-4gpu-fsdp train-8gpu-fsdp \
 	train-4gpu-powersgd train-2node train-2node-cpu train-cpu-tp train-cpu-fsdp-tp train-cpu-hsdp train-8gpu-fsdp-tp \
-	train-2node-hsdp train-cpu-pp train-cpu-pp-fsdp train-8gpu-pp-fsdp test test-slow bench lint clean
+	train-2node-hsdp train-cpu-pp train-cpu-pp-fsdp train-8gpu-pp-fsdp train-8gpu-fsdp-cp test test-slow bench lint clean
 
 install: $(VENV)/.installed
 
@@ -72,6 +72,9 @@ train-8gpu-fsdp-tp: install
 
 train-8gpu-pp-fsdp: install
 	$(LAUNCH) --config_file accelerate_configs/8gpu_pp_fsdp.yaml $(RUN_RECIPE)
+
+train-8gpu-fsdp-cp: install  ## GPU only: context parallelism (no CPU twin: torch has no CPU ring attention)
+	$(LAUNCH) --config_file accelerate_configs/8gpu_fsdp_cp.yaml $(RUN_RECIPE)
 
 train-4gpu-powersgd: install  ## PowerSGD comes from accelerate_configs/4gpu_ddp_powersgd.settings.yaml
 	$(LAUNCH) --config_file accelerate_configs/4gpu_ddp_powersgd.yaml $(RUN_RECIPE)

@@ -28,6 +28,12 @@ matches), test_preemption.py (elastic restarts).
   and the config and mesh handed back after it (`attach_mesh`); TP is applied by tensor_parallel.py before
   `prepare`, and under FSDP2 the attached config (`_FsdpMesh`) reports TP as already done so `prepare` only
   shards.
+- FSDP2's `cpu_ram_efficient_loading` (on when a config leaves `fsdp_cpu_ram_efficient_loading` out) moves
+  the model to the meta device and reloads rank 0's weights; it re-ties tied weights only through a
+  transformers-style `tie_weights()`, so a plain model's LM head and embedding come back as two parameters and
+  train apart, silently (the GPT's gradient norm 2.05 instead of 2.22 at step 1, measured). Every process
+  builds the recipe's model anyway, so `load_weights_on_every_process` turns it off (and transformers' own
+  rank-0-only loading with it).
 - Pipelines: accelerate has no pipeline dimension, and its prepared loaders split batches over every process
   that is not a tp or cp rank, so pipeline stages would each see different data. `attach_pipeline` records
   the stage count for mesh.data_ranks and `prepare_loader_for_data_ranks` prepares loaders for the data ranks.
@@ -132,6 +138,14 @@ def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParalle
     PartialState().distributed_type = DistributedType.FSDP
 
 
+def load_weights_on_every_process(plugin: FullyShardedDataParallelPlugin | None) -> None:
+    """Turn off FSDP2's rank-0-only weight loading, which unties the weights of a model without a
+    `tie_weights()` method (canary: test_launch_fixes.py)."""
+    if plugin is not None:
+        plugin.cpu_ram_efficient_loading = False
+        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"  # what transformers' from_pretrained reads
+
+
 def init_process_group_per_attempt(timeout_s: float) -> None:
     """Initialise the default process group on a store prefixed with the elastic restart attempt."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
@@ -160,18 +174,18 @@ def launcher_parallelism_sizes() -> dict[str, int]:
     """The sizes of the accelerate config's `parallelism_config` section, as the launcher passed them on.
 
     Raises:
-        LayoutError: context or sequence parallelism, which accel-trainer does not drive.
+        LayoutError: sequence parallelism of DeepSpeed's kind (Ulysses), which accel-trainer does not drive.
     """
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
         return {}
     sizes = {name: int(os.environ.get(f"PARALLELISM_CONFIG_{variable}") or 1)
              for name, variable in _PARALLELISM_VARIABLES.items()}  # fmt: skip
-    for name in ("cp", "sp"):
-        if sizes.pop(name) > 1:
-            raise LayoutError(
-                f"parallelism_config_{name}_size > 1 in the accelerate config: accel-trainer drives data, tensor"
-                f" and FSDP parallelism; set parallelism_config_{name}_size: 1"
-            )
+    if sizes.pop("sp") > 1:
+        raise LayoutError(
+            "parallelism_config_sp_size > 1 in the accelerate config: accel-trainer drives data, tensor, context"
+            " and FSDP parallelism; set parallelism_config_sp_size: 1 (tensor parallelism's sequence parallel"
+            " comes with tp_size)"
+        )
     return sizes
 
 
@@ -199,9 +213,10 @@ class _FsdpMesh(ParallelismConfig):
         return False
 
 
-def attach_mesh(accelerator: Accelerator, dp_replicate: int, dp_shard: int, tp: int) -> None:
-    """Give accelerate the run's `ParallelismConfig` and device mesh now that the Accelerator exists."""
-    sizes = {"dp_replicate_size": dp_replicate, "dp_shard_size": dp_shard, "tp_size": tp}
+def attach_mesh(accelerator: Accelerator, dp_replicate: int, dp_shard: int, tp: int, cp: int = 1) -> None:
+    """Give accelerate the run's `ParallelismConfig` and device mesh now that the Accelerator exists (with a
+    cp dimension, accelerate's `prepare` then sets up its context-parallel context: context_parallel.py)."""
+    sizes = {"dp_replicate_size": dp_replicate, "dp_shard_size": dp_shard, "tp_size": tp, "cp_size": cp}
     config = ParallelismConfig(**sizes)
     mesh = config.get_device_mesh(accelerator.device.type)  # built by the honest config: with its tp dimension
     if accelerator.is_fsdp2:

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from .checkpoint import RunIdentity
 from .config import TrainConfig, config_to_dict, config_to_yaml, layout_to_yaml
+from .context_parallel import check_loss_counts_items, sequence_slices
 from .evaluation import evaluate
 from .events import EventLog
 from .flops import flops_per_sample, to_meta
@@ -233,11 +234,13 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
         # pipeline's schedule skips it itself (torch's schedules know FSDP stages).
         accumulates = plan.accumulation_steps > 1 and run.pipeline is None
         context = accelerator.accumulate(model) if accumulates else contextlib.nullcontext()
-        with context:
+        cp = run.ranks.context_parallel  # > 1: this process sees a slice of each sequence (context_parallel.py)
+        with context, sequence_slices(accelerator, run.recipe, batch, cp):
             if run.pipeline is not None:  # the stages run forward and backward (divided like backward's)
                 output = run.pipeline.train(batch)
             else:
                 output = read_loss_output(run.recipe.compute_loss(model, batch))
+                check_loss_counts_items(output.num_items, run.recipe, cp)
                 run.verbs.backward(output.loss)  # divided by the accumulation steps
             if output.num_items is not None:
                 num_items = output.num_items.to(accelerator.device, torch.float32)
@@ -252,9 +255,10 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
         run.pipeline.sum_tied_gradients()
     if step_items is not None:
         # accelerate scaled each sum by 1/accumulation_steps and the gradient all-reduce averaged over
-        # processes; undo both and divide by the true item count of the step instead.
+        # processes (over dp x cp: context-parallel processes hold slices); undo both and divide by the true
+        # item count of the step instead.
         total_items = accelerator.reduce(step_items, reduction="sum") / run.ranks.replicas  # TP, PP: copies
-        scale = plan.accumulation_steps * plan.num_processes / total_items
+        scale = plan.accumulation_steps * plan.num_processes * run.ranks.context_parallel / total_items
         for parameter in model.parameters():
             if parameter.grad is not None:
                 local = parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad

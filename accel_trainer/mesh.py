@@ -6,7 +6,9 @@ rest in accelerate's order:
   combines with FSDP (each stage sharded over dp_shard processes, pipeline_sharding.py), not yet with TP or HSDP;
 - `tp`: tensor parallelism, the recipe's `tp_plan` splitting each layer's weights (tensor_parallel.py);
 - `dp_shard`: FSDP2 sharding of parameters, gradients and optimizer state;
-- `dp_replicate`: replicas of the sharded model (HSDP: shard within a group, all-reduce between groups).
+- `dp_replicate`: replicas of the sharded model (HSDP: shard within a group, all-reduce between groups);
+- `cp`: context parallelism (GPU only), each process of a cp group taking a slice of every sequence
+  (context_parallel.py); FSDP shards over dp_shard x cp.
 Processes that differ only in `pp` or `tp` form one data-parallel rank: they see the same batches. The batch plan,
 the data sharding, evaluation and the item counts use `data_parallel_size` and `data_parallel_rank`, never
 the process count.
@@ -37,6 +39,7 @@ class MeshShape:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     @property
     def data_parallel_size(self) -> int:
@@ -46,10 +49,13 @@ class MeshShape:
     @property
     def needs_mesh(self) -> bool:
         """Whether the layout goes beyond what accelerate builds by itself (DDP, or FSDP over all processes)."""
-        return self.tp > 1 or self.dp_replicate > 1 or self.pp > 1
+        return self.tp > 1 or self.dp_replicate > 1 or self.pp > 1 or self.cp > 1
 
 
-def mesh_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool) -> MeshShape:
+CONTEXT_PARALLEL_DEVICES = {"cuda"}  # torch's ring attention has kernels for these (none for the CPU)
+
+
+def mesh_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool, device_type: str = "cpu") -> MeshShape:
     """The mesh this launch asks for, or a one-line error naming what does not fit.
 
     Raises:
@@ -57,6 +63,9 @@ def mesh_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool) -> MeshSh
             parallelism beside TP without FSDP.
     """
     launcher = launch_fixes.launcher_parallelism_sizes()
+    cp = launcher.pop("cp", 1)
+    if cp > 1:
+        _check_context_parallel(layout, cp, is_fsdp, device_type)
     if layout.pp_size != 1:
         return _pipeline_shape(layout, world_size, is_fsdp, launcher)
     tp = layout.tp_size
@@ -69,12 +78,12 @@ def mesh_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool) -> MeshSh
         )
     tp = max(tp, launcher.get("tp", 1))
     dp_replicate = launcher.get("dp_replicate", 1)
-    if world_size % (tp * dp_replicate):
+    if world_size % (tp * dp_replicate * cp):
         raise LayoutError(
-            f"{world_size} process(es) cannot be split into tp_size={tp} x dp_replicate_size={dp_replicate}"
-            " groups: launch a multiple of their product"
+            f"{world_size} process(es) cannot be split into tp_size={tp} x dp_replicate_size={dp_replicate} x"
+            f" cp_size={cp} groups: launch a multiple of their product"
         )
-    data_parallel = world_size // tp
+    data_parallel = world_size // (tp * cp)
     if data_parallel > 1 and tp > 1 and not is_fsdp:
         raise LayoutError(
             f"tensor parallelism over {tp} of {world_size} processes needs FSDP for the data-parallel dimension"
@@ -82,7 +91,7 @@ def mesh_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool) -> MeshSh
             " accelerate_configs/cpu_fsdp_tp.yaml, or as many processes as tp_size"
         )
     dp_shard = data_parallel // dp_replicate
-    if is_fsdp and dp_shard == 1 and world_size > 1:
+    if is_fsdp and dp_shard * cp == 1 and world_size > 1:
         raise LayoutError(
             f"this FSDP layout leaves FSDP nothing to shard over (tp {tp} x dp_replicate {dp_replicate} ="
             f" {world_size} processes): launch more processes, or a layout without FSDP (cpu_tp.yaml)"
@@ -94,7 +103,20 @@ def mesh_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool) -> MeshSh
             f" process(es) / (tp {tp} x dp_replicate {dp_replicate}) leaves {dp_shard}: fix num_processes or"
             " the sizes"
         )
-    return MeshShape(dp_replicate, dp_shard, tp)
+    return MeshShape(dp_replicate, dp_shard, tp, cp=cp)
+
+
+def _check_context_parallel(layout: LayoutSettings, cp: int, is_fsdp: bool, device_type: str) -> None:
+    if device_type not in CONTEXT_PARALLEL_DEVICES:
+        raise LayoutError(
+            f"parallelism_config_cp_size={cp} on {device_type}: context parallelism needs CUDA GPUs (torch's ring"
+            " attention has no CPU kernel); launch a GPU layout such as accelerate_configs/8gpu_fsdp_cp.yaml"
+        )
+    if not is_fsdp or layout.tp_size > 1 or layout.pp_size > 1:
+        raise LayoutError(
+            f"parallelism_config_cp_size={cp}: context parallelism runs on FSDP2 layouts, without tensor or"
+            " pipeline parallelism for now (accelerate_configs/8gpu_fsdp_cp.yaml)"
+        )
 
 
 def _pipeline_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool, launcher: dict[str, int]
@@ -135,17 +157,19 @@ class DataRanks:
 
     rank: int
     size: int
-    replicas: int  # processes per data-parallel rank (tensor-parallel ranks), which see the same batches
+    replicas: int  # processes per data-parallel rank that count the same items (tensor or pipeline ranks)
+    context_parallel: int = 1  # processes per data-parallel rank that each take a slice of every sequence
 
 
 def data_ranks(accelerator: Accelerator) -> DataRanks:
     """This process's place in the data-parallel dimension of the run's mesh (every process without a mesh)."""
     config = accelerator.parallelism_config
     tp = config.tp_size if config is not None else 1
+    cp = config.cp_size if config is not None else 1
     pp = getattr(config, "pp_size", 1)
-    per_stage = accelerator.num_processes // pp  # pp outermost, tp innermost (accelerate's order)
-    rank = accelerator.process_index % per_stage // tp
-    return DataRanks(rank, per_stage // tp, tp * pp)
+    per_stage = accelerator.num_processes // pp  # pp outermost, then dp, cp, tp innermost (accelerate's order)
+    rank = accelerator.process_index % per_stage // (cp * tp)
+    return DataRanks(rank, per_stage // (cp * tp), tp * pp, cp)
 
 
 def tensor_parallel_size(accelerator: Accelerator) -> int:
@@ -160,15 +184,15 @@ def describe_mesh(accelerator: Accelerator) -> str:
     if config is None:
         return ""
     sizes = {"pp": getattr(config, "pp_size", 1), "dp_replicate": config.dp_replicate_size,
-             "dp_shard": config.dp_shard_size, "tp": config.tp_size}  # fmt: skip
+             "dp_shard": config.dp_shard_size, "cp": config.cp_size, "tp": config.tp_size}  # fmt: skip
     return " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1)
 
 
 def set_up_mesh(accelerator: Accelerator, layout: LayoutSettings) -> MeshShape:
     """Decide the run's mesh and, where it needs one, give it to accelerate (launch_fixes.attach_mesh)."""
-    shape = mesh_shape(layout, accelerator.num_processes, accelerator.is_fsdp2)
+    shape = mesh_shape(layout, accelerator.num_processes, accelerator.is_fsdp2, accelerator.device.type)
     if shape.pp > 1:
         launch_fixes.attach_pipeline(accelerator, shape.pp, shape.dp_shard)
     elif shape.needs_mesh:
-        launch_fixes.attach_mesh(accelerator, shape.dp_replicate, shape.dp_shard, shape.tp)
+        launch_fixes.attach_mesh(accelerator, shape.dp_replicate, shape.dp_shard, shape.tp, shape.cp)
     return shape

@@ -117,7 +117,7 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
                       " process (streams.py)", stacklevel=2)  # fmt: skip
     train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, workers)
     eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (Run.eval_batches)
-    if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == 1:
+    if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == ranks.context_parallel == 1:
         eval_loader = data.eval_loader(recipe, eval_set, plan, workers)
     if pipeline is not None:  # not wrapped (there is no gradient to average); loaders for the data ranks
         optimizer = accelerator.prepare_optimizer(optimizer)  # alone: prepare() refuses that under FSDP2

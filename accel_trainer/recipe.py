@@ -15,6 +15,7 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
     wrap_classes                -> optional class attribute: the block classes FSDP shards as units
     tp_plan                     -> optional class attribute: how tensor parallelism splits modules
     pipeline_split              -> optional class attribute: the modules that begin a pipeline stage
+    sequence_dims               -> optional class attribute: the batch tensors context parallelism slices
     write_artifacts(model, eval_dataset, run_dir) -> optional; pictures or reports, main process only
 
 `self.cfg` holds the resolved config, so `compute_loss` can read recipe fields.
@@ -50,6 +51,11 @@ class Recipe:
     pipeline_split: ClassVar[tuple[str, ...]] = ()
     """Names of the modules that begin a new pipeline stage (pp_size - 1 of them, e.g. ("blocks.2",)); empty
     spreads the wrap_classes blocks evenly over the stages (pipeline_split.py)."""
+    sequence_dims: ClassVar[dict[str, int]] = {}
+    """Batch keys to their sequence dimension (e.g. {"input_ids": 1, "targets": 1, "positions": 1}): every
+    tensor the model or the loss reads along the sequence, which context parallelism slices (GPU layouts with
+    cp_size > 1 only; context_parallel.py); positions included, since a model's own `arange` would number
+    each process's slice from 0."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg

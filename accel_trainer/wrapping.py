@@ -32,8 +32,9 @@ def prepare_blocks(
 ) -> None:
     """Mark the recipe's blocks as FSDP units and, if asked, checkpoint their activations (in place)."""
     classes = tuple(recipe.wrap_classes)
-    if classes:
-        model._no_split_modules = [cls.__name__ for cls in classes]  # type: ignore[assignment]
+    present = [cls.__name__ for cls in classes if any(isinstance(module, cls) for module in model.modules())]
+    if present:  # accelerate refuses a class the model lacks (a GPT of n_layer=0): that one model is one unit
+        model._no_split_modules = present  # type: ignore[assignment]
     if not activation_checkpointing:
         return
     if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):

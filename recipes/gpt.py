@@ -135,12 +135,14 @@ class GPT(nn.Module):
             for projection in (block.attention.proj, block.mlp[2]):
                 nn.init.normal_(projection.weight, std=0.02 / math.sqrt(2 * n_layer))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of the next byte at every position, shape (batch, length, VOCAB_SIZE)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the next byte at every position, shape (batch, length, VOCAB_SIZE). `positions` (batch,
+        length) numbers the tokens; given by the batch, so that context parallelism can slice it with them."""
         length = input_ids.shape[1]
         if length > self.block_size:
             raise ValueError(f"a sequence of {length} tokens is longer than block_size={self.block_size}")
-        positions = torch.arange(length, device=input_ids.device)[None]  # (1, length): sequence on dim 1
+        if positions is None:
+            positions = torch.arange(length, device=input_ids.device)[None]  # (1, length): sequence on dim 1
         x = self.dropout(self.token_embedding(input_ids) + self.position_embedding(positions))
         for block in self.blocks:
             x = block(x)
@@ -162,7 +164,7 @@ def _init_weights(module: nn.Module) -> None:
 
 def token_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy in nats at every position, zero at padding, and the mask of real targets; both (b, t)."""
-    logits = model(batch["input_ids"])
+    logits = model(batch["input_ids"], batch["positions"])
     targets = batch["targets"]
     losses = F.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
@@ -245,6 +247,7 @@ class ByteGPT(at.Recipe):
 
     Config = GPTConfig
     wrap_classes = (Block,)
+    sequence_dims = {"input_ids": 1, "targets": 1, "positions": 1}  # what context parallelism slices
     tp_plan = {
         # Megatron-style: vocabulary-parallel embeddings, column- then row-parallel attention and MLP, and the
         # activations between them sharded along the sequence (sequence parallelism); the LM head's logits are
@@ -271,7 +274,8 @@ class ByteGPT(at.Recipe):
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Pad to the longest sequence of the batch, rounded up to a multiple of 8: inputs with PAD_ID, targets
-        with IGNORE_INDEX (sequence parallelism splits the length evenly over up to 8 processes)."""
+        with IGNORE_INDEX (sequence and context parallelism split the length evenly over up to 8 and 4
+        processes); positions 0..length-1 for every row."""
         sequences = [torch.as_tensor(example["input_ids"], dtype=torch.long) for example in examples]
         longest = self.cfg.block_size if self.cfg.pad_to_block_size else max(len(s) for s in sequences) - 1
         length = _padded_length(longest, self.cfg.block_size)
@@ -280,10 +284,11 @@ class ByteGPT(at.Recipe):
         for row, sequence in enumerate(sequences):
             input_ids[row, : len(sequence) - 1] = sequence[:-1]
             targets[row, : len(sequence) - 1] = sequence[1:]
-        return {"input_ids": input_ids, "targets": targets}
+        positions = torch.arange(length).repeat(len(sequences), 1)
+        return {"input_ids": input_ids, "targets": targets, "positions": positions}
 
     def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return at.token_cross_entropy(model(batch["input_ids"]), batch["targets"], IGNORE_INDEX)
+        return at.token_cross_entropy(model(batch["input_ids"], batch["positions"]), batch["targets"], IGNORE_INDEX)
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-sequence sums; the loop divides them by the total of `num_items`, the eval token count."""

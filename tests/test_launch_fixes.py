@@ -5,10 +5,15 @@ The launch traps are shown for real in test_multiprocess.py; these are the in-pr
 
 from __future__ import annotations
 
+import inspect
+import os
+from types import SimpleNamespace
+
 import pytest
 from accelerate import Accelerator
 
 from accel_trainer import LayoutError, launch_fixes
+from conftest import REPO, accelerate_launch, read_metrics
 
 
 def test_a_world_smaller_than_the_launcher_started_is_refused(monkeypatch):
@@ -37,3 +42,40 @@ def test_canary_a_second_accelerator_with_another_precision_needs_a_state_reset(
     launch_fixes.forget_accelerate_state()
 
     assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
+
+
+def test_canary_accelerates_ram_efficient_fsdp2_loading_reties_weights_only_through_tie_weights():
+    """Why load_weights_on_every_process exists: FSDP2's cpu_ram_efficient_loading moves the model to the meta
+    device and re-ties weights only by calling a transformers-style `tie_weights()`, so a plain model's tied
+    LM head and embedding come back untied (they trained apart: the GPT's step-1 gradient norm 2.05, not 2.22).
+    When accelerate re-ties weights for any model, this fails and the workaround can go."""
+    from accelerate.utils import fsdp_utils
+
+    source = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
+    assert 'model = model.to(torch.device("meta"))' in source
+    assert 'if hasattr(model, "tie_weights"):' in source
+
+
+def test_fsdp_loads_the_weights_on_every_process(monkeypatch):
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    plugin = SimpleNamespace(cpu_ram_efficient_loading=True)
+    launch_fixes.load_weights_on_every_process(plugin)
+    assert plugin.cpu_ram_efficient_loading is False
+    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
+    launch_fixes.load_weights_on_every_process(None)  # not an FSDP layout: nothing to do
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_an_fsdp_config_that_leaves_ram_efficient_loading_on_trains_tied_weights_like_one_that_turns_it_off(tmp_path):
+    default = "\n".join(line for line in (REPO / "accelerate_configs" / "cpu_fsdp.yaml").read_text().splitlines()
+                         if "fsdp_cpu_ram_efficient_loading" not in line)  # fmt: skip
+    (tmp_path / "fsdp_default_loading.yaml").write_text(default)
+    gpt = ["n_layer=1", "d_model=32", "block_size=32", "max_steps=2", "global_batch_size=8", "micro_batch_size=4",
+           "log_every_steps=1", "eval_every_steps=0", "max_source_bytes=100000"]  # fmt: skip
+    norms = []
+    for config in (str(tmp_path / "fsdp_default_loading"), "cpu_fsdp"):
+        out = tmp_path / config.rsplit("/", 1)[-1]
+        accelerate_launch(config, "-m", "accel_trainer", "train", "gpt", f"output_dir={out}", *gpt)
+        norms.append([r["grad_norm"] for r in read_metrics(out) if "grad_norm" in r])
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6)

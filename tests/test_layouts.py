@@ -40,21 +40,23 @@ EXPECTED = {
     "cpu_pp.yaml": ("MULTI_GPU", 2, "no", False),
     "cpu_pp_fsdp.yaml": ("FSDP", 4, "no", False),
     "8gpu_pp_fsdp.yaml": ("FSDP", 8, "bf16", False),
+    "8gpu_fsdp_cp.yaml": ("FSDP", 8, "bf16", False),
 }
-# file -> (dp_replicate, dp_shard, tp) of its mesh, from its parallelism_config section or its settings file
+# file -> (dp_replicate, dp_shard, tp, cp) of its mesh, from its parallelism_config section or its settings file
 MESHES = {
-    "cpu_tp.yaml": (1, 1, 2),
-    "cpu_fsdp_tp.yaml": (1, 2, 2),
-    "cpu_hsdp.yaml": (2, 2, 1),
-    "8gpu_fsdp_tp.yaml": (1, 4, 2),
-    "2node_hsdp.yaml": (2, 4, 1),
+    "cpu_tp.yaml": (1, 1, 2, 1),
+    "cpu_fsdp_tp.yaml": (1, 2, 2, 1),
+    "cpu_hsdp.yaml": (2, 2, 1, 1),
+    "8gpu_fsdp_tp.yaml": (1, 4, 2, 1),
+    "2node_hsdp.yaml": (2, 4, 1, 1),
+    "8gpu_fsdp_cp.yaml": (1, 4, 1, 2),
 }
 # file -> (pipeline stages (pp_size, from its settings file), processes per stage)
 PIPELINES = {"cpu_pp.yaml": (2, 1), "cpu_pp_fsdp.yaml": (2, 2), "8gpu_pp_fsdp.yaml": (2, 4)}
 
 
 def test_the_layout_folder_holds_exactly_the_known_layouts():
-    assert len(CONFIGS) == 19
+    assert len(CONFIGS) == 20
     assert {path.name for path in CONFIGS} == set(EXPECTED)
 
 
@@ -71,13 +73,14 @@ def test_layout_parses_and_matches_what_its_header_promises(path):
     assert f"accelerate launch --config_file accelerate_configs/{path.name}" in header
     first_line = header.splitlines()[0]
     assert re.search(rf"\b{num_processes}\b", first_line) or num_processes == 1
-    dp_replicate, _, tp = MESHES.get(path.name, (1, 1, 1))
+    dp_replicate, _, tp, cp = MESHES.get(path.name, (1, 1, 1, 1))
     assert ("FSDP" in first_line) == (distributed_type == "FSDP")
     pipeline = path.name in PIPELINES
     assert ("DDP" in first_line) == (distributed_type == "MULTI_GPU" and tp == 1 and not pipeline)
     assert ("tensor parallel" in first_line) == (tp > 1)
     assert ("pipeline parallel" in first_line) == pipeline
     assert ("HSDP" in first_line) == (dp_replicate > 1)
+    assert ("context parallel" in first_line) == (cp > 1)
     if distributed_type == "FSDP":
         assert config["fsdp_config"]["fsdp_version"] == 2
     if "2node" in path.name:
@@ -110,13 +113,14 @@ def test_each_settings_file_belongs_to_a_layout():
 def test_a_mesh_layout_names_sizes_whose_product_is_its_process_count(name):
     path = REPO / "accelerate_configs" / name
     config = yaml.safe_load(path.read_text())
-    dp_replicate, dp_shard, tp = MESHES[name]
-    assert dp_replicate * dp_shard * tp == config["num_processes"]
+    dp_replicate, dp_shard, tp, cp = MESHES[name]
+    assert dp_replicate * dp_shard * tp * cp == config["num_processes"]
     if config["distributed_type"] == "FSDP":  # accelerate's launcher carries the sizes
         section = config["parallelism_config"]
         assert section["parallelism_config_dp_replicate_size"] == dp_replicate
         assert section["parallelism_config_dp_shard_size"] == dp_shard
         assert section["parallelism_config_tp_size"] == tp
+        assert section.get("parallelism_config_cp_size", 1) == cp
     else:  # accelerate refuses a parallelism_config without FSDP: our settings file carries tp_size
         settings = yaml.safe_load(settings_file_of(path).read_text())
         assert settings == {"tp_size": tp}

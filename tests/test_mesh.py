@@ -59,7 +59,8 @@ def test_a_launch_becomes_a_mesh_of_data_parallel_and_tensor_parallel_ranks(monk
         (2, {"dp_shard": 2, "tp": 4}, 8, True, "disagrees with parallelism_config_tp_size=4"),
         (1, {"dp_shard": 1, "tp": 2}, 2, True, "leaves FSDP nothing to shard over"),
         (1, {"dp_shard": 2, "tp": 2}, 8, True, "parallelism_config_dp_shard_size=2"),
-        (1, {"dp_shard": 2, "cp": 2}, 4, True, "parallelism_config_cp_size > 1"),
+        (1, {"dp_shard": 2, "cp": 2}, 4, True, "context parallelism needs CUDA GPUs"),
+        (1, {"sp": 2}, 2, True, "parallelism_config_sp_size > 1"),
         (0, {}, 2, False, "tp_size=0"),
     ],
 )
