@@ -77,6 +77,9 @@ class TrainConfig:
     """Write checkpoints in a background thread from a snapshot in host memory (not under FSDP)."""
     num_dataloader_workers: int = 0
     """Worker processes per data loader; 0 loads batches in the training process."""
+    data_cache_gb: float = 1.0
+    """Memory per process for holding a map-style set's columns as tensors and reading each micro-batch in
+    one indexing (batched_data.py; with the default collate only); 0 reads and collates row by row."""
     show_progress_bar: bool = True
     """Show a tqdm progress bar on the main process."""
     profile_steps: str = ""
@@ -136,6 +139,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "max_steps": (1, True), "global_batch_size": (1, True), "micro_batch_size": (1, True),
     "warmup_steps": (0, True), "log_every_steps": (0, True), "eval_every_steps": (0, True),
     "save_every_steps": (0, True), "keep_last": (0, True), "num_dataloader_workers": (0, True),
+    "data_cache_gb": (0, True),
     "reference_batch_size": (0, True), "lr": (0, True), "weight_decay": (0, True), "max_grad_norm": (0, True),
     "min_lr_ratio": (0, True), "collective_timeout_s": (0, False), "fp16_init_scale": (0, False),
     "peak_tflops": (0, True),

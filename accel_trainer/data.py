@@ -17,6 +17,7 @@ import datasets
 import torch.utils.data
 from torch.utils.data import DataLoader
 
+from .batched_data import already_collated, column_batches
 from .batching import BatchPlan
 from .errors import RecipeError
 from .recipe import Recipe
@@ -46,31 +47,32 @@ def check_dataset(dataset: Any, role: str) -> None:
 
 
 def as_torch(dataset: Any) -> Any:
-    """An HF dataset formatted to return tensors, as `datasets` does for PyTorch; a torch set as it is."""
+    """An HF dataset formatted to return tensors, as `datasets` does for PyTorch (one with a transform of its
+    own, `set_transform`, as it is: the transform makes its rows); a torch set as it is."""
+    if isinstance(dataset, datasets.Dataset) and dataset.format["type"] == "custom":
+        return dataset
     if isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
         return dataset.with_format("torch")
     return dataset
 
 
-def train_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int) -> DataLoader:
-    return DataLoader(
-        as_torch(dataset),
-        batch_size=plan.micro_batch_size,
-        shuffle=True,
-        drop_last=True,
-        collate_fn=recipe.collate,
-        num_workers=num_workers,
-    )
+def train_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int, cache_gb: float) -> DataLoader:
+    source, collate = _source(recipe, dataset, cache_gb)
+    return DataLoader(source, batch_size=plan.micro_batch_size, shuffle=True, drop_last=True, collate_fn=collate,
+                      num_workers=num_workers)  # fmt: skip
 
 
-def eval_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int) -> DataLoader:
-    return DataLoader(
-        as_torch(dataset),
-        batch_size=plan.micro_batch_size,
-        shuffle=False,
-        collate_fn=recipe.collate,
-        num_workers=num_workers,
-    )
+def eval_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int, cache_gb: float) -> DataLoader:
+    source, collate = _source(recipe, dataset, cache_gb)
+    return DataLoader(source, batch_size=plan.micro_batch_size, shuffle=False, collate_fn=collate,
+                      num_workers=num_workers)  # fmt: skip
+
+
+def _source(recipe: Recipe, dataset: Any, cache_gb: float) -> tuple[Any, Callable[[Any], Any]]:
+    """The set a loader reads and its collate: in-memory columns read a batch at a time where they can be
+    (batched_data.py), else the rows and the recipe's collate."""
+    batched = column_batches(recipe, dataset, cache_gb)
+    return (batched, already_collated) if batched is not None else (as_torch(dataset), recipe.collate)
 
 
 def micro_batches(

@@ -115,10 +115,11 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     if workers and data.is_stream(train_set) and accelerator.is_main_process:
         warnings.warn("accel-trainer: num_dataloader_workers has no effect on a stream: it is read in the training"
                       " process (streams.py)", stacklevel=2)  # fmt: skip
-    train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, workers)
+    cache_gb = cfg.data_cache_gb
+    train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, workers, cache_gb)
     eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (Run.eval_batches)
     if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == ranks.context_parallel == 1:
-        eval_loader = data.eval_loader(recipe, eval_set, plan, workers)
+        eval_loader = data.eval_loader(recipe, eval_set, plan, workers, cache_gb)
     if pipeline is not None:  # not wrapped (there is no gradient to average); loaders for the data ranks
         optimizer = accelerator.prepare_optimizer(optimizer)  # alone: prepare() refuses that under FSDP2
         if train_loader is not None:
