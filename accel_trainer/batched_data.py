@@ -44,8 +44,8 @@ class ColumnBatches(Dataset):
         """The batch of `indices`, as `default_collate` would build it from their rows (a list for tuples)."""
         index = torch.as_tensor(indices)
         if isinstance(self.columns, dict):
-            return {name: column[index] for name, column in self.columns.items()}
-        return [column[index] for column in self.columns]
+            return {name: column.index_select(0, index) for name, column in self.columns.items()}
+        return [column.index_select(0, index) for column in self.columns]
 
 
 def already_collated(batch: Any) -> Any:
