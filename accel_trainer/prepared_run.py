@@ -100,7 +100,8 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     if layout.sync_batchnorm:
         model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
     prepare_blocks(model, recipe, layout.activation_checkpointing, is_main_process=accelerator.is_main_process)
-    train_set, eval_set = recipe.build_datasets(cfg)
+    with accelerator.main_process_first():  # a datasets cache (tokenized, mapped) written once, then read
+        train_set, eval_set = recipe.build_datasets(cfg)
     data.check_dataset(train_set, "training")
     if eval_set is not None:
         data.check_dataset(eval_set, "eval")

@@ -12,12 +12,17 @@ after a few prompts: indented, Python-shaped text with made-up names.
 Examples are paragraphs of source (split at blank lines) cut into chunks of at most block_size + 1 bytes,
 so micro-batches hold different numbers of tokens: `compute_loss` returns `at.token_cross_entropy(...)`, the
 summed loss with its token count, and the loop divides by the token count of the whole optimizer step, which
-is exact on any layout.
+is exact on any layout. `pack_sequences=true` packs paragraphs into full windows instead (no padding; attention
+and positions restart at each paragraph), and `streaming=true` streams the training text from the files
+(datasets' streaming text loader), as a corpus larger than memory would be read. Each log record carries
+`padded_per_token`: the positions that train nothing (padding, a packed window's paragraph starts) per trained
+token.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import sysconfig
 import tempfile
@@ -60,6 +65,12 @@ class GPTConfig(at.TrainConfig):
     """Longest context in bytes; examples are cut to at most block_size + 1 bytes (inputs plus the next byte)."""
     dropout: float = 0.0
     """Dropout on attention weights and on each residual branch."""
+    pack_sequences: bool = False
+    """Pack paragraphs back to back into windows of block_size + 1 bytes instead of padding each: every position
+    trains, and attention and positions restart at each paragraph (a document mask; no context parallelism)."""
+    streaming: bool = False
+    """Stream the training paragraphs from the source files (a datasets IterableDataset, shuffled in a buffer of
+    1,000, cut or packed on the fly); the eval paragraphs are chosen by a hash of their text in this mode."""
     pad_to_block_size: bool = False
     """Pad every batch to block_size, not to its longest sequence: one shape for every batch, which pipeline x
     FSDP layouts need (cpu_pp_fsdp.yaml); costs compute on the padding."""
@@ -90,13 +101,19 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents` (batch, length): which packed paragraph each position belongs to; attention stays inside."""
         q, k, v = self.q(x), self.k(x), self.v(x)
         batch, length, _ = q.shape
         # (batch, length, heads * head_dim) -> (batch, heads, length, head_dim)
         q, k, v = (t.view(batch, length, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        if documents is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:  # causal and within one paragraph: (batch, 1, length, length)
+            causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+            mask = (documents[:, :, None] == documents[:, None, :]) & causal
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout)
         return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -111,8 +128,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.ln_attention(x)))
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.ln_attention(x), documents))
         return x + self.dropout(self.mlp(self.ln_mlp(x)))
 
 
@@ -135,9 +152,11 @@ class GPT(nn.Module):
             for projection in (block.attention.proj, block.mlp[2]):
                 nn.init.normal_(projection.weight, std=0.02 / math.sqrt(2 * n_layer))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Logits of the next byte at every position, shape (batch, length, VOCAB_SIZE). `positions` (batch,
-        length) numbers the tokens; given by the batch, so that context parallelism can slice it with them."""
+        length) numbers the tokens; given by the batch, so that context parallelism can slice it with them.
+        `documents` (batch, length) marks packed paragraphs, which attend only within themselves."""
         length = input_ids.shape[1]
         if length > self.block_size:
             raise ValueError(f"a sequence of {length} tokens is longer than block_size={self.block_size}")
@@ -145,7 +164,7 @@ class GPT(nn.Module):
             positions = torch.arange(length, device=input_ids.device)[None]  # (1, length): sequence on dim 1
         x = self.dropout(self.token_embedding(input_ids) + self.position_embedding(positions))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, documents)
         return self.lm_head(self.ln_final(x))
 
 
@@ -162,9 +181,15 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
+def forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's logits for a batch (its paragraph marks only when packed: a pipeline traces the inputs given)."""
+    inputs = [batch["input_ids"], batch["positions"]]
+    return model(*inputs, batch["documents"]) if "documents" in batch else model(*inputs)
+
+
 def token_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy in nats at every position, zero at padding, and the mask of real targets; both (b, t)."""
-    logits = model(batch["input_ids"], batch["positions"])
+    logits = forward(model, batch)
     targets = batch["targets"]
     losses = F.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
@@ -230,15 +255,47 @@ def chunk_paragraphs(batch: dict[str, list[str]], block_size: int) -> dict[str, 
     return {"input_ids": chunks}
 
 
-def build_splits(cfg: GPTConfig) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Train and eval chunks; paragraphs are split first so a paragraph's chunks stay on one side."""
+def pack_paragraphs(batch: dict[str, list[str]], block_size: int) -> dict[str, list[list[int]]]:
+    """Lay the paragraphs' bytes end to end and cut windows of block_size + 1 bytes, each byte marked with its
+    paragraph (numbered from 0 in each window).
+
+    Windows overlap by one byte, as chunks do; the bytes after the last full window of a map batch (1,000
+    paragraphs) are dropped. A paragraph's first byte is never a target: its window restarts the context there.
+    """
+    ids: list[int] = []
+    documents: list[int] = []
+    for number, text in enumerate(batch["text"]):
+        data = text.encode("utf-8")
+        ids.extend(data)
+        documents.extend([number] * len(data))
+    windows, marks = [], []
+    for start in range(0, len(ids) - block_size, block_size):
+        windows.append(ids[start : start + block_size + 1])
+        marks.append([d - documents[start] for d in documents[start : start + block_size + 1]])
+    return {"input_ids": windows, "documents": marks}
+
+
+def is_eval_paragraph(row: dict[str, str], fraction: float, seed: int) -> bool:
+    """A paragraph's side in streaming mode, fixed by its text: what a stream too large to hold can decide."""
+    digest = hashlib.blake2b(f"{seed}:{row['text']}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def build_splits(cfg: GPTConfig) -> tuple[Any, datasets.Dataset]:
+    """Train and eval examples; paragraphs are split first so a paragraph's chunks stay on one side."""
+    cut = pack_paragraphs if cfg.pack_sequences else chunk_paragraphs
+    options = dict(batched=True, remove_columns=["text"], fn_kwargs={"block_size": cfg.block_size})
+    files = source_files(cfg.max_source_bytes)
     with _quiet_datasets():
-        paragraphs = load_paragraphs(source_files(cfg.max_source_bytes))
-        splits = paragraphs.train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
-        chunked = splits.map(
-            chunk_paragraphs, batched=True, remove_columns=["text"], fn_kwargs={"block_size": cfg.block_size}
-        )
-    return chunked["train"], chunked["test"]
+        paragraphs = load_paragraphs(files)
+        if not cfg.streaming:
+            splits = paragraphs.train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
+            return splits["train"].map(cut, **options), splits["test"].map(cut, **options)
+        side = {"fraction": cfg.eval_fraction, "seed": cfg.split_seed}
+        eval_set = paragraphs.filter(is_eval_paragraph, fn_kwargs=side).map(cut, **options)
+        stream = datasets.load_dataset("text", data_files=files, sample_by="paragraph", split="train", streaming=True)
+        train = stream.filter(lambda row: not is_eval_paragraph(row, **side)).shuffle(seed=cfg.seed, buffer_size=1000)
+        return train.map(cut, **options), eval_set
 
 
 @at.register_recipe("gpt")
@@ -275,7 +332,9 @@ class ByteGPT(at.Recipe):
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Pad to the longest sequence of the batch, rounded up to a multiple of 8: inputs with PAD_ID, targets
         with IGNORE_INDEX (sequence and context parallelism split the length evenly over up to 8 and 4
-        processes); positions 0..length-1 for every row."""
+        processes); positions 0..length-1 for every row. Packed windows: see `collate_packed`."""
+        if "documents" in examples[0]:
+            return collate_packed(examples)
         sequences = [torch.as_tensor(example["input_ids"], dtype=torch.long) for example in examples]
         longest = self.cfg.block_size if self.cfg.pad_to_block_size else max(len(s) for s in sequences) - 1
         length = _padded_length(longest, self.cfg.block_size)
@@ -288,7 +347,8 @@ class ByteGPT(at.Recipe):
         return {"input_ids": input_ids, "targets": targets, "positions": positions}
 
     def compute_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return at.token_cross_entropy(model(batch["input_ids"], batch["positions"]), batch["targets"], IGNORE_INDEX)
+        loss = at.token_cross_entropy(forward(model, batch), batch["targets"], IGNORE_INDEX)
+        return {**loss, "padded_per_token": (batch["targets"] == IGNORE_INDEX).sum()}
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-sequence sums; the loop divides them by the total of `num_items`, the eval token count."""
@@ -302,6 +362,20 @@ class ByteGPT(at.Recipe):
         prompts = ["def ", "class ", "import ", "    if "]
         samples = [generate(model, prompt, num_bytes=300, generator=generator) for prompt in prompts]
         (run_dir / "samples.txt").write_text("\n\n----------\n\n".join(samples) + "\n")
+
+
+def collate_packed(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Packed windows of block_size + 1 bytes: inputs and targets shifted by one, a target in another paragraph
+    than its input ignored, positions counted from each paragraph's start, paragraph marks for attention."""
+    ids = torch.stack([torch.as_tensor(example["input_ids"], dtype=torch.long) for example in examples])
+    marks = torch.stack([torch.as_tensor(example["documents"], dtype=torch.long) for example in examples])
+    documents = marks[:, :-1]
+    targets = torch.where(marks[:, 1:] == documents, ids[:, 1:], IGNORE_INDEX)
+    index = torch.arange(documents.shape[1]).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    positions = index - torch.where(starts, index, 0).cummax(dim=1).values
+    return {"input_ids": ids[:, :-1], "targets": targets, "positions": positions, "documents": documents}
 
 
 @torch.no_grad()

@@ -124,3 +124,16 @@ def test_a_sharded_stream_resumes_bitwise_on_two_processes(tmp_path):
     assert sorted(resumed) == list(range(6, 15)) and all(resumed[step] == full[step] for step in resumed)
     before, after = final_parameters(tmp_path / "full"), final_parameters(tmp_path / "resumed")
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_main_process_builds_the_datasets_before_the_others_so_a_datasets_cache_is_written_once(tmp_path):
+    """build_datasets runs under main_process_first: what the main process maps or tokenizes into a datasets
+    cache, the others read from it instead of computing it again."""
+    log = tmp_path / "builds.log"
+    train_and_dump("cpu_ddp", tmp_path, "sources", "max_steps=1", f"build_log={log}", world_size=2)
+    events = {
+        (event, rank): float(clock) for event, rank, clock in (line.split() for line in log.read_text().splitlines())
+    }
+    assert events[("end", "0")] <= events[("begin", "1")]

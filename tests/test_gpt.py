@@ -107,3 +107,50 @@ def test_a_short_run_lowers_eval_bits_per_char(tmp_path):
     assert evals[-1]["eval/bits_per_char"] < evals[0]["eval/bits_per_char"] - 2.0
     assert evals[-1]["eval/loss"] == pytest.approx(evals[-1]["eval/bits_per_char"] * math.log(2))
     assert (tmp_path / "samples.txt").read_text().startswith("def ")
+
+
+def packed_window(first: bytes, second: bytes) -> dict:
+    """One packed window holding two paragraphs, as pack_paragraphs makes it."""
+    packed = gpt_module().pack_paragraphs({"text": [first.decode(), second.decode()]},
+                                          block_size=len(first) + len(second) - 1)  # fmt: skip
+    assert len(packed["input_ids"]) == 1
+    return {"input_ids": packed["input_ids"][0], "documents": packed["documents"][0]}
+
+
+def test_packing_lays_paragraphs_end_to_end_and_restarts_positions_and_targets_at_each():
+    example = packed_window(b"abcde", b"xyz")
+    assert example["input_ids"] == list(b"abcdexyz") and example["documents"] == [0] * 5 + [1] * 3
+    batch = gpt_module().collate_packed([example])
+    assert batch["input_ids"][0].tolist() == list(b"abcdexy")
+    assert batch["targets"][0].tolist() == [*b"bcde", -100, *b"yz"]  # "e" -> "x" crosses paragraphs: ignored
+    assert batch["positions"][0].tolist() == [0, 1, 2, 3, 4, 0, 1]
+
+
+def test_a_packed_paragraph_never_attends_to_the_one_before_it():
+    recipe, cfg = recipe_and_config(pack_sequences=True, n_layer=2)
+    torch.manual_seed(0)
+    model = recipe.build_model(cfg).eval()
+    batch = gpt_module().collate_packed(
+        [packed_window(b"def f(x):", b"return 1"), packed_window(b"class A: ", b"return 1")]
+    )
+    logits = gpt_module().forward(model, batch)
+    second = batch["documents"][0] == 1  # the second paragraph, identical in both windows
+    assert not torch.equal(logits[0, ~second], logits[1, ~second])  # the first paragraphs differ
+    torch.testing.assert_close(logits[0, second], logits[1, second], rtol=0, atol=0)  # and reach nothing after
+
+
+def test_packing_trains_with_next_to_no_padding_and_streaming_resumes_bitwise_mid_stream(tmp_path):
+    run = dict(**TINY, pack_sequences=True, streaming=True, max_steps=8, global_batch_size=8, micro_batch_size=4,
+               log_every_steps=1, eval_every_steps=0, save_every_steps=4, keep_last=0,
+               show_progress_bar=False)  # fmt: skip
+    at.train("gpt", **run, output_dir=str(tmp_path / "full"))
+    at.train("gpt", **run, output_dir=str(tmp_path / "resumed"),
+             resume=str(tmp_path / "full" / "checkpoints" / "step_00000004"))  # fmt: skip
+    full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "resumed")
+    assert [r["loss"] for r in full if r.get("step", 0) > 4 and "loss" in r] == [
+        r["loss"] for r in resumed if "loss" in r]  # fmt: skip
+    assert all(r["padded_per_token"] < 0.02 for r in full if "padded_per_token" in r)
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(tmp_path / run_dir / "final" / "model.safetensors")) for run_dir in ("full", "resumed"))
+    assert all(torch.equal(a[name], b[name]) for name in a)

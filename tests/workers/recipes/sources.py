@@ -6,6 +6,8 @@ and a torch IterableDataset; the torch sets give (x, y) tuples, so batches are t
 multiple of the global batch of 16: each pass drops its 4-example tail.
 """
 
+import os
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -59,6 +61,11 @@ def generate():
         yield {"x": data["x"][index].tolist(), "y": data["y"][index].tolist()}
 
 
+def log_build(event: str, path: str) -> None:
+    with open(path, "a") as log:
+        log.write(f"{event} {os.environ.get('RANK', '0')} {time.time()}\n")
+
+
 def build(source: str, seed: int):
     hf = datasets.Dataset.from_dict({k: v.numpy() for k, v in table().items()})
     if source == "hf_map":
@@ -87,6 +94,8 @@ class SourcesConfig(at.TrainConfig):
     eval_every_steps: int = 7
     source: Literal["hf_map", "hf_sharded", "hf_generator", "torch_map", "torch_stream", "list"] = "hf_map"
     """Which kind of dataset build_datasets returns."""
+    build_log: str = ""
+    """A file to which build_datasets appends when each process begins and ends it (rank and clock)."""
 
 
 @at.register_recipe("sources")
@@ -99,7 +108,13 @@ class Sources(at.Recipe):
         return torch.nn.Linear(3, 1)
 
     def build_datasets(self, cfg):
-        return build(cfg.source, cfg.seed), build(cfg.source, cfg.seed)
+        if cfg.build_log:
+            log_build("begin", cfg.build_log)
+            time.sleep(1.0)  # long enough that an unordered start on another process would overlap
+        sets = build(cfg.source, cfg.seed), build(cfg.source, cfg.seed)
+        if cfg.build_log:
+            log_build("end", cfg.build_log)
+        return sets
 
     def compute_loss(self, model, batch):
         x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
