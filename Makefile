@@ -99,6 +99,7 @@ bench: install  ## per-step overhead against a plain loop, checkpoint throughput
 	$(BIN)/python benchmarks/checkpoint_speed.py
 	$(BIN)/python benchmarks/scaling.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/layout_memory.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/gpt_throughput.py
 
 lint: install
 	$(BIN)/ruff check accel_trainer recipes tests benchmarks

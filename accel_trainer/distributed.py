@@ -25,6 +25,7 @@ from accelerate.utils import (
 )
 
 from . import launch_fixes
+from .compiling import dynamo_plugin
 from .config import TrainConfig
 from .errors import ConfigError, LayoutError
 from .layout import LayoutSettings
@@ -64,6 +65,7 @@ def _accelerator(cfg: TrainConfig, layout: LayoutSettings, fsdp_plugin: FullySha
     return Accelerator(
         cpu=launch_fixes.wants_cpu(),
         fsdp_plugin=fsdp_plugin,
+        dynamo_plugin=dynamo_plugin(layout),
         mixed_precision=layout.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1, sync_with_dataloader=False),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),

@@ -41,7 +41,7 @@ def save_final(
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(accelerator.unwrap_model(model), options=options)
     else:
-        state = accelerator.get_state_dict(model)
+        state = get_model_state_dict(accelerator.unwrap_model(model))  # torch.compile's _orig_mod names stripped
     if accelerator.is_main_process:
         final_dir = run_dir / "final"
         final_dir.mkdir(parents=True, exist_ok=True)

@@ -49,13 +49,17 @@ class LayoutSettings:
     parallelism_config_tp_size in an FSDP layout's accelerate config (mesh.py)."""
     pp_size: int = 1
     """Pipeline stages the model is cut into, one group of blocks per process (pipeline.py); the layout's
-    processes must be pp_size (pipeline parallelism beside data or tensor parallelism is not built yet)."""
+    processes are pp_size, or a multiple of it on an FSDP layout (each stage sharded over the rest)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"] = "1f1b"
     """Pipeline schedule (torch.distributed.pipelining); the interleaved and looped ones give each process two
     stages, which needs at least 2 x pp_size - 1 blocks."""
     pp_microbatches: int = 0
     """Slices of each micro-batch that flow through the pipeline (more: smaller bubbles, smaller matrices);
     0 takes the number of stages. Must divide micro_batch_size."""
+    compile: bool = False
+    """torch.compile through accelerate's regional compilation (compiling.py): each repeated block compiled once
+    and reused; the first steps pay the compilation, later ones run the compiled code. The accelerate config's
+    dynamo_config (dynamo_backend) turns it on too. Not with tensor or pipeline parallelism yet."""
     peak_tflops: float = 0.0
     """Peak TFLOP/s of one device in the compute dtype, for MFU; 0 takes the datasheet table (GPUs only)."""
     ddp_find_unused_parameters: bool = False

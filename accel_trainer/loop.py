@@ -189,7 +189,8 @@ def _write_log_record(run: Run, log: MetricsLog, window: Window, lrs: list[float
     record, new_items = log_record(run.accelerator, run.cfg, window, state.step, state.epoch, lrs, grad_norm,
                                    run.speed)  # fmt: skip
     state.items_seen += new_items
-    record.update(skipped_steps=state.skipped_steps, samples_seen=state.samples_seen, items_seen=state.items_seen)
+    record.update(skipped_steps=state.skipped_steps, samples_seen=state.samples_seen, items_seen=state.items_seen,
+                  **run.compile_watch.record(state.step))  # fmt: skip
     log.write(record)
     state.metrics.update(record)
 

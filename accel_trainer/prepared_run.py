@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DynamoBackend, set_seed
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from . import data, launch_fixes
@@ -21,6 +21,7 @@ from .batching import BatchPlan, plan_batches
 from .batchnorm import convert_to_sync_batchnorm
 from .checkpoint import RunIdentity, Trained
 from .checkpointer import Checkpointer
+from .compiling import CompileWatch
 from .config import TrainConfig
 from .errors import ConfigError, LayoutError
 from .events import EventLog
@@ -65,6 +66,7 @@ class Run:
     pipeline: Pipeline | None = None  # a pipeline layout's stages: they run forward and backward
     stream: TrainStream | None = None
     first_batch: Any = None  # the shapes of the first micro-batch (meta tensors), for counting FLOPs
+    compile_watch: CompileWatch = field(default_factory=lambda: CompileWatch(enabled=False, warn=False))
     events: EventLog | None = None
 
     @property
@@ -92,14 +94,7 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
     model = recipe.build_model(cfg)
     num_parameters, summary = sum(parameter.numel() for parameter in model.parameters()), model_summary(model)
-    mesh = accelerator.torch_device_mesh
-    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
-        apply_tensor_parallel(model.to(accelerator.device), dict(recipe.tp_plan), mesh["tp"])
-    else:  # a plan's mistakes show on the first run, though only a tensor-parallel layout needs it right
-        _warn_about_tp_plan(model, recipe, accelerator.is_main_process)
-    if layout.sync_batchnorm:
-        model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
-    prepare_blocks(model, recipe, layout.activation_checkpointing, is_main_process=accelerator.is_main_process)
+    model = _split_and_wrap(model, recipe, layout, accelerator)
     with accelerator.main_process_first():  # a datasets cache (tokenized, mapped) written once, then read
         train_set, eval_set = recipe.build_datasets(cfg)
     data.check_dataset(train_set, "training")
@@ -132,10 +127,26 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
     trained = Trained(model, optimizer, scheduler, whole=pipeline.model if pipeline is not None else None)
     checkpointer = Checkpointer(accelerator, run_dir, trained, identity, has_eval=eval_set is not None)
-    return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
+    run = Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
                eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer,
                num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks,
                pipeline)  # fmt: skip
+    compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
+    run.compile_watch = CompileWatch(enabled=compiled, warn=accelerator.is_main_process)
+    return run
+
+
+def _split_and_wrap(model: Any, recipe: Recipe, layout: LayoutSettings, accelerator: Accelerator) -> Any:
+    """Tensor parallelism, SyncBatchNorm, FSDP units and activation checkpointing, as the layout asks."""
+    mesh = accelerator.torch_device_mesh
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+        apply_tensor_parallel(model.to(accelerator.device), dict(recipe.tp_plan), mesh["tp"])
+    else:  # a plan's mistakes show on the first run, though only a tensor-parallel layout needs it right
+        _warn_about_tp_plan(model, recipe, accelerator.is_main_process)
+    if layout.sync_batchnorm:
+        model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
+    prepare_blocks(model, recipe, layout.activation_checkpointing, is_main_process=accelerator.is_main_process)
+    return model
 
 
 def _warn_about_tp_plan(model: Any, recipe: Recipe, is_main_process: bool) -> None:
