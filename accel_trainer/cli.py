@@ -1,6 +1,7 @@
 """The `accel-trainer` command: `list` the registered recipes, `train` one with key=value overrides.
 
 accel-trainer list
+accel-trainer new my_recipe                              # recipes/my_recipe.py from the template, ready to run
 accel-trainer train vae max_steps=200
 accel-trainer report outputs/vae/<run>                  # report.md and report.png
 accel-trainer compare outputs/vae/run1 outputs/vae/run2 --output curves.png
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from .errors import UserError
 from .export import export
+from .new_recipe import write_new_recipe
 from .registry import describe, registered_recipes
 from .report import compare, write_report
 from .run import main as run_recipe
@@ -27,6 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("list", help="print the registered recipes with a one-line description each")
     train = commands.add_parser("train", help="train a recipe: accel-trainer train NAME [--config FILE] key=value ...")
     train.add_argument("recipe")
+    creator = commands.add_parser("new", help="write a new recipe file from the template (a small MLP on digits)")
+    creator.add_argument("name", help="the recipe's name: lower-case letters, digits, underscores")
+    creator.add_argument("--folder", default="recipes", help="where to write NAME.py (default: recipes)")
     exporter = commands.add_parser("export", help="write model.safetensors + config.yaml from a run or checkpoint")
     exporter.add_argument("source", help="a run folder (its newest complete checkpoint) or a checkpoint folder")
     exporter.add_argument("--output", help="where to write (default: <run>/export/<step>)")
@@ -47,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
             width = max((len(name) for name in recipes), default=0)
             for name, recipe_cls in recipes.items():
                 print(f"{name:<{width}}  {describe(recipe_cls)}")
+        elif known.command == "new":
+            path = write_new_recipe(known.name, known.folder)
+            print(f"wrote {path}; train it with: python {path} max_steps=300  (or accel-trainer train {known.name})")
         elif known.command == "report":
             print(f"report: {write_report(Path(known.run))}")
         elif known.command == "compare":

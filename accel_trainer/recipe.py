@@ -86,14 +86,20 @@ class Recipe:
         raise NotImplementedError(f"{type(self).__name__} must define compute_loss(self, model, batch)")
 
     def build_optimizer(self, cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
-        """AdamW, with weight decay on matrices and embeddings only (biases and norm gains are not decayed)."""
+        """AdamW, with weight decay on matrices and embeddings only (biases and norm gains are not decayed).
+
+        torch's fused AdamW kernel where it applies (floating-point parameters on the CPU or CUDA): one kernel
+        per parameter group instead of about ten Python-dispatched ops per parameter, 4x faster per step on a
+        small CPU model (benchmarks/overhead.py), the same update up to float rounding.
+        """
         decayed = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
         undecayed = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
         groups = [
             {"params": decayed, "weight_decay": cfg.weight_decay},
             {"params": undecayed, "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr)
+        fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in model.parameters())
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, fused=fused or None)
 
     def build_scheduler(self, cfg: Any, optimizer: torch.optim.Optimizer) -> Any:
         """Return a torch LR scheduler to replace the built-in one (warmup, then cosine, linear or constant).

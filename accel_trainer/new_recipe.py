@@ -1,0 +1,38 @@
+"""`accel-trainer new NAME`: a new recipe file, ready to run, from the template recipes/mlp.py is made of.
+
+The template (templates/recipe.py.template) is the shortest complete recipe: a config with one field of its own,
+model, datasets, loss, eval metrics and a `__main__` line. `new` fills in the name, refuses a name that
+is not a Python identifier or a file that exists (one-line errors: nothing is overwritten), and says how to
+run what it wrote.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from string import Template
+
+from .errors import ConfigError
+
+TEMPLATE = Path(__file__).parent / "templates" / "recipe.py.template"
+
+
+def render(name: str) -> str:
+    """The template with `name` as the recipe's registered name and file, and its CamelCase as the class."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise ConfigError(
+            f"recipe name {name!r}: use lower-case letters, digits and underscores, starting with a letter"
+        )
+    class_name = "".join(part.capitalize() for part in name.split("_"))
+    return Template(TEMPLATE.read_text()).substitute(name=name, Class=class_name)
+
+
+def write_new_recipe(name: str, folder: str | Path = "recipes") -> Path:
+    """Write `<folder>/<name>.py` from the template; returns its path."""
+    path = Path(folder) / f"{name}.py"
+    text = render(name)
+    if path.exists():
+        raise ConfigError(f"{path} exists: choose another name, or another folder with --folder")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
