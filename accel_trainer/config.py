@@ -24,6 +24,7 @@ import yaml
 
 from .errors import ConfigError
 from .layout import LayoutSettings, layout_to_dict, refuse_layout_fields
+from .preemption import parse_duration
 from .profiling import parse_steps
 from .typed_fields import check_values, config_fields, load_config_file
 
@@ -77,6 +78,9 @@ class TrainConfig:
     """Write checkpoints in a background thread from a snapshot in host memory (not under FSDP)."""
     num_dataloader_workers: int = 0
     """Worker processes per data loader; 0 loads batches in the training process."""
+    max_time: str = ""
+    """Wall-clock budget of the run, e.g. 2h30m, 90m or 45s: once spent, it saves a checkpoint and exits with
+    status 75 like a preemption, so a scheduler can chain jobs (the same command continues with a new budget)."""
     data_cache_gb: float = 1.0
     """Memory per process for holding a map-style set's columns as tensors and reading each micro-batch in
     one indexing (batched_data.py; with the default collate only); 0 reads and collates row by row."""
@@ -166,6 +170,8 @@ def validate_config(config: TrainConfig | LayoutSettings) -> None:
         parse_steps(config.profile_steps)  # raises its own one-line error
     if isinstance(config, TrainConfig) and config.min_lr_ratio > 1:
         raise ConfigError(f"min_lr_ratio={config.min_lr_ratio}: must be at most 1 (a fraction of the peak lr)")
+    if getattr(config, "max_time", ""):
+        parse_duration(config.max_time)  # a one-line error now, not after the setup
 
 
 def config_warnings(config: TrainConfig) -> list[str]:

@@ -76,7 +76,8 @@ def train_loop(
     log = MetricsLog(run_dir, enabled=accelerator.is_main_process, total_steps=cfg.max_steps,
                      show_progress_bar=cfg.show_progress_bar, initial=state.step, trackers=trackers)  # fmt: skip
     try:
-        with PreemptionWatcher(accelerator.num_processes, layout.collective_timeout_s) as preemption:
+        with PreemptionWatcher(accelerator.num_processes, layout.collective_timeout_s, cfg.max_time,
+                               setup_started) as preemption:  # fmt: skip
             final = _train_steps(run, micro_batches(run), log, preemption)
     except torch.cuda.OutOfMemoryError:
         print(f"accel-trainer: out of CUDA memory; what it held: {dump_out_of_memory(run_dir, accelerator)}",

@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM, SIGINT or SIGUSR1 become a checkpoint and a clean exit at the next step boundary.
+"""Preemption: SIGTERM, SIGINT or SIGUSR1, or a spent `max_time`, become a checkpoint and a clean exit at the
+next step boundary.
 
 A signal only sets a flag. At the end of every optimizer step all processes combine their flags, so they
 agree on the step to stop at even when only one of them was signalled or the signal arrived during
@@ -6,22 +7,42 @@ evaluation; the loop then saves and raises `Preempted`, and the command-line ent
 `EXIT_PREEMPTED` (75, EX_TEMPFAIL: "try again later"; the same command with `resume=auto` continues).
 The flags are combined over a CPU (gloo) side group so that checking costs no device synchronisation.
 A second signal restores the default handler's behaviour (a second Ctrl-C interrupts at once).
+`max_time` (e.g. 2h30m) is a wall-clock budget counted from the start of the run: once spent, the run stops
+the same way, so a scheduler's job can end cleanly before its allocation does and the next job continue.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .errors import ConfigError
+
 EXIT_PREEMPTED = 75
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
+_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _where = ["setting up"]
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of a duration like 2h30m, 90m, 45s or 1d (units d, h, m, s, in any combination).
+
+    Raises:
+        ConfigError: any other text.
+    """
+    parts = _DURATION.findall(text)
+    if not text or "".join(number + unit for number, unit in parts) != text.replace(" ", ""):
+        raise ConfigError(f"max_time={text!r}: write a duration such as 2h30m, 90m or 45s (units d, h, m, s)")
+    return sum(float(number) * _SECONDS[unit] for number, unit in parts)
 
 
 def note_where(where: str) -> None:
@@ -61,10 +82,12 @@ def _cpu_group(timeout_s: float) -> Any:
 class PreemptionWatcher:
     """Installs the signal handlers for the duration of a run (a context manager)."""
 
-    def __init__(self, num_processes: int, timeout_s: float):
+    def __init__(self, num_processes: int, timeout_s: float, max_time: str = "", started: float | None = None):
         self.signal_name = ""
         self._group = _cpu_group(timeout_s) if num_processes > 1 else None
         self._previous: dict[int, Any] = {}
+        self._max_time = max_time
+        self._deadline = (started or time.time()) + parse_duration(max_time) if max_time else None
 
     def __enter__(self) -> PreemptionWatcher:
         if threading.current_thread() is threading.main_thread():
@@ -83,7 +106,10 @@ class PreemptionWatcher:
         print(f"accel-trainer: rank {rank}: {self.signal_name} received during {where()}", file=sys.stderr, flush=True)
 
     def should_stop(self) -> bool:
-        """Whether any process was signalled; a collective: every process calls it after every step."""
+        """Whether any process was signalled or ran out of max_time; a collective: every process calls it after
+        every step."""
+        if self._deadline is not None and not self.signal_name and time.time() >= self._deadline:
+            self.signal_name = f"max_time={self._max_time}"
         if self._group is None:
             return bool(self.signal_name)
         flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32)

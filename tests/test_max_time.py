@@ -1,0 +1,57 @@
+"""max_time: a wall-clock budget that ends a run like a preemption (checkpoint, exit 75), for chained jobs.
+
+A bad duration is a one-line error before any work. A run whose budget is spent saves at the step it reached and
+exits 75 with one line saying so; the same command continues from there. On two processes both stop at one
+agreed step (the budget is checked in the same collective as the preemption signals).
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from accel_trainer import ConfigError
+from accel_trainer.preemption import EXIT_PREEMPTED, parse_duration
+from conftest import BIN, REPO, accelerate_launch, read_metrics
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("2h30m", 9000), ("90m", 5400), ("45s", 45), ("1d", 86400), ("1.5h", 5400)]
+)
+def test_a_duration_is_days_hours_minutes_and_seconds(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["10", "2x", "h", "5m3"])
+def test_anything_else_is_a_one_line_error(text):
+    with pytest.raises(ConfigError, match="write a duration such as 2h30m"):
+        parse_duration(text)
+
+
+MLP = [REPO / "recipes" / "mlp.py", "max_steps=1000000", "log_every_steps=100000", "eval_every_steps=0",
+       "show_progress_bar=false"]  # fmt: skip
+
+
+def test_a_spent_budget_saves_exits_75_and_the_same_command_continues(tmp_path):
+    first = subprocess.run([BIN / "python", *MLP, "max_time=2s", f"output_dir={tmp_path}"], capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert first.returncode == EXIT_PREEMPTED
+    (line,) = [line for line in (first.stdout + first.stderr).splitlines() if "stopped by" in line]
+    assert line.startswith("accel-trainer: stopped by max_time=2s after step ") and "rerun the same command" in line
+    stopped = int(line.split("after step ")[1].split(";")[0])
+    assert (tmp_path / "checkpoints" / f"step_{stopped:08d}").is_dir()
+    subprocess.run([BIN / "python", *MLP, f"max_steps={stopped + 20}", "max_time=1h", f"output_dir={tmp_path}"],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    assert read_metrics(tmp_path)[-1]["step"] == stopped + 20
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_spend_their_budget_together(tmp_path):
+    result = accelerate_launch("cpu_ddp", *MLP, "max_time=4s", f"output_dir={tmp_path}", check=False)
+    assert result.returncode != 0
+    steps = {int(line.split("after step ")[1].split(";")[0])
+             for line in (result.stdout + result.stderr).splitlines() if "stopped by max_time=4s" in line}  # fmt: skip
+    assert len(steps) == 1
+    assert (tmp_path / "checkpoints" / f"step_{steps.pop():08d}").is_dir()
