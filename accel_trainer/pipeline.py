@@ -153,8 +153,9 @@ class Pipeline:
         rows_per_batch = batch_size(args, kwargs)
         if rows_per_batch % self.chunks:
             raise ConfigError(
-                f"the pipeline slices each micro-batch into pp_microbatches={self.chunks}, which does not divide"
-                f" micro_batch_size={rows_per_batch}: make it a divisor"
+                f"the pipeline slices each micro-batch into {self.chunks} (pp_microbatches; 0 means one slice per"
+                f" stage), which does not divide micro_batch_size={rows_per_batch}: make micro_batch_size a multiple"
+                " of it, or set pp_microbatches to a divisor"
             )
         pipe = self._trace(args, kwargs, self.chunks, train=True)
         holders = {i: stage_tensor_names(pipe.get_stage_module(i)) for i in range(self.num_stages)}
@@ -185,7 +186,7 @@ class Pipeline:
             raise ConfigError(
                 f"pipeline x FSDP trains stages traced for one micro-batch shape, {_shapes(self._training)}, and"
                 f" met {[list(shape) for shape, _ in shapes]}: make every training micro-batch the same shape"
-                " (the gpt recipe: pad_to_block_size=true)"
+                " (pad to one length in the recipe's collate; the gpt recipe: pad_to_block_size=true)"
             )
         if key not in self._compiled:
             pipe = self._trace(args, kwargs, chunks, train)

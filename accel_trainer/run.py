@@ -127,8 +127,9 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
             raise
         rank = os.environ.get("RANK", "0")
         if _is_lost_peer(error):
-            print(f"accel-trainer: rank {rank}: no answer from another process within collective_timeout_s during"
-                  f" {where()}: it hung or died (its own line says where it was)", file=sys.stderr)  # fmt: skip
+            print(f"accel-trainer: rank {rank}: lost another process during {where()}: it stopped (an error or a"
+                  " signal), died, or did not answer within collective_timeout_s; its own line says which",
+                  file=sys.stderr)  # fmt: skip
         elif is_rank_zero:
             print(describe_crash(error), file=sys.stderr)
         else:  # the same failure on every rank would repeat the report: one line here

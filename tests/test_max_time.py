@@ -13,7 +13,7 @@ import pytest
 
 from accel_trainer import ConfigError
 from accel_trainer.preemption import EXIT_PREEMPTED, parse_duration
-from conftest import BIN, REPO, accelerate_launch, read_metrics
+from conftest import BIN, REPO, accelerate_launch
 
 
 @pytest.mark.parametrize(
@@ -33,17 +33,25 @@ MLP = [REPO / "recipes" / "mlp.py", "max_steps=1000000", "log_every_steps=100000
        "show_progress_bar=false"]  # fmt: skip
 
 
+def stopped_at(result: subprocess.CompletedProcess, budget: str) -> int:
+    (line,) = [line for line in (result.stdout + result.stderr).splitlines() if "stopped by" in line]
+    assert line.startswith(f"accel-trainer: stopped by max_time={budget} after step ") and "rerun the same" in line
+    return int(line.split("after step ")[1].split(";")[0])
+
+
 def test_a_spent_budget_saves_exits_75_and_the_same_command_continues(tmp_path):
-    first = subprocess.run([BIN / "python", *MLP, "max_time=2s", f"output_dir={tmp_path}"], capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
+    command = [BIN / "python", *MLP, "max_time=2s", f"output_dir={tmp_path}"]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert first.returncode == EXIT_PREEMPTED
-    (line,) = [line for line in (first.stdout + first.stderr).splitlines() if "stopped by" in line]
-    assert line.startswith("accel-trainer: stopped by max_time=2s after step ") and "rerun the same command" in line
-    stopped = int(line.split("after step ")[1].split(";")[0])
+    stopped = stopped_at(first, "2s")
     assert (tmp_path / "checkpoints" / f"step_{stopped:08d}").is_dir()
-    subprocess.run([BIN / "python", *MLP, f"max_steps={stopped + 20}", "max_time=1h", f"output_dir={tmp_path}"],
-                   check=True, capture_output=True, timeout=300)  # fmt: skip
-    assert read_metrics(tmp_path)[-1]["step"] == stopped + 20
+    second = subprocess.run(command, capture_output=True, text=True, timeout=300)  # the next job of a chain
+    assert second.returncode == EXIT_PREEMPTED and stopped_at(second, "2s") > stopped
+    assert f"resuming from {tmp_path / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}" in second.stdout
+    # A budget is bookkeeping: the next job may have another one.
+    third = subprocess.run([*command[:-2], "max_time=1s", f"output_dir={tmp_path}"], capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert third.returncode == EXIT_PREEMPTED
 
 
 @pytest.mark.multiprocess
