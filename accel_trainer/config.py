@@ -78,6 +78,15 @@ class TrainConfig:
     """Write checkpoints in a background thread from a snapshot in host memory (not under FSDP)."""
     num_dataloader_workers: int = 0
     """Worker processes per data loader; 0 loads batches in the training process."""
+    early_stop_metric: str = ""
+    """Stop when this eval metric (e.g. eval/loss) has not improved for early_stop_patience evaluations; the run
+    saves a checkpoint and ends normally. Empty: never stop early."""
+    early_stop_patience: int = 3
+    """Evaluations without an improvement before an early stop."""
+    early_stop_mode: Literal["min", "max"] = "min"
+    """Whether lower (loss) or higher (accuracy) values of early_stop_metric are better."""
+    early_stop_min_delta: float = 0.0
+    """The smallest change of early_stop_metric that counts as an improvement."""
     max_time: str = ""
     """Wall-clock budget of the run, e.g. 2h30m, 90m or 45s: once spent, it saves a checkpoint and exits with
     status 75 like a preemption, so a scheduler can chain jobs (the same command continues with a new budget)."""
@@ -143,7 +152,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "max_steps": (1, True), "global_batch_size": (1, True), "micro_batch_size": (1, True),
     "warmup_steps": (0, True), "log_every_steps": (0, True), "eval_every_steps": (0, True),
     "save_every_steps": (0, True), "keep_last": (0, True), "num_dataloader_workers": (0, True),
-    "data_cache_gb": (0, True),
+    "data_cache_gb": (0, True), "early_stop_patience": (1, True), "early_stop_min_delta": (0, True),
     "reference_batch_size": (0, True), "lr": (0, True), "weight_decay": (0, True), "max_grad_norm": (0, True),
     "min_lr_ratio": (0, True), "collective_timeout_s": (0, False), "fp16_init_scale": (0, False),
     "peak_tflops": (0, True),
@@ -170,7 +179,7 @@ def validate_config(config: TrainConfig | LayoutSettings) -> None:
         parse_steps(config.profile_steps)  # raises its own one-line error
     if isinstance(config, TrainConfig) and config.min_lr_ratio > 1:
         raise ConfigError(f"min_lr_ratio={config.min_lr_ratio}: must be at most 1 (a fraction of the peak lr)")
-    if getattr(config, "max_time", ""):
+    if isinstance(config, TrainConfig) and config.max_time:
         parse_duration(config.max_time)  # a one-line error now, not after the setup
 
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from .checkpoint import RunIdentity
 from .config import TrainConfig, config_to_dict, config_to_yaml, layout_to_yaml
 from .context_parallel import check_loss_counts_items, sequence_slices
+from .early_stopping import check_early_stop, should_stop_early
 from .evaluation import evaluate
 from .events import EventLog
 from .flops import flops_per_sample, to_meta
@@ -55,7 +56,8 @@ def train_loop(
     setup_started = time.time()
     run = prepare_run(recipe, RunIdentity(recipe_name, cfg, layout), accelerator, run_dir)
     state = run.checkpointer.restore()
-    if state.step >= cfg.max_steps:  # the run's files stay as they are: nothing is trained or written
+    check_early_stop(cfg, run.eval_set is not None)
+    if state.step >= cfg.max_steps or state.stopped_early:  # the run's files stay as they are: nothing is trained
         return _already_trained(run)
     held = parameters_held(run.model, accelerator)
     ran = replace(layout, tp_size=tensor_parallel_size(accelerator))  # also when the accelerate config set it
@@ -87,7 +89,7 @@ def train_loop(
         log.close()
         run.checkpointer.close()  # never leave with a checkpoint half written, preempted or not
     run.final_weights()
-    run.events.write("end", step=cfg.max_steps)
+    run.events.write("end", step=run.checkpointer.state.step)
     if accelerator.is_main_process:
         _write_report(run_dir)
     return final
@@ -98,7 +100,8 @@ def _already_trained(run: Run) -> dict[str, Any]:
     state, max_steps = run.checkpointer.state, run.cfg.max_steps
     if run.accelerator.is_main_process:
         summary = " | ".join(format_metric(key, value) for key, value in state.metrics.items())
-        print(f"{run.run_dir} already reached step {state.step} of max_steps={max_steps}: nothing to train;"
+        reached = "stopped early at" if state.stopped_early else "already reached"
+        print(f"{run.run_dir} {reached} step {state.step} of max_steps={max_steps}: nothing to train;"
               f" its final metrics: {summary}", flush=True)  # fmt: skip
     if not (run.run_dir / "final").is_dir():  # stopped between its last checkpoint and its final weights
         run.final_weights()
@@ -132,7 +135,11 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         profiler.before_step(step)
         state.epoch = _accumulate_gradients(run, batches, window) + 1
         state.step, state.samples_seen = step, step * cfg.global_batch_size
-        is_log_step = step == cfg.max_steps or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
+        is_log_step = (
+            step == cfg.max_steps
+            or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
+            or (bool(cfg.early_stop_metric) and cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)
+        )  # an evaluation that may stop the run early ends with a training record
         lrs, grad_norm = _optimizer_step(run, is_log_step)
         profiler.after_step(step)
         log.advance()
@@ -140,27 +147,40 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         if is_log_step:
             _write_log_record(run, log, window, lrs, grad_norm)
             window = Window.empty(accelerator.device)
-        scores: dict[str, float] | None = None
-        if has_eval and (step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)):
-            note_where(f"the evaluation after step {step}")
-            scores, seconds = _timed(evaluate, accelerator, run.evaluator, model, *run.eval_batches())
-            window.excluded_s += seconds
-            log.write({"step": step, **scores, "eval/seconds": seconds, "samples_seen": state.samples_seen})
-            _event(run, "eval", step=step, seconds=seconds)
-            state.metrics.update(scores)
+        scores = _evaluate_after(run, log, window, step) if has_eval else None
+        early_stop = should_stop_early(cfg, state, scores)
         stop = preemption.should_stop()
         note_where(f"the save of step {step}")
         if run.stream is not None:  # a map-style set's position is derived from the step
             state.data_position = list(run.stream.position)
         pending = None if is_log_step else functools.partial(window.bank_items, accelerator)
-        folder, seconds = _timed(run.checkpointer.after_step, stop, scores, count_pending_items=pending)
+        folder, seconds = _timed(run.checkpointer.after_step, stop or bool(early_stop), scores,
+                                 count_pending_items=pending)  # fmt: skip
         window.excluded_s += seconds
         if folder is not None:
             _event(run, "checkpoint", step=step, seconds=seconds, background=run.checkpointer.writer is not None)
         if stop:
             _event(run, "preempted", step=step, signal=preemption.signal_name)
             raise Preempted(preemption.signal_name, step, folder)
+        if early_stop:
+            _event(run, "early_stop", step=step)
+            log.note(f"accel-trainer: {early_stop}; checkpoint {folder}")
+            break
     return state.metrics
+
+
+def _evaluate_after(run: Run, log: MetricsLog, window: Window, step: int) -> dict[str, float] | None:
+    """The evaluation of `step` when one is due (every eval_every_steps, and at the end), logged; else None."""
+    cfg, state = run.cfg, run.checkpointer.state
+    if not (step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)):
+        return None
+    note_where(f"the evaluation after step {step}")
+    scores, seconds = _timed(evaluate, run.accelerator, run.evaluator, run.model, *run.eval_batches())
+    window.excluded_s += seconds
+    log.write({"step": step, **scores, "eval/seconds": seconds, "samples_seen": state.samples_seen})
+    _event(run, "eval", step=step, seconds=seconds)
+    state.metrics.update(scores)
+    return scores
 
 
 def _optimizer_step(run: Run, is_log_step: bool) -> tuple[list[float], Any]:

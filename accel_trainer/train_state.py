@@ -33,6 +33,13 @@ class TrainState:
     """The best value of `keep_best_metric` so far."""
     best_checkpoint: str | None = None
     """The folder name of the checkpoint that holds it."""
+    early_stop_best: float | None = None
+    """The best value of `early_stop_metric` so far, and the step of that evaluation."""
+    early_stop_best_step: int = 0
+    early_stop_waited: int = 0
+    """Evaluations since the best without an improvement of more than early_stop_min_delta."""
+    stopped_early: bool = False
+    """The run ended on early stopping: resume=auto has nothing left to train."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """The latest training record and evaluation: what a finished run reports."""
     tracker_ids: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,59 @@
+"""Early stopping on an eval metric: stop when `early_stop_metric` has not improved for `early_stop_patience`
+evaluations.
+
+The decision needs no collective: every process holds the same evaluation scores (gathered over all of them),
+so all stop at the same step. The count survives a resume (TrainState), the stop saves a checkpoint at its step
+and ends the run normally (final weights, report, exit 0) with one line saying why, and `resume=auto` on a run
+that stopped early says so and trains nothing. The best checkpoint is kept with `keep_best_metric` (the same
+metric, typically).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import TrainConfig
+from .errors import ConfigError
+from .train_state import TrainState
+
+
+def check_early_stop(cfg: TrainConfig, has_eval: bool) -> None:
+    """Refuse an early_stop_metric that could never be measured, before any training.
+
+    Raises:
+        ConfigError: not an eval metric, no eval set, no evaluation before the end, or patience below 1.
+    """
+    name = cfg.early_stop_metric
+    if not name:
+        return
+    if not name.startswith("eval/"):
+        raise ConfigError(f"early_stop_metric={name!r}: name an eval metric, such as eval/loss")
+    if not has_eval:
+        raise ConfigError(f"early_stop_metric={name!r}: this recipe has no eval set to measure it on")
+    if cfg.eval_every_steps <= 0:
+        raise ConfigError(f"early_stop_metric={name!r} needs evaluations during the run: set eval_every_steps")
+
+
+def should_stop_early(cfg: TrainConfig, state: TrainState, scores: dict[str, Any] | None) -> str:
+    """Note this evaluation; the line to stop with, or "" to go on (updates `state`)."""
+    name = cfg.early_stop_metric
+    if not name or scores is None:
+        return ""
+    if name not in scores:
+        raise ConfigError(
+            f"early_stop_metric={name!r} is not among the eval metrics this recipe returns"
+            f" ({', '.join(sorted(scores))}): use one of those"
+        )
+    value, best = float(scores[name]), state.early_stop_best
+    gain = (best - value if cfg.early_stop_mode == "min" else value - best) if best is not None else float("inf")
+    if gain > cfg.early_stop_min_delta:
+        state.early_stop_best, state.early_stop_best_step, state.early_stop_waited = value, state.step, 0
+        return ""
+    state.early_stop_waited += 1
+    if state.early_stop_waited < cfg.early_stop_patience:
+        return ""
+    state.stopped_early = True
+    return (
+        f"early stop after step {state.step}: {name} has not improved on {best:.6g} (step"
+        f" {state.early_stop_best_step}) for {state.early_stop_waited} evaluation(s)"
+    )
