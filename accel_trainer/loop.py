@@ -131,7 +131,6 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
     profiler = StepProfiler(accelerator, run.run_dir, parse_steps(cfg.profile_steps))
     model.train()
     for step in range(state.step + 1, cfg.max_steps + 1):
-        note_where(f"step {step}")
         profiler.before_step(step)
         state.epoch = _accumulate_gradients(run, batches, window) + 1
         state.step, state.samples_seen = step, step * cfg.global_batch_size
@@ -186,6 +185,7 @@ def _evaluate_after(run: Run, log: MetricsLog, window: Window, step: int) -> dic
 def _optimizer_step(run: Run, is_log_step: bool) -> tuple[list[float], Any]:
     """Clip, step, schedule, zero the gradients; the LRs of this step and its gradient norm (on log steps)."""
     cfg = run.cfg
+    note_where(f"the gradient norm and optimizer step of step {run.checkpointer.state.step}")
     grad_norm = None
     if cfg.max_grad_norm > 0 or is_log_step:
         max_norm = cfg.max_grad_norm or float("inf")
@@ -237,6 +237,19 @@ def _count_flops(run: Run, log: MetricsLog) -> None:
     log.note(f"accel-trainer: {flops:.4g} FLOPs per training sample ({source})")
 
 
+def _forward_backward(run: Run, batch: Any, step: int, cp: int) -> Any:
+    """One micro-batch's loss and gradients (a pipeline's schedule runs both, divided like backward's)."""
+    if run.pipeline is not None:
+        note_where(f"the pipeline's forward and backward of step {step}")
+        return run.pipeline.train(batch)
+    note_where(f"the forward of step {step}")
+    output = read_loss_output(run.recipe.compute_loss(run.model, batch))
+    check_loss_counts_items(output.num_items, run.recipe, cp)
+    note_where(f"the backward (and gradient reduction) of step {step}")
+    run.verbs.backward(output.loss)  # divided by the accumulation steps
+    return output
+
+
 def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
     """Run the micro-batches of one optimizer step; gradients are synchronised on the last one only.
 
@@ -246,7 +259,9 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
     """
     accelerator, model, plan = run.accelerator, run.model, run.plan
     step_items: torch.Tensor | None = None
+    step = run.checkpointer.state.step + 1
     for _ in range(plan.accumulation_steps):
+        note_where(f"the data of step {step}")  # where a hung or killed process says it was
         waited = time.perf_counter()
         epoch, batch = next(batches)
         window.data_wait_s += time.perf_counter() - waited
@@ -258,12 +273,7 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
         context = accelerator.accumulate(model) if accumulates else contextlib.nullcontext()
         cp = run.ranks.context_parallel  # > 1: this process sees a slice of each sequence (context_parallel.py)
         with context, sequence_slices(accelerator, run.recipe, batch, cp):
-            if run.pipeline is not None:  # the stages run forward and backward (divided like backward's)
-                output = run.pipeline.train(batch)
-            else:
-                output = read_loss_output(run.recipe.compute_loss(model, batch))
-                check_loss_counts_items(output.num_items, run.recipe, cp)
-                run.verbs.backward(output.loss)  # divided by the accumulation steps
+            output = _forward_backward(run, batch, step, cp)
             if output.num_items is not None:
                 num_items = output.num_items.to(accelerator.device, torch.float32)
                 step_items = num_items if step_items is None else step_items + num_items

@@ -125,6 +125,7 @@ def test_a_hung_peer_ends_every_process_within_the_collective_timeout_with_a_lin
     assert result.returncode != 0
     assert elapsed < timeout_s + 90, elapsed  # setup, the timeout, and the launcher's grace period before SIGKILL
     lines = [line for line in result.stderr.splitlines() if line.startswith("accel-trainer: rank")]
-    lost = "accel-trainer: rank 0: lost another process during step 3"
+    # Each says the phase it was in: rank 1 hung in its forward, rank 0 waited in the gradient all-reduce.
+    lost = "accel-trainer: rank 0: lost another process during the backward (and gradient reduction) of step 3"
     assert any(line.startswith(lost) and "collective_timeout_s" in line for line in lines), result.stderr
-    assert "accel-trainer: rank 1: SIGTERM received during step 3" in lines, result.stderr
+    assert "accel-trainer: rank 1: SIGTERM received during the forward of step 3" in lines, result.stderr
