@@ -88,7 +88,7 @@ def test_a_mesh_layout_follows_the_one_process_trajectory(recipe, layout, refere
 ROWWISE_BIASES = ("proj.bias", "mlp.2.bias", "3.bias")  # added once after the sum: replicated, not split
 
 
-@pytest.mark.parametrize("recipe", ["gpt", "mlp_tp"])
+@pytest.mark.parametrize("recipe", ["gpt", slow("mlp_tp")])
 def test_each_tensor_parallel_rank_holds_its_half_of_the_split_layers(recipe, references, tmp_path):
     train_and_dump("cpu_tp", tmp_path, recipe, *RECIPES[recipe], "max_steps=1", world_size=2)
     reference = final_parameters(references[recipe][0])  # the tied LM head and embedding: one tensor, one name
