@@ -37,7 +37,7 @@ from torch.distributed.pipelining import (
 from .errors import ConfigError, RecipeError
 from .losses import LossOutput, read_loss_output
 from .pipeline_gradients import PipelineGradients
-from .pipeline_sharding import adopt_parameters, gathered_weights, pipeline_place, shard_stage
+from .pipeline_sharding import adopt_parameters, checkpoint_blocks, gathered_weights, pipeline_place, shard_stage
 from .pipeline_split import (
     first_chunk,
     local_view,
@@ -136,7 +136,8 @@ class Pipeline:
 
     def __init__(self, recipe: Any, model: nn.Module, sample_batch: Any, *, schedule: str, microbatches: int,
                  accumulation_steps: int, device: torch.device, autocast: Any = contextlib.nullcontext,
-                 mesh: DeviceMesh | None = None, reshard_after_forward: bool = False) -> None:  # fmt: skip
+                 mesh: DeviceMesh | None = None, reshard_after_forward: bool = False,
+                 activation_checkpointing: bool = False) -> None:  # fmt: skip
         self.recipe, self.model, self.device, self.autocast = recipe, model, device, autocast
         self.accumulation_steps = accumulation_steps
         self.place = pipeline_place(mesh)
@@ -144,6 +145,7 @@ class Pipeline:
         self.num_stages = self.place.stages * per_process
         self.chunks = microbatches or self.num_stages
         self.spec = split_spec(model, recipe, self.num_stages)
+        self.checkpointed = outermost_blocks(model, tuple(recipe.wrap_classes)) if activation_checkpointing else []
         self.stage_ids = stages_of_process(self.place.stage_rank, self.place.stages, self.num_stages)
         self._compiled: dict[Any, _Compiled] = {}
         self._step = _Step()
@@ -193,6 +195,8 @@ class Pipeline:
             for i in self.stage_ids:
                 share_model_parameters(pipe.get_stage_module(i), self.model)
             stages = [pipe.build_stage(i, self.device, group=self.place.group) for i in self.stage_ids]
+            for stage in stages if train else []:  # before fully_shard, as accelerate orders them
+                checkpoint_blocks(stage.submod, self.checkpointed)
             # Evaluation runs forward only, the whole micro-batch at once (any size).
             forward_only = ScheduleGPipe if len(stages) == 1 else ScheduleLoopedBFS
             schedule_class: Any = self.schedule_class if train else forward_only

@@ -17,6 +17,7 @@ gathered weights of the training stages (`gathered_weights`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,15 @@ def gathered_weights(modules: list[nn.Module]) -> Iterator[None]:
     finally:
         for module in sharded:
             module.reshard()
+
+
+def checkpoint_blocks(module: nn.Module, block_names: list[str]) -> None:
+    """Recompute each block's activations in backward (activation_checkpointing on a pipeline): the block's
+    forward runs under torch's non-reentrant checkpoint. Its `forward` is replaced on the instance rather than
+    the block wrapped in a new module, so the stage keeps the model's parameter names; before `fully_shard`."""
+    for name, block in module.named_modules():
+        if name in block_names:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def adopt_parameters(view: nn.Module, stage_modules: list[nn.Module]) -> None:

@@ -145,7 +145,8 @@ def _split_and_wrap(model: Any, recipe: Recipe, layout: LayoutSettings, accelera
         _warn_about_tp_plan(model, recipe, accelerator.is_main_process)
     if layout.sync_batchnorm:
         model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
-    prepare_blocks(model, recipe, layout.activation_checkpointing, is_main_process=accelerator.is_main_process)
+    checkpointing = layout.activation_checkpointing and layout.pp_size == 1  # a pipeline checkpoints its stages
+    prepare_blocks(model, recipe, checkpointing, is_main_process=accelerator.is_main_process)
     return model
 
 
@@ -160,11 +161,14 @@ def _warn_about_tp_plan(model: Any, recipe: Recipe, is_main_process: bool) -> No
 def _pipeline(recipe: Recipe, model: Any, train_set: Any, plan: BatchPlan, layout: LayoutSettings,
               accelerator: Accelerator) -> Pipeline:  # fmt: skip
     """Cut the model into this process's stages, traced on the shapes of a first micro-batch."""
-    if layout.activation_checkpointing or layout.sync_batchnorm or accelerator.mixed_precision == "fp16":
+    if layout.sync_batchnorm or accelerator.mixed_precision == "fp16":
         raise LayoutError(
-            "a pipeline layout does not combine with activation_checkpointing, sync_batchnorm or fp16 yet (fp16's"
+            "a pipeline layout does not combine with sync_batchnorm or fp16 yet (fp16's"
             " loss scaler is not wired into the schedules): turn them off, or use mixed_precision=bf16"
         )
+    if layout.activation_checkpointing and not recipe.wrap_classes and accelerator.is_main_process:
+        warnings.warn(f"accel-trainer: activation_checkpointing has no effect: {type(recipe).__name__} names no"
+                      " wrap_classes to checkpoint", stacklevel=3)  # fmt: skip
     examples = data.as_torch(train_set)
     if data.is_stream(train_set):
         sample = list(itertools.islice(iter(examples), plan.micro_batch_size))
@@ -176,7 +180,8 @@ def _pipeline(recipe: Recipe, model: Any, train_set: Any, plan: BatchPlan, layou
     return Pipeline(recipe, model, recipe.collate(sample), schedule=layout.pp_schedule,
                     microbatches=layout.pp_microbatches, accumulation_steps=plan.accumulation_steps,
                     device=accelerator.device, autocast=accelerator.autocast, mesh=accelerator.torch_device_mesh,
-                    reshard_after_forward=bool(fsdp is not None and fsdp.reshard_after_forward))  # fmt: skip
+                    reshard_after_forward=bool(fsdp is not None and fsdp.reshard_after_forward),
+                    activation_checkpointing=layout.activation_checkpointing)  # fmt: skip
 
 
 def micro_batches(run: Run) -> Any:

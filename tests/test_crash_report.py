@@ -38,6 +38,7 @@ def test_the_full_traceback_is_one_variable_away(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the one-process report tests stay in make test
 def test_on_two_processes_the_report_appears_once(tmp_path):
     result = accelerate_launch("cpu_ddp", SCRIPT, *RUN, f"output_dir={tmp_path}", check=False)
 

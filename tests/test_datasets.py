@@ -78,7 +78,7 @@ def test_loader_workers_on_a_stream_are_warned_about(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "source", ["hf_map", slow("torch_map"), slow("hf_sharded"), slow("hf_generator"), slow("torch_stream")]
+    "source", [slow("hf_map"), slow("torch_map"), slow("hf_sharded"), slow("hf_generator"), slow("torch_stream")]
 )
 def test_every_kind_of_dataset_trains_to_the_same_weights_on_one_and_two_processes(source, tmp_path):
     one = train_and_dump("cpu", tmp_path / "one", "sources", f"source={source}", world_size=1)
@@ -112,6 +112,7 @@ def test_a_stream_resumes_bitwise(source, stop_step, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the one-process stream resumes stay in make test
 def test_a_sharded_stream_resumes_bitwise_on_two_processes(tmp_path):
     run = ["source=hf_sharded", "save_every_steps=5", "keep_last=0"]
     train_and_dump("cpu_ddp", tmp_path / "full", "sources", *run, world_size=2)

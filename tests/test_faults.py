@@ -45,7 +45,7 @@ def read_only_for(folder: Path, command: list) -> list:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["cpu", slow("cpu_fsdp")])
+@pytest.mark.parametrize("layout", [slow("cpu"), slow("cpu_fsdp")])
 def test_a_save_that_fails_midway_stops_the_run_and_loses_nothing(layout, tmp_path):
     launch(layout, tmp_path, "max_steps=4")
 

@@ -31,7 +31,7 @@ def one_big_batch(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("layout", "extra"),
-    [("cpu", []), ("cpu_ddp", []), ("cpu_fsdp", []), slow("cpu_fsdp", ["activation_checkpointing=true"])],
+    [("cpu", []), slow("cpu_ddp", []), ("cpu_fsdp", []), slow("cpu_fsdp", ["activation_checkpointing=true"])],
     ids=["accumulation", "ddp", "fsdp", "fsdp-gradient-checkpointing"],
 )
 def test_a_transformers_model_trains_to_the_weights_of_one_big_batch(layout, extra, one_big_batch, tmp_path):

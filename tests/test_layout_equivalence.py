@@ -101,6 +101,7 @@ def test_token_loss_gradient_equals_one_big_batch_on_every_layout(layout, gpt_re
         assert rank_summary(tmp_path, rank)["optimizer_steps"] == [STEPS]
 
 
+@pytest.mark.slow  # the negative control of the token-loss test above
 def test_naive_per_micro_batch_mean_fails_the_same_comparison(gpt_reference, tmp_path):
     run_layout("cpu", tmp_path, "gpt_naive", [*GPT, ACCUMULATE])
 

@@ -230,7 +230,7 @@ def assert_same_trajectory(records, reference_records, run_dir, reference_dir, l
 @pytest.mark.parametrize(
     ("recipe", "schedule"),
     [("gpt", "1f1b"), slow("gpt", "gpipe"), slow("gpt", "interleaved_1f1b"), slow("gpt", "looped_bfs"),
-     ("mlp_tp", "gpipe"), slow("mlp_tp", "1f1b")],
+     slow("mlp_tp", "gpipe"), slow("mlp_tp", "1f1b")],
 )  # fmt: skip
 def test_a_pipeline_follows_the_one_process_trajectory_on_every_schedule(recipe, schedule, references, tmp_path):
     reference_dir, reference_records = references[recipe]
@@ -315,3 +315,17 @@ def test_export_of_a_pipeline_checkpoint_equals_the_runs_weights(pp_run, tmp_pat
     exported, final = load_file(str(tmp_path / "model.safetensors")), final_parameters(pp_run)
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[name], final[name]) for name in final)
+
+
+@pipelines
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["cpu_tp", "cpu_pp"])
+def test_extending_max_steps_on_a_model_parallel_layout_continues_exactly(layout, tmp_path):
+    """With a constant schedule, 10 steps then `max_steps=15` on the same run folder end bitwise where one run of
+    15 steps ends: the extension resumes weights, optimizer state and data position exactly."""
+    gpt = [*RECIPES["gpt"], "lr_schedule=constant", "eval_every_steps=0"]
+    train_and_dump(layout, tmp_path / "whole", "gpt", *gpt, "max_steps=15", world_size=2)
+    train_and_dump(layout, tmp_path / "extended", "gpt", *gpt, world_size=2)  # max_steps=10 (RECIPES)
+    train_and_dump(layout, tmp_path / "extended", "gpt", *gpt, "max_steps=15", world_size=2)
+    whole, extended = final_parameters(tmp_path / "whole"), final_parameters(tmp_path / "extended")
+    assert all(torch.equal(whole[name], extended[name]) for name in whole)

@@ -112,3 +112,23 @@ def test_a_training_batch_of_another_shape_is_a_one_line_error_naming_the_fix(tm
     assert "pipeline x FSDP trains stages traced for one micro-batch shape" in line
     assert "pad_to_block_size=true" in line
     assert "accel_trainer/" not in result.stderr  # no worker traceback (the launcher prints its own)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "world_size"), [("cpu_pp", 2), ("cpu_pp_fsdp", 4)])
+def test_activation_checkpointing_on_a_pipeline_recomputes_the_same_gradients(layout, world_size, tmp_path):
+    """Each stage's blocks run under torch's checkpoint (applied after tracing, before fully_shard): the same
+    losses, gradient norms and weights as without it."""
+    runs = {}
+    for checkpointing in (False, True):
+        out = tmp_path / str(checkpointing)
+        records = train_and_dump(layout, out, "gpt", *PADDED["gpt"], f"activation_checkpointing={checkpointing}",
+                                 world_size=world_size)  # fmt: skip
+        runs[checkpointing] = out, train_records(records)
+    for key in ("loss", "grad_norm"):
+        plain, checkpointed = ([r[key] for r in runs[flag][1]] for flag in (False, True))
+        assert checkpointed == pytest.approx(plain, rel=1e-6)
+    plain, checkpointed = (final_parameters(runs[flag][0]) for flag in (False, True))
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6)

@@ -67,6 +67,7 @@ def test_powersgd_needs_at_least_two_plain_steps_first():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # option plumbing; the PowerSGD hook test stays in make test
 def test_ddp_runs_with_every_tuning_option_set(tmp_path):
     records = train_and_dump(
         "cpu_ddp", tmp_path, "vae", *QUICK_VAE, "ddp_find_unused_parameters=true", "ddp_static_graph=true",

@@ -79,6 +79,7 @@ def test_sigterm_to_a_two_process_launch_saves_at_one_agreed_step_and_resumes_ex
     assert_same_parameters(tmp_path / "uninterrupted", run_dir)
 
 
+@pytest.mark.slow  # kill -9 mid-save; the SIGTERM and elastic-restart tests stay in make test
 def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     run = ["max_steps=1000", "save_every_steps=5", "keep_last=1", "log_every_steps=1", "eval_every_steps=0"]
     worker = subprocess.Popen(
