@@ -26,7 +26,7 @@ from .background_writer import BackgroundWriter
 from .batchnorm import average_running_stats
 from .checkpoint import RunIdentity, Trained
 from .config import TrainConfig
-from .errors import ConfigError
+from .evaluation import check_measurable, metric_of
 from .rng_states import apply_rng_states
 from .train_state import TrainState
 
@@ -96,12 +96,7 @@ class Checkpointer:
         name, state = self.cfg.keep_best_metric, self.state
         if not name or scores is None:
             return False
-        if name not in scores:
-            raise ConfigError(
-                f"keep_best_metric={name!r} is not among the eval metrics this recipe returns"
-                f" ({', '.join(sorted(scores))}): use one of those"
-            )
-        value, best = scores[name], state.best_metric
+        value, best = metric_of("keep_best_metric", name, scores), state.best_metric
         better = best is None or (value < best if self.cfg.keep_best_mode == "min" else value > best)
         if state.step == 0 or not better:
             return False
@@ -115,18 +110,8 @@ def check_keep_best(cfg: TrainConfig, has_eval: bool) -> None:
     Raises:
         ConfigError: not an eval metric, no eval set, or no evaluation before the end.
     """
-    name = cfg.keep_best_metric
-    if not name:
-        return
-    if not name.startswith("eval/"):
-        raise ConfigError(f"keep_best_metric={name!r}: name an eval metric, such as eval/loss")
-    if not has_eval:
-        raise ConfigError(f"keep_best_metric={name!r}: this recipe has no eval set to measure it on")
-    if cfg.eval_every_steps <= 0:
-        raise ConfigError(
-            f"keep_best_metric={name!r} needs evaluations during the run: set eval_every_steps (it is 0, which"
-            " evaluates only at the end)"
-        )
+    if cfg.keep_best_metric:
+        check_measurable("keep_best_metric", cfg.keep_best_metric, cfg.eval_every_steps, has_eval)
 
 
 def resume_point(accelerator: Accelerator, cfg: TrainConfig, run_dir: Path) -> Path | None:

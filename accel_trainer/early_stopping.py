@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import TrainConfig
-from .errors import ConfigError
+from .evaluation import check_measurable, metric_of
 from .train_state import TrainState
 
 
@@ -21,17 +21,10 @@ def check_early_stop(cfg: TrainConfig, has_eval: bool) -> None:
     """Refuse an early_stop_metric that could never be measured, before any training.
 
     Raises:
-        ConfigError: not an eval metric, no eval set, no evaluation before the end, or patience below 1.
+        ConfigError: not an eval metric, no eval set, or no evaluation before the end (evaluation.py).
     """
-    name = cfg.early_stop_metric
-    if not name:
-        return
-    if not name.startswith("eval/"):
-        raise ConfigError(f"early_stop_metric={name!r}: name an eval metric, such as eval/loss")
-    if not has_eval:
-        raise ConfigError(f"early_stop_metric={name!r}: this recipe has no eval set to measure it on")
-    if cfg.eval_every_steps <= 0:
-        raise ConfigError(f"early_stop_metric={name!r} needs evaluations during the run: set eval_every_steps")
+    if cfg.early_stop_metric:
+        check_measurable("early_stop_metric", cfg.early_stop_metric, cfg.eval_every_steps, has_eval)
 
 
 def should_stop_early(cfg: TrainConfig, state: TrainState, scores: dict[str, Any] | None) -> str:
@@ -39,12 +32,7 @@ def should_stop_early(cfg: TrainConfig, state: TrainState, scores: dict[str, Any
     name = cfg.early_stop_metric
     if not name or scores is None:
         return ""
-    if name not in scores:
-        raise ConfigError(
-            f"early_stop_metric={name!r} is not among the eval metrics this recipe returns"
-            f" ({', '.join(sorted(scores))}): use one of those"
-        )
-    value, best = float(scores[name]), state.early_stop_best
+    value, best = metric_of("early_stop_metric", name, scores), state.early_stop_best
     gain = (best - value if cfg.early_stop_mode == "min" else value - best) if best is not None else float("inf")
     if gain > cfg.early_stop_min_delta:
         state.early_stop_best, state.early_stop_best_step, state.early_stop_waited = value, state.step, 0

@@ -9,8 +9,38 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from .batchnorm import average_running_stats
+from .errors import ConfigError
 from .pipeline import Pipeline
 from .recipe import Recipe
+
+
+def check_measurable(setting: str, name: str, eval_every_steps: int, has_eval: bool) -> None:
+    """Refuse a setting naming an eval metric that could never be measured during the run (keep-best, early
+    stopping), before any training.
+
+    Raises:
+        ConfigError: not an eval metric, no eval set, or no evaluation before the end.
+    """
+    if not name.startswith("eval/"):
+        raise ConfigError(f"{setting}={name!r}: name an eval metric, such as eval/loss")
+    if not has_eval:
+        raise ConfigError(f"{setting}={name!r}: this recipe has no eval set to measure it on")
+    if eval_every_steps <= 0:
+        raise ConfigError(
+            f"{setting}={name!r} needs evaluations during the run: set eval_every_steps (it is 0, which"
+            " evaluates only at the end)"
+        )
+
+
+def metric_of(setting: str, name: str, scores: dict[str, Any]) -> float:
+    """The value of the eval metric a setting names, or a one-line error listing the recipe's metrics (raised at
+    the step-0 evaluation, before any training)."""
+    if name not in scores:
+        raise ConfigError(
+            f"{setting}={name!r} is not among the eval metrics this recipe returns ({', '.join(sorted(scores))}):"
+            " use one of those"
+        )
+    return float(scores[name])
 
 
 def evaluate(
