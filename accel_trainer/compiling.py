@@ -27,8 +27,8 @@ from .layout import LayoutSettings
 WARN_AFTER_LOG_STEPS = 3  # log records before which new graphs are expected (first shapes, then dynamic ones)
 
 
-def dynamo_plugin(layout: LayoutSettings) -> TorchDynamoPlugin | None:
-    """The plugin for `Accelerator(dynamo_plugin=...)`: regional compilation when asked, else None (none)."""
+def dynamo_plugin(layout: LayoutSettings) -> TorchDynamoPlugin:
+    """The plugin for `Accelerator(dynamo_plugin=...)`: regional compilation when asked, else backend "no"."""
     backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()
     if not layout.compile and backend == "NO":
         return TorchDynamoPlugin(backend="no")

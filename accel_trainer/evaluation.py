@@ -9,9 +9,15 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from .batchnorm import average_running_stats
+from .config import TrainConfig
 from .errors import ConfigError
 from .pipeline import Pipeline
 from .recipe import Recipe
+
+
+def evaluates_after(cfg: TrainConfig, step: int) -> bool:
+    """Whether an evaluation follows `step`: every eval_every_steps, and at the end."""
+    return step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)
 
 
 def check_measurable(setting: str, name: str, eval_every_steps: int, has_eval: bool) -> None:

@@ -27,7 +27,7 @@ from .checkpoint import RunIdentity
 from .config import TrainConfig, config_to_dict, config_to_yaml, layout_to_yaml
 from .context_parallel import check_loss_counts_items, sequence_slices
 from .early_stopping import check_early_stop, should_stop_early
-from .evaluation import evaluate
+from .evaluation import evaluate, evaluates_after
 from .events import EventLog
 from .flops import flops_per_sample, to_meta
 from .layout import LayoutSettings
@@ -137,7 +137,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         is_log_step = (
             step == cfg.max_steps
             or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
-            or (bool(cfg.early_stop_metric) and cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)
+            or (bool(cfg.early_stop_metric) and evaluates_after(cfg, step))
         )  # an evaluation that may stop the run early ends with a training record
         lrs, grad_norm = _optimizer_step(run, is_log_step)
         profiler.after_step(step)
@@ -171,7 +171,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
 def _evaluate_after(run: Run, log: MetricsLog, window: Window, step: int) -> dict[str, float] | None:
     """The evaluation of `step` when one is due (every eval_every_steps, and at the end), logged; else None."""
     cfg, state = run.cfg, run.checkpointer.state
-    if not (step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)):
+    if not evaluates_after(cfg, step):
         return None
     note_where(f"the evaluation after step {step}")
     scores, seconds = _timed(evaluate, run.accelerator, run.evaluator, run.model, *run.eval_batches())

@@ -127,13 +127,11 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
     trained = Trained(model, optimizer, scheduler, whole=pipeline.model if pipeline is not None else None)
     checkpointer = Checkpointer(accelerator, run_dir, trained, identity, has_eval=eval_set is not None)
-    run = Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
+    compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
+    return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
                eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer,
                num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks,
-               pipeline)  # fmt: skip
-    compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
-    run.compile_watch = CompileWatch(enabled=compiled, warn=accelerator.is_main_process)
-    return run
+               pipeline, compile_watch=CompileWatch(enabled=compiled, warn=accelerator.is_main_process))  # fmt: skip
 
 
 def _split_and_wrap(model: Any, recipe: Recipe, layout: LayoutSettings, accelerator: Accelerator) -> Any:
