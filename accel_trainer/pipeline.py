@@ -145,7 +145,8 @@ class Pipeline:
         self.num_stages = self.place.stages * per_process
         self.chunks = microbatches or self.num_stages
         self.spec = split_spec(model, recipe, self.num_stages)
-        self.checkpointed = outermost_blocks(model, tuple(recipe.wrap_classes)) if activation_checkpointing else []
+        self.blocks = outermost_blocks(model, tuple(recipe.wrap_classes))  # FSDP units, checkpointed blocks
+        self.checkpointed = self.blocks if activation_checkpointing else []
         self.stage_ids = stages_of_process(self.place.stage_rank, self.place.stages, self.num_stages)
         self._compiled: dict[Any, _Compiled] = {}
         self._step = _Step()
@@ -163,12 +164,12 @@ class Pipeline:
         holders = {i: stage_tensor_names(pipe.get_stage_module(i)) for i in range(self.num_stages)}
         self.view = local_view(model, set().union(*(holders[i] for i in self.stage_ids)))
         self._training: _Compiled | None = None  # under FSDP: the only training stages (one set of shapes)
+        first = self._compiled_for(args, kwargs, train=True, traced=pipe)  # the first shapes' stages, not re-traced
         if self.place.shard_mesh is not None:
-            self._training = self._compiled_for(args, kwargs, train=True)
-            blocks = outermost_blocks(model, tuple(recipe.wrap_classes))
-            for module in self._training.modules:
-                shard_stage(module, self.place.shard_mesh, blocks, reshard_after_forward)
-            adopt_parameters(self.view, self._training.modules)
+            self._training = first
+            for module in first.modules:
+                shard_stage(module, self.place.shard_mesh, self.blocks, reshard_after_forward)
+            adopt_parameters(self.view, first.modules)
         self.gradients = PipelineGradients.of(model, self.view, holders, self.place)  # after FSDP: its parameters
 
     # -- tracing -------------------------------------------------------------------------------------------
@@ -180,7 +181,9 @@ class Pipeline:
         with self.autocast():
             return traced_pipeline(self.model, first_chunk(args, chunks), first_chunk(kwargs, chunks), self.spec)
 
-    def _compiled_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool) -> _Compiled:
+    def _compiled_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool, traced: Any = None
+                      ) -> _Compiled:  # fmt: skip
+        """The stages and schedule for these inputs' shapes, traced once per shape (`traced`: already)."""
         chunks = self.chunks if train else 1
         shapes = tuple((tuple(v.shape), v.dtype) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
         key = (train, shapes)
@@ -191,7 +194,7 @@ class Pipeline:
                 " (pad to one length in the recipe's collate; the gpt recipe: pad_to_block_size=true)"
             )
         if key not in self._compiled:
-            pipe = self._trace(args, kwargs, chunks, train)
+            pipe = traced if traced is not None else self._trace(args, kwargs, chunks, train)
             for i in self.stage_ids:
                 share_model_parameters(pipe.get_stage_module(i), self.model)
             stages = [pipe.build_stage(i, self.device, group=self.place.group) for i in self.stage_ids]
