@@ -172,3 +172,22 @@ def two_node_train_and_dump(out: Path, recipe: str, *overrides: str) -> list[dic
     for rank, (node, output) in enumerate(zip(nodes, outputs, strict=True)):
         assert node.returncode == 0, f"node {rank} exited {node.returncode}\n{output}"
     return read_metrics(out)
+
+
+TWO_PROCESS_CP_LAYOUT = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+gpu_ids: all
+use_cpu: false
+mixed_precision: 'no'
+rdzv_backend: static
+same_network: true
+fsdp_config: {fsdp_version: 2, fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, fsdp_state_dict_type: SHARDED_STATE_DICT}
+parallelism_config: {parallelism_config_dp_shard_size: 1, parallelism_config_cp_size: 2}
+"""
+"""An accelerate config of 2 processes forming one context-parallel pair (FSDP over both), for the CPU test of
+the mechanism (test_context_parallel.py) and its GPU test (test_gpu.py). It leaves fsdp_cpu_ram_efficient_loading
+out, which launch_fixes turns off."""

@@ -21,7 +21,7 @@ from accel_trainer import ConfigError, LayoutError
 from accel_trainer.context_parallel import check_loss_counts_items, sequence_buffers
 from accel_trainer.layout import LayoutSettings
 from accel_trainer.mesh import MeshShape, data_ranks, mesh_shape
-from conftest import WORKERS, accelerate_launch, dump_env, read_metrics, train_and_dump
+from conftest import TWO_PROCESS_CP_LAYOUT, WORKERS, accelerate_launch, dump_env, read_metrics, train_and_dump
 
 
 def test_a_cp_layout_on_cuda_gives_fsdp_the_cp_processes_too(monkeypatch):
@@ -80,22 +80,6 @@ def test_a_mean_loss_under_context_parallelism_is_a_one_line_error():
         check_loss_counts_items(None, SequenceRecipe(), cp=2)
 
 
-CPU_CP_LAYOUT = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-num_machines: 1
-num_processes: 2
-machine_rank: 0
-gpu_ids: all
-use_cpu: false
-mixed_precision: 'no'
-rdzv_backend: static
-same_network: true
-fsdp_config: {fsdp_version: 2, fsdp_reshard_after_forward: true, fsdp_state_dict_type: SHARDED_STATE_DICT}
-parallelism_config:
-  parallelism_config_dp_shard_size: 1
-  parallelism_config_cp_size: 2
-"""
 NO_ATTENTION_GPT = ["n_layer=0", "max_steps=6", "d_model=32", "block_size=32", "global_batch_size=8",
                     "micro_batch_size=4", "log_every_steps=1", "eval_every_steps=3",
                     "max_source_bytes=100000"]  # fmt: skip
@@ -104,7 +88,7 @@ NO_ATTENTION_GPT = ["n_layer=0", "max_steps=6", "d_model=32", "block_size=32", "
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_cp_processes_each_see_half_of_every_sequence_and_follow_the_one_process_trajectory(tmp_path):
-    (tmp_path / "cpu_fsdp_cp.yaml").write_text(CPU_CP_LAYOUT)
+    (tmp_path / "cpu_fsdp_cp.yaml").write_text(TWO_PROCESS_CP_LAYOUT)
     one = train_and_dump("cpu", tmp_path / "one", "gpt", *NO_ATTENTION_GPT, world_size=1)
     out = tmp_path / "cp"
     accelerate_launch(str(tmp_path / "cpu_fsdp_cp"), WORKERS / "context_parallel_on_cpu.py", "gpt",

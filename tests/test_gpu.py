@@ -12,6 +12,7 @@ from conftest import (
     BIN,
     REPO,
     TEST_OVERRIDES,
+    TWO_PROCESS_CP_LAYOUT,
     WORKERS,
     dump_env,
     final_parameters,
@@ -173,28 +174,12 @@ def test_no_device_synchronisation_from_accel_trainer_between_log_steps(tmp_path
     assert syncs_by_accel_trainer(8) == syncs_by_accel_trainer(3)  # five more steps, no more syncs of ours
 
 
-TWO_GPU_CP_LAYOUT = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-num_machines: 1
-num_processes: 2
-machine_rank: 0
-gpu_ids: all
-use_cpu: false
-mixed_precision: 'no'
-rdzv_backend: static
-same_network: true
-fsdp_config: {fsdp_version: 2, fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, fsdp_state_dict_type: SHARDED_STATE_DICT}
-parallelism_config: {parallelism_config_dp_shard_size: 1, parallelism_config_cp_size: 2}
-"""
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism needs 2 CUDA GPUs")
 def test_context_parallel_gpt_follows_the_one_gpu_trajectory(tmp_path):
     """8gpu_fsdp_cp.yaml's mechanism on 2 GPUs: each takes half of every sequence, ring attention between them."""
     gpt = [*QUICK_GPT, "max_steps=20", "log_every_steps=1", "mixed_precision=no"]
     one = launch_on_gpus("gpu", tmp_path / "one", "gpt", *gpt)
-    (tmp_path / "fsdp_cp.yaml").write_text(TWO_GPU_CP_LAYOUT)
+    (tmp_path / "fsdp_cp.yaml").write_text(TWO_PROCESS_CP_LAYOUT)
     out = tmp_path / "cp"
     run_command(
         [BIN / "accelerate", "launch", "--config_file", tmp_path / "fsdp_cp.yaml", "--main_process_port",
