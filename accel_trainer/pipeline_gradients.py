@@ -40,9 +40,9 @@ class PipelineGradients:
             stage_ranks = sorted({i % place.stages for i, held in holders.items() if held & set(names)})
             if len(stage_ranks) < 2:
                 continue
+            mine = [name for name, _ in view.named_parameters() if name in names]
             for data_rank in range(place.data_ranks):
                 group = dist.new_group([rank * place.data_ranks + data_rank for rank in stage_ranks])
-                mine = [name for name, _ in view.named_parameters() if name in names]
                 if data_rank == place.data_rank and mine:
                     gradients.tied.append((view.get_parameter(mine[0]), group))
                     if place.stage_rank != stage_ranks[0]:
