@@ -6,9 +6,10 @@
 
 Expect eval accuracy of at least 0.97: tests/test_recipes.py checks it on a shortened run of 600 steps; the
 default 1500 steps train longer. Residual blocks of two 3x3 convolutions with BatchNorm are the
-`wrap_classes`; under DDP or FSDP the BatchNorm running statistics are averaged over the processes before each evaluation and save, so the
-evaluated and saved model are the same on every layout. Augmentation shifts each training image by up to one
-pixel in each direction (zero padding), drawn from the torch RNG, which the checkpoints save: a resume is exact.
+`wrap_classes`; under DDP or FSDP the BatchNorm running statistics are averaged over the processes before each
+evaluation and save, so the evaluated and saved model are the same on every layout. Augmentation shifts each
+training image by up to one pixel in each direction (zero padding), drawn from the torch RNG, which the
+checkpoints save: a resume is exact.
 """
 
 from __future__ import annotations
