@@ -8,6 +8,8 @@ A checkpoint folder (`checkpoints/step_00000120/`) holds no pickle, so loading o
     optimizer.safetensors              the optimizer state (state_files.py: tensors, JSON structure); under
                                        FSDP only its structure, the tensors being in distributed/
     trainer.safetensors                LR scheduler and fp16 gradient-scaler state
+    ema.safetensors                    the EMA of the weights (ema.py), with `ema_decay`; under FSDP or tensor
+                                       parallelism its shards are `ema/` keys of distributed/ instead
     rng_rank<r>.safetensors            every process's RNG states (python, numpy, torch, cuda)
     train_state.json                   format, step, epoch, samples seen, recipe, config and its hash, world
                                        size, layout, parameter shapes; the data position is derived from the step
@@ -48,6 +50,7 @@ from .background_writer import BackgroundWriter
 from .checkpoint_checks import FORMAT, TRAIN_STATE, config_hash
 from .checkpoint_files import CheckpointError
 from .config import TrainConfig, config_to_dict, config_to_yaml
+from .ema import WeightAverage
 from .layout import LayoutSettings, layout_to_dict
 from .pipeline_state import merge_optimizer_skeletons, whole_model_state
 from .rng_states import capture_rng_states, rng_file_name
@@ -58,6 +61,8 @@ SHARDED = "distributed"
 OPTIMIZER = "optimizer.safetensors"
 TRAINER = "trainer.safetensors"
 MODEL_PREFIX = "model/"  # keys of the model's tensors among the sharded files' (the optimizer's: "optimizer/")
+EMA_PREFIX = "ema/"  # and of the EMA's
+EMA = "ema.safetensors"
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class Trained:
     optimizer: Any  # accelerate's AcceleratedOptimizer
     scheduler: Any
     whole: torch.nn.Module | None = None  # on a pipeline layout, the model whose stages `model` holds a part of
+    ema: WeightAverage | None = None  # the EMA of the weights, with ema_decay
 
     def shapes_and_ties(self, model_state: dict[str, Any]) -> tuple[dict[str, Any], list[list[str]]]:
         """The state whose shapes a checkpoint records and checks, and the groups of tied names: the whole
@@ -106,7 +112,8 @@ def save(
 
         def write_local_files() -> None:
             heavy_writes.extend(_write_tensors(accelerator, temporary, model_state, optimizer_state, writer, sharded,
-                                               pipeline=trained.whole is not None))  # fmt: skip
+                                               pipeline=trained.whole is not None,
+                                               ema=trained.ema.average if trained.ema else {}))  # fmt: skip
             state_files.save(capture_rng_states(), temporary / rng_file_name(accelerator.process_index))
             if accelerator.is_main_process:
                 _write_small_files(accelerator, temporary, state, trained.scheduler, identity,
@@ -156,14 +163,16 @@ def _prepare_folder(accelerator: Accelerator, temporary: Path, writer: Backgroun
 
 def _write_tensors(
     accelerator: Accelerator, temporary: Path, model_state: Any, optimizer_state: Any,
-    writer: BackgroundWriter | None, sharded: bool, pipeline: bool = False,
+    writer: BackgroundWriter | None, sharded: bool, pipeline: bool = False, ema: dict[str, torch.Tensor] | None = None,
 ) -> list[Callable[[], None]]:  # fmt: skip
     """Write the sharded tensors (every process), or return the main process's writes of full ones."""
+    ema = ema or {}
     if sharded:
         optimizer_skeleton, optimizer_tensors = state_files.split(optimizer_state, "optimizer")
         if pipeline:  # each process holds the optimizer state of its own stages
             optimizer_skeleton = merge_optimizer_skeletons(gather_object([optimizer_skeleton]))
-        tensors = {**{MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}, **optimizer_tensors}
+        tensors = {**{MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}, **optimizer_tensors,
+                   **{EMA_PREFIX + name: tensor for name, tensor in ema.items()}}  # fmt: skip
         dcp.save(
             state_files.writable(tensors),
             storage_writer=HuggingFaceStorageWriter(str(temporary / SHARDED), save_distributed=True),
@@ -174,14 +183,17 @@ def _write_tensors(
     if not accelerator.is_main_process:
         return []
     if writer is not None:
-        staged = writer.snapshot({"model": model_state, "optimizer": optimizer_state})
-        weights, optimizer_copy = staged["model"], staged["optimizer"]
+        staged = writer.snapshot({"model": model_state, "optimizer": optimizer_state, "ema": ema})
+        weights, optimizer_copy, average = staged["model"], staged["optimizer"], staged["ema"]
     else:
-        weights, optimizer_copy = state_files.writable(model_state), optimizer_state
-    return [
+        weights, optimizer_copy, average = state_files.writable(model_state), optimizer_state, state_files.writable(ema)
+    writes: list[Callable[[], None]] = [
         functools.partial(save_file, weights, str(temporary / "model.safetensors")),
         functools.partial(state_files.save, optimizer_copy, temporary / OPTIMIZER, "optimizer"),
     ]
+    if ema:
+        writes.append(functools.partial(save_file, average, str(temporary / EMA)))
+    return writes
 
 
 def _attempt(work: Callable[[], None]) -> str | None:

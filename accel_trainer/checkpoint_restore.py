@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from . import checkpoint_files as files
 from . import state_files
-from .checkpoint import MODEL_PREFIX, OPTIMIZER, SHARDED, TRAINER, RunIdentity, Trained
+from .checkpoint import EMA, EMA_PREFIX, MODEL_PREFIX, OPTIMIZER, SHARDED, TRAINER, RunIdentity, Trained
 from .checkpoint_checks import TRAIN_STATE, check_compatible, check_format
 from .checkpoint_files import CheckpointError
 from .pipeline_state import optimizer_part, stages_part
@@ -72,10 +72,13 @@ def _load(
     """Load model, optimizer, schedule and scaler from a checked checkpoint; return this process's RNG states."""
     optimizer_skeleton, sources = optimizer_part(state_files.load_skeleton(folder / OPTIMIZER), optimizer_state,
                                                  recorded, in_pipeline=trained.whole is not None)  # fmt: skip
+    ema = _ema_to_load(accelerator, trained, recorded)
     if (folder / SHARDED).is_dir():
-        optimizer_state = _load_sharded(folder, model_state, optimizer_state, optimizer_skeleton, sources)
+        optimizer_state = _load_sharded(folder, model_state, optimizer_state, optimizer_skeleton, sources, ema)
         options = None
     else:  # full tensors, which set_state_dict shards itself when this run is FSDP
+        if ema:
+            trained.ema.load_full(load_file(str(folder / EMA)))  # type: ignore[union-attr]
         model_state = load_file(str(folder / "model.safetensors"))
         optimizer_state = state_files.load(folder / OPTIMIZER)
         options = StateDictOptions(full_state_dict=True)
@@ -85,6 +88,8 @@ def _load(
             options = None
     set_state_dict(trained.model, trained.optimizer.optimizer, model_state_dict=model_state,
                    optim_state_dict=optimizer_state, options=options)  # fmt: skip
+    if trained.ema is not None and not ema:
+        trained.ema.restart_from_weights()
     trainer = state_files.load(folder / TRAINER)
     trained.scheduler.load_state_dict(trainer["scheduler"])
     if accelerator.scaler is not None and trainer["scaler"] is not None:
@@ -102,10 +107,24 @@ def _load(
     return state_files.load(rng_file)
 
 
+def _ema_to_load(accelerator: Accelerator, trained: Trained, recorded: dict[str, Any]) -> dict[str, Any]:
+    """The run's EMA tensors to load from the checkpoint; none when either has no EMA (said when it restarts)."""
+    if trained.ema is None:
+        return {}
+    if not recorded["config"].get("ema_decay"):
+        if accelerator.is_main_process:
+            warnings.warn(f"accel-trainer: the checkpoint of step {recorded['step']} has no EMA of the weights: the"
+                          " EMA starts from its weights", stacklevel=3)  # fmt: skip
+        return {}
+    return trained.ema.average
+
+
 def _load_sharded(folder: Path, model_state: dict[str, Any], optimizer_state: dict[str, Any],
-                  optimizer_skeleton: Any, sources: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+                  optimizer_skeleton: Any, sources: dict[str, str] | None = None,
+                  ema: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Load the sharded tensors in place into this run's (possibly sharded) state; returns the optimizer's.
-    `sources` maps a key of this run's optimizer state to the key it was saved under, where they differ."""
+    `sources` maps a key of this run's optimizer state to the key it was saved under, where they differ; `ema`
+    is the run's EMA to load, if any."""
     _, live_optimizer_tensors = state_files.split(optimizer_state, "optimizer")
     saved_keys = state_files.tensor_keys(optimizer_skeleton)
     unknown = [key for key in saved_keys if key not in live_optimizer_tensors]
@@ -116,6 +135,7 @@ def _load_sharded(folder: Path, model_state: dict[str, Any], optimizer_state: di
         )
     targets = {MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}
     targets.update({(sources or {}).get(key, key): live_optimizer_tensors[key] for key in saved_keys})
+    targets.update({EMA_PREFIX + name: tensor for name, tensor in (ema or {}).items()})
     with warnings.catch_warnings():  # one process loading a sharded checkpoint is what it should do
         warnings.filterwarnings("ignore", message="torch.distributed is .*assuming the intent is to load")
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(folder / SHARDED)))

@@ -111,7 +111,7 @@ def check_keep_best(cfg: TrainConfig, has_eval: bool) -> None:
         ConfigError: not an eval metric, no eval set, or no evaluation before the end.
     """
     if cfg.keep_best_metric:
-        check_measurable("keep_best_metric", cfg.keep_best_metric, cfg.eval_every_steps, has_eval)
+        check_measurable("keep_best_metric", cfg.keep_best_metric, cfg, has_eval)
 
 
 def resume_point(accelerator: Accelerator, cfg: TrainConfig, run_dir: Path) -> Path | None:

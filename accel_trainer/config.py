@@ -90,6 +90,17 @@ class TrainConfig:
     max_time: str = ""
     """Wall-clock budget of the run, e.g. 2h30m, 90m or 45s: once spent, it saves a checkpoint and exits with
     status 75 like a preemption, so a scheduler can chain jobs (the same command continues with a new budget)."""
+    skip_nonfinite_steps: bool = True
+    """Check every step's loss and gradient norm (one host read per step) and skip a step where either is NaN or
+    Inf, counting it as nonfinite_steps (nonfinite_guard.py); false: no check, no per-step read."""
+    max_nonfinite_in_a_row: int = 5
+    """Non-finite steps in a row after which the run saves a checkpoint of the last finite weights and stops with
+    an error; 1 stops at the first."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the weights (fp32, sharded like the model), updated after every
+    optimizer step with this decay, e.g. 0.999; saved in checkpoints, exported to final/ema/. 0: none."""
+    evaluate_ema: bool = False
+    """Also evaluate the EMA weights at each evaluation, logged as eval_ema/<metric> (needs ema_decay)."""
     data_cache_gb: float = 1.0
     """Memory per process for holding a map-style set's columns as tensors and reading each micro-batch in
     one indexing (batched_data.py; with the default collate only); 0 reads and collates row by row."""
@@ -155,7 +166,7 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "data_cache_gb": (0, True), "early_stop_patience": (1, True), "early_stop_min_delta": (0, True),
     "reference_batch_size": (0, True), "lr": (0, True), "weight_decay": (0, True), "max_grad_norm": (0, True),
     "min_lr_ratio": (0, True), "collective_timeout_s": (0, False), "fp16_init_scale": (0, False),
-    "peak_tflops": (0, True),
+    "peak_tflops": (0, True), "max_nonfinite_in_a_row": (1, True), "ema_decay": (0, True),
     "fp16_growth_interval": (1, True), "ddp_bucket_cap_mb": (1, True), "ddp_powersgd_rank": (1, True),
 }  # fmt: skip
 
@@ -179,6 +190,10 @@ def validate_config(config: TrainConfig | LayoutSettings) -> None:
         parse_steps(config.profile_steps)  # raises its own one-line error
     if isinstance(config, TrainConfig) and config.min_lr_ratio > 1:
         raise ConfigError(f"min_lr_ratio={config.min_lr_ratio}: must be at most 1 (a fraction of the peak lr)")
+    if isinstance(config, TrainConfig) and config.ema_decay >= 1:
+        raise ConfigError(f"ema_decay={config.ema_decay}: must be below 1 (1 would never move), e.g. 0.999")
+    if isinstance(config, TrainConfig) and config.evaluate_ema and not config.ema_decay:
+        raise ConfigError("evaluate_ema=true needs EMA weights to evaluate: set ema_decay too, e.g. 0.999")
     if isinstance(config, TrainConfig) and config.max_time:
         parse_duration(config.max_time)  # a one-line error now, not after the setup
 

@@ -24,7 +24,7 @@ def check_early_stop(cfg: TrainConfig, has_eval: bool) -> None:
         ConfigError: not an eval metric, no eval set, or no evaluation before the end (evaluation.py).
     """
     if cfg.early_stop_metric:
-        check_measurable("early_stop_metric", cfg.early_stop_metric, cfg.eval_every_steps, has_eval)
+        check_measurable("early_stop_metric", cfg.early_stop_metric, cfg, has_eval)
 
 
 def should_stop_early(cfg: TrainConfig, state: TrainState, scores: dict[str, Any] | None) -> str:

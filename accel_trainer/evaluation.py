@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
@@ -14,24 +14,30 @@ from .errors import ConfigError
 from .pipeline import Pipeline
 from .recipe import Recipe
 
+if TYPE_CHECKING:
+    from .prepared_run import Run
+
 
 def evaluates_after(cfg: TrainConfig, step: int) -> bool:
     """Whether an evaluation follows `step`: every eval_every_steps, and at the end."""
     return step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)
 
 
-def check_measurable(setting: str, name: str, eval_every_steps: int, has_eval: bool) -> None:
+def check_measurable(setting: str, name: str, cfg: TrainConfig, has_eval: bool) -> None:
     """Refuse a setting naming an eval metric that could never be measured during the run (keep-best, early
     stopping), before any training.
 
     Raises:
-        ConfigError: not an eval metric, no eval set, or no evaluation before the end.
+        ConfigError: not an eval metric (eval/<name>, or eval_ema/<name> with evaluate_ema), no eval set, or no
+            evaluation before the end.
     """
-    if not name.startswith("eval/"):
+    if name.startswith("eval_ema/") and not cfg.evaluate_ema:
+        raise ConfigError(f"{setting}={name!r} is a metric of the EMA weights: set evaluate_ema=true and ema_decay")
+    if not name.startswith(("eval/", "eval_ema/")):
         raise ConfigError(f"{setting}={name!r}: name an eval metric, such as eval/loss")
     if not has_eval:
         raise ConfigError(f"{setting}={name!r}: this recipe has no eval set to measure it on")
-    if eval_every_steps <= 0:
+    if cfg.eval_every_steps <= 0:
         raise ConfigError(
             f"{setting}={name!r} needs evaluations during the run: set eval_every_steps (it is 0, which"
             " evaluates only at the end)"
@@ -80,3 +86,13 @@ def evaluate(
         sums = totals
     num_items = sums.pop("num_items")
     return {f"eval/{name}": float(total / num_items) for name, total in sums.items()}
+
+
+def evaluate_run(run: Run) -> dict[str, float]:
+    """The run's eval metrics (`eval/<name>`) and, with evaluate_ema, its EMA weights' (`eval_ema/<name>`)."""
+    scores = evaluate(run.accelerator, run.evaluator, run.model, *run.eval_batches())
+    if run.cfg.evaluate_ema and run.ema is not None:
+        with run.ema.swapped_in():
+            averaged = evaluate(run.accelerator, run.evaluator, run.model, *run.eval_batches())
+        scores.update({"eval_ema/" + name.removeprefix("eval/"): value for name, value in averaged.items()})
+    return scores

@@ -19,9 +19,11 @@ from .sharding import is_sharded, pipeline_size
 
 
 def save_final(
-    accelerator: Accelerator, recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module, eval_set: Any, run_dir: Path
-) -> None:
-    """Write `final/model.safetensors` (consolidated, unwrapped weights) and the recipe's artifacts.
+    accelerator: Accelerator, recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module, eval_set: Any, run_dir: Path,
+    ema: bool = False,
+) -> None:  # fmt: skip
+    """Write `final/model.safetensors` (consolidated, unwrapped weights) and the recipe's artifacts; with `ema`
+    (the model holding its EMA weights), `final/ema/model.safetensors` alone.
 
     A transformers model is written with its own `save_pretrained` (model.safetensors and config.json), so
     `from_pretrained(run_dir / "final")` loads it.
@@ -43,7 +45,7 @@ def save_final(
     else:
         state = get_model_state_dict(accelerator.unwrap_model(model))  # torch.compile's _orig_mod names stripped
     if accelerator.is_main_process:
-        final_dir = run_dir / "final"
+        final_dir = run_dir / "final" / "ema" if ema else run_dir / "final"
         final_dir.mkdir(parents=True, exist_ok=True)
         exported = recipe.build_model(cfg)
         exported.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
@@ -53,7 +55,8 @@ def save_final(
             save_model(exported, str(final_dir / "model.safetensors"))
         (final_dir / "config.yaml").write_text(config_to_yaml(cfg))
         checkpoint_files.follow_umask(*(path for path in final_dir.iterdir() if path.is_file()))
-        recipe.write_artifacts(exported.eval(), eval_set, run_dir)
+        if not ema:
+            recipe.write_artifacts(exported.eval(), eval_set, run_dir)
     accelerator.wait_for_everyone()
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,20 +26,20 @@ from .checkpoint import RunIdentity
 from .config import TrainConfig, config_to_dict, config_to_yaml, layout_to_yaml
 from .context_parallel import check_loss_counts_items, sequence_slices
 from .early_stopping import check_early_stop, should_stop_early
-from .evaluation import evaluate, evaluates_after
+from .evaluation import evaluate_run, evaluates_after
 from .events import EventLog
-from .flops import flops_per_sample, to_meta
+from .flops import to_meta
 from .layout import LayoutSettings
-from .losses import read_loss_output
+from .losses import LossOutput, read_loss_output
 from .mesh import tensor_parallel_size
 from .metrics import MetricsLog, drop_records_after, format_metric
 from .preemption import Preempted, PreemptionWatcher, note_where
 from .prepared_run import Run, micro_batches, prepare_run
 from .profiling import StepProfiler, dump_out_of_memory, parse_steps
 from .recipe import Recipe
-from .report import write_report
+from .report import write_report_or_warn
 from .run_info import header, parameters_held, write_run_info
-from .step_log import Window, log_record
+from .step_log import Window, write_log_record
 from .trackers import Trackers
 
 
@@ -91,7 +90,7 @@ def train_loop(
     run.final_weights()
     run.events.write("end", step=run.checkpointer.state.step)
     if accelerator.is_main_process:
-        _write_report(run_dir)
+        write_report_or_warn(run_dir)
     return final
 
 
@@ -108,56 +107,46 @@ def _already_trained(run: Run) -> dict[str, Any]:
     return state.metrics
 
 
-def _write_report(run_dir: Path) -> None:
-    """The end-of-run report; a failure to draw it is a warning, never a failed run."""
-    try:
-        write_report(run_dir)
-    except Exception as error:  # noqa: BLE001 - the run itself is done and saved
-        warnings.warn(f"accel-trainer: the report of {run_dir} could not be written ({type(error).__name__}:"
-                      f" {error}); `accel-trainer report {run_dir}` tries again", stacklevel=2)  # fmt: skip
-
-
 def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: PreemptionWatcher) -> dict[str, Any]:
     """The step loop: accumulate, clip, step, schedule, log, evaluate, checkpoint, stop on a signal."""
     cfg, accelerator, model = run.cfg, run.accelerator, run.model
     state = run.checkpointer.state
     has_eval = run.eval_set is not None
     if has_eval and cfg.eval_every_steps > 0 and state.step == 0:
-        baseline, seconds = _timed(evaluate, accelerator, run.evaluator, model, *run.eval_batches())
-        log.write({"step": 0, **baseline, "eval/seconds": seconds, "samples_seen": 0})
-        _event(run, "eval", step=0, seconds=seconds)
-        run.checkpointer.after_step(stop=False, scores=baseline)  # checks keep_best_metric's name; saves nothing
+        _evaluate_baseline(run, log)
     window = Window.empty(accelerator.device)  # after the baseline evaluation: its time is not training time
     profiler = StepProfiler(accelerator, run.run_dir, parse_steps(cfg.profile_steps))
     model.train()
     for step in range(state.step + 1, cfg.max_steps + 1):
         profiler.before_step(step)
-        state.epoch = _accumulate_gradients(run, batches, window) + 1
-        state.step, state.samples_seen = step, step * cfg.global_batch_size
-        is_log_step = (
-            step == cfg.max_steps
-            or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
-            or (bool(cfg.early_stop_metric) and evaluates_after(cfg, step))
-        )  # an evaluation that may stop the run early ends with a training record
-        lrs, grad_norm = _optimizer_step(run, is_log_step)
+        epoch, outputs = _accumulate_gradients(run, batches, window)
+        state.epoch, state.step, state.samples_seen = epoch + 1, step, step * cfg.global_batch_size
+        is_log_step = _logs_after(cfg, step)
+        lrs, grad_norm = _optimizer_step(run, is_log_step, outputs)
+        if run.guard is None or not run.guard.in_a_row:  # a skipped step's losses stay out of the logged mean
+            window.add_step(outputs, run.plan.micro_batch_size)
         profiler.after_step(step)
         log.advance()
 
         if is_log_step:
-            _write_log_record(run, log, window, lrs, grad_norm)
+            write_log_record(run, log, window, lrs, grad_norm)
             window = Window.empty(accelerator.device)
         scores = _evaluate_after(run, log, window, step) if has_eval else None
         early_stop = should_stop_early(cfg, state, scores)
         stop = preemption.should_stop()
+        gives_up = run.guard is not None and run.guard.gives_up
         note_where(f"the save of step {step}")
         if run.stream is not None:  # a map-style set's position is derived from the step
             state.data_position = list(run.stream.position)
         pending = None if is_log_step else functools.partial(window.bank_items, accelerator)
-        folder, seconds = _timed(run.checkpointer.after_step, stop or bool(early_stop), scores,
+        folder, seconds = _timed(run.checkpointer.after_step, stop or bool(early_stop) or gives_up, scores,
                                  count_pending_items=pending)  # fmt: skip
         window.excluded_s += seconds
         if folder is not None:
             _event(run, "checkpoint", step=step, seconds=seconds, background=run.checkpointer.writer is not None)
+        if gives_up:
+            _event(run, "nonfinite_stop", step=step)
+            raise run.guard.error(step, folder)  # type: ignore[union-attr]
         if stop:
             _event(run, "preempted", step=step, signal=preemption.signal_name)
             raise Preempted(preemption.signal_name, step, folder)
@@ -168,13 +157,31 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
     return state.metrics
 
 
+def _logs_after(cfg: TrainConfig, step: int) -> bool:
+    """Whether `step` ends with a training record: every log_every_steps, at the end, and before an evaluation
+    that may stop the run early."""
+    return (
+        step == cfg.max_steps
+        or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
+        or (bool(cfg.early_stop_metric) and evaluates_after(cfg, step))
+    )
+
+
+def _evaluate_baseline(run: Run, log: MetricsLog) -> None:
+    """The evaluation before any training (step 0), logged; it checks keep_best_metric's name and saves nothing."""
+    baseline, seconds = _timed(evaluate_run, run)
+    log.write({"step": 0, **baseline, "eval/seconds": seconds, "samples_seen": 0})
+    _event(run, "eval", step=0, seconds=seconds)
+    run.checkpointer.after_step(stop=False, scores=baseline)
+
+
 def _evaluate_after(run: Run, log: MetricsLog, window: Window, step: int) -> dict[str, float] | None:
     """The evaluation of `step` when one is due (every eval_every_steps, and at the end), logged; else None."""
     cfg, state = run.cfg, run.checkpointer.state
     if not evaluates_after(cfg, step):
         return None
     note_where(f"the evaluation after step {step}")
-    scores, seconds = _timed(evaluate, run.accelerator, run.evaluator, run.model, *run.eval_batches())
+    scores, seconds = _timed(evaluate_run, run)
     window.excluded_s += seconds
     log.write({"step": step, **scores, "eval/seconds": seconds, "samples_seen": state.samples_seen})
     _event(run, "eval", step=step, seconds=seconds)
@@ -182,38 +189,29 @@ def _evaluate_after(run: Run, log: MetricsLog, window: Window, step: int) -> dic
     return scores
 
 
-def _optimizer_step(run: Run, is_log_step: bool) -> tuple[list[float], Any]:
-    """Clip, step, schedule, zero the gradients; the LRs of this step and its gradient norm (on log steps)."""
-    cfg = run.cfg
-    note_where(f"the gradient norm and optimizer step of step {run.checkpointer.state.step}")
+def _optimizer_step(run: Run, is_log_step: bool, outputs: list[LossOutput]) -> tuple[list[float], Any]:
+    """Clip, step, schedule, zero the gradients, update the EMA; the LRs of this step and its gradient norm (on
+    log steps). A step the non-finite guard rejects does none of it but drop the gradients."""
+    cfg, state = run.cfg, run.checkpointer.state
+    note_where(f"the gradient norm and optimizer step of step {state.step}")
     grad_norm = None
-    if cfg.max_grad_norm > 0 or is_log_step:
+    if cfg.max_grad_norm > 0 or is_log_step or run.guard is not None:
         max_norm = cfg.max_grad_norm or float("inf")
         if run.pipeline is not None:  # one norm over all stages
             grad_norm = run.pipeline.clip_grad_norm(max_norm)
         else:
             grad_norm = run.verbs.clip_grad_norm(run.model.parameters(), max_norm)
     lrs = [group["lr"] for group in run.optimizer.param_groups] if is_log_step else []  # the LRs of this step
-    if run.verbs.optimizer_step():
+    if run.guard is not None and not run.guard.step_is_finite(state.step, outputs, grad_norm):
+        state.nonfinite_steps += 1
+    elif run.verbs.optimizer_step():
         run.scheduler.step()  # the schedule follows the optimizer steps actually taken
+        if run.ema is not None:
+            run.ema.update()
     else:  # fp16: the gradient scaler found inf/NaN gradients
-        run.checkpointer.state.skipped_steps += 1
+        state.skipped_steps += 1
     run.verbs.zero_grad()
     return lrs, grad_norm
-
-
-def _write_log_record(run: Run, log: MetricsLog, window: Window, lrs: list[float], grad_norm: Any) -> None:
-    """Read the window back into a record (counting FLOPs first, once), log it, and keep it as the latest."""
-    state = run.checkpointer.state
-    if run.speed.flops_per_sample is None:
-        window.excluded_s += _timed(_count_flops, run, log)[1]
-    record, new_items = log_record(run.accelerator, run.cfg, window, state.step, state.epoch, lrs, grad_norm,
-                                   run.speed)  # fmt: skip
-    state.items_seen += new_items
-    record.update(skipped_steps=state.skipped_steps, samples_seen=state.samples_seen, items_seen=state.items_seen,
-                  **run.compile_watch.record(state.step))  # fmt: skip
-    log.write(record)
-    state.metrics.update(record)
 
 
 def _event(run: Run, event: str, **fields: Any) -> None:
@@ -226,15 +224,6 @@ def _timed(work: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
     started = time.perf_counter()
     result = work(*args, **kwargs)
     return result, time.perf_counter() - started
-
-
-def _count_flops(run: Run, log: MetricsLog) -> None:
-    """Count the model's FLOPs per sample once, from the first micro-batch's shapes, and say so."""
-    if run.first_batch is None:
-        return
-    flops, source = flops_per_sample(run.recipe, run.cfg, run.first_batch, run.num_parameters)
-    run.speed.flops_per_sample = flops
-    log.note(f"accel-trainer: {flops:.4g} FLOPs per training sample ({source})")
 
 
 def _forward_backward(run: Run, batch: Any, step: int, cp: int) -> Any:
@@ -250,16 +239,18 @@ def _forward_backward(run: Run, batch: Any, step: int, cp: int) -> Any:
     return output
 
 
-def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
+def _accumulate_gradients(run: Run, batches: Any, window: Window) -> tuple[int, list[LossOutput]]:
     """Run the micro-batches of one optimizer step; gradients are synchronised on the last one only.
 
     A loss returned with `num_items` is back-propagated as a sum and its gradients are divided by the item
     count of the whole step over all micro-batches and processes, which makes a token loss exact on any
-    layout (the gradient-accumulation bug class of transformers #34191). Returns the epoch.
+    layout (the gradient-accumulation bug class of transformers #34191). Returns the epoch and the step's loss
+    outputs, which the window logs once the step is known to be finite.
     """
     accelerator, model, plan = run.accelerator, run.model, run.plan
     step_items: torch.Tensor | None = None
     step = run.checkpointer.state.step + 1
+    outputs = []
     for _ in range(plan.accumulation_steps):
         note_where(f"the data of step {step}")  # where a hung or killed process says it was
         waited = time.perf_counter()
@@ -274,15 +265,10 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
         cp = run.ranks.context_parallel  # > 1: this process sees a slice of each sequence (context_parallel.py)
         with context, sequence_slices(accelerator, run.recipe, batch, cp):
             output = _forward_backward(run, batch, step, cp)
-            if output.num_items is not None:
-                num_items = output.num_items.to(accelerator.device, torch.float32)
-                step_items = num_items if step_items is None else step_items + num_items
-                window.add(output)
-                window.num_items += num_items
-            else:
-                # Training micro-batches are always full (the tail of an epoch is dropped), on every path.
-                window.add(output, weight=plan.micro_batch_size)
-                window.num_host_items += plan.micro_batch_size
+        outputs.append(output)
+        if output.num_items is not None:
+            num_items = output.num_items.to(accelerator.device, torch.float32)
+            step_items = num_items if step_items is None else step_items + num_items
     if run.pipeline is not None:
         run.pipeline.sum_tied_gradients()
     if step_items is not None:
@@ -296,4 +282,4 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> int:
                 local = parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad
                 local.mul_(scale.to(local.dtype))  # an FSDP2 shard is scaled in place like a whole gradient
     window.num_steps += 1
-    return epoch
+    return epoch, outputs

@@ -126,13 +126,14 @@ def drop_records_after(run_dir: Path, step: int) -> None:
 # Kept in metrics.jsonl, left off the console line: what a reader does not watch step by step.
 _NOT_ON_CONSOLE = {"samples_per_s", "step_time_s", "step_time_s_max", "step_time_s_min", "world_size", "tflops",
                    "host_rss_gb", "mem_reserved_gb", "samples_seen", "items_seen", "data_wait_frac"}  # fmt: skip
+_SHOWN_WHEN_NONZERO = {"skipped_steps", "nonfinite_steps"}
 
 
 def console_line(record: dict[str, Any]) -> str:
     """The short form of a record: what changes, formatted for reading; the full record is in metrics.jsonl."""
     shown = []
     for key, value in record.items():
-        hidden = key in _NOT_ON_CONSOLE or key.startswith("lr/") or (key == "skipped_steps" and not value)
+        hidden = key in _NOT_ON_CONSOLE or key.startswith("lr/") or (key in _SHOWN_WHEN_NONZERO and not value)
         if hidden and not (key == "data_wait_frac" and value > 0.1):  # waiting for data is worth a mention
             continue
         shown.append(f"eta {_duration(value)}" if key == "eta_s" else format_metric(key, value))

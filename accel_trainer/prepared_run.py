@@ -23,12 +23,14 @@ from .checkpoint import RunIdentity, Trained
 from .checkpointer import Checkpointer
 from .compiling import CompileWatch
 from .config import TrainConfig
+from .ema import WeightAverage
 from .errors import ConfigError, LayoutError
 from .events import EventLog
 from .final_weights import save_final
 from .flops import peak_for_mfu
 from .layout import LayoutSettings
 from .mesh import DataRanks, data_ranks
+from .nonfinite_guard import NonfiniteGuard
 from .pipeline import Pipeline
 from .recipe import Recipe
 from .run_info import model_summary
@@ -68,6 +70,8 @@ class Run:
     first_batch: Any = None  # the shapes of the first micro-batch (meta tensors), for counting FLOPs
     compile_watch: CompileWatch = field(default_factory=lambda: CompileWatch(enabled=False, warn=False))
     events: EventLog | None = None
+    guard: NonfiniteGuard | None = None  # skips non-finite steps (None: skip_nonfinite_steps=false)
+    ema: WeightAverage | None = None  # the EMA of the weights (None: ema_decay=0)
 
     @property
     def evaluator(self) -> Any:
@@ -83,7 +87,11 @@ class Run:
         return batches, False
 
     def final_weights(self) -> None:
+        """final/model.safetensors and the recipe's artifacts, and final/ema/model.safetensors with an EMA."""
         save_final(self.accelerator, self.recipe, self.cfg, self.model, self.eval_set, self.run_dir)
+        if self.ema is not None:
+            with self.ema.swapped_in():
+                save_final(self.accelerator, self.recipe, self.cfg, self.model, self.eval_set, self.run_dir, ema=True)
 
 
 def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator, run_dir: Path) -> Run:
@@ -125,13 +133,16 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
         model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     set_seed(cfg.seed + ranks.rank)  # independent dropout per data-parallel rank, shared by its TP ranks
     steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
-    trained = Trained(model, optimizer, scheduler, whole=pipeline.model if pipeline is not None else None)
+    ema = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay else None
+    guard = NonfiniteGuard(cfg, accelerator, model) if cfg.skip_nonfinite_steps else None
+    trained = Trained(model, optimizer, scheduler, whole=pipeline.model if pipeline is not None else None, ema=ema)
     checkpointer = Checkpointer(accelerator, run_dir, trained, identity, has_eval=eval_set is not None)
     compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
     return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
                eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer,
                num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks,
-               pipeline, compile_watch=CompileWatch(enabled=compiled, warn=accelerator.is_main_process))  # fmt: skip
+               pipeline, compile_watch=CompileWatch(enabled=compiled, warn=accelerator.is_main_process),
+               guard=guard, ema=ema)  # fmt: skip
 
 
 def _split_and_wrap(model: Any, recipe: Recipe, layout: LayoutSettings, accelerator: Accelerator) -> Any:
@@ -159,6 +170,9 @@ def _warn_about_tp_plan(model: Any, recipe: Recipe, is_main_process: bool) -> No
 def _pipeline(recipe: Recipe, model: Any, train_set: Any, plan: BatchPlan, layout: LayoutSettings,
               accelerator: Accelerator) -> Pipeline:  # fmt: skip
     """Cut the model into this process's stages, traced on the shapes of a first micro-batch."""
+    if recipe.cfg.ema_decay:
+        raise LayoutError("a pipeline layout does not keep an EMA of the weights yet: set ema_decay=0, or train on a"
+                          " data-parallel, FSDP or tensor-parallel layout")  # fmt: skip
     if layout.sync_batchnorm or accelerator.mixed_precision == "fp16":
         raise LayoutError(
             "a pipeline layout does not combine with sync_batchnorm or fp16 yet (fp16's"

@@ -10,6 +10,7 @@ extra); without it the report is text only and says so.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from .events import read_events, time_breakdown
 from .metrics import format_metric
 
 _X_KEYS = {"step": "step", "samples": "samples_seen", "items": "items_seen"}
+_EVAL_PREFIXES = ("eval/", "eval_ema/")  # the weights' evaluations, and their EMA's (evaluate_ema)
 _PANELS = [("loss", "loss"), ("eval", "eval/"), ("lr", "lr"), ("grad_norm", "grad_norm"),
            ("items_per_s", "items_per_s"), ("mfu", "mfu")]  # fmt: skip
 
@@ -38,7 +40,7 @@ def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
     config_path = Path(run_dir) / "config.yaml"
     config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
     training = [r for r in records if "loss" in r]
-    evaluations = [r for r in records if any(key.startswith("eval/") for key in r)]
+    evaluations = [r for r in records if any(key.startswith(_EVAL_PREFIXES) for key in r)]
     return training, evaluations, config or {}
 
 
@@ -65,7 +67,7 @@ def compare(run_dirs: list[Path], output: Path | None = None, x: str = "step") -
     runs = {Path(d).name: read_run(Path(d)) for d in run_dirs}
     finals = {name: {**(t[-1] if t else {}), **(e[-1] if e else {})} for name, (t, e, _) in runs.items()}
     keys = [k for k in ("step", "loss", "items_per_s", "mfu") if any(k in f for f in finals.values())]
-    keys += sorted({k for f in finals.values() for k in f if k.startswith("eval/") and k != "eval/seconds"})
+    keys += sorted({k for f in finals.values() for k in f if k.startswith(_EVAL_PREFIXES) and k != "eval/seconds"})
     width = max(len(name) for name in runs)
     table = [f"{'run':<{width}}  " + "  ".join(f"{k:>14}" for k in keys)]
     for name, final in finals.items():
@@ -89,8 +91,8 @@ def _summary(training: list[dict], evaluations: list[dict], config: dict) -> str
     if evaluations:
         final = evaluations[-1]
         rows.append("- final evaluation: " + " | ".join(format_metric(k, v) for k, v in final.items()
-                                                     if k.startswith("eval/")))  # fmt: skip
-        names = sorted({k for e in evaluations for k in e if k.startswith("eval/") and k != "eval/seconds"})
+                                                     if k.startswith(_EVAL_PREFIXES)))  # fmt: skip
+        names = sorted({k for e in evaluations for k in e if k.startswith(_EVAL_PREFIXES) and k != "eval/seconds"})
         spans = [f"{k} {min(e[k] for e in evaluations if k in e):.4g} .. {max(e[k] for e in evaluations if k in e):.4g}"
                  for k in names]  # fmt: skip
         rows.append("- eval values over the run (lowest .. highest): " + ", ".join(spans))
@@ -147,10 +149,10 @@ def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str
     for axis, (title, key) in zip(axes.flat, _PANELS, strict=True):
         for name, (training, evaluations) in runs.items():
             records = evaluations if key == "eval/" else training
-            keys = sorted({k for r in records for k in r if k.startswith("eval/") and k != "eval/seconds"}) \
+            keys = sorted({k for r in records for k in r if k.startswith(_EVAL_PREFIXES) and k != "eval/seconds"}) \
                 if key == "eval/" else [key]  # fmt: skip
             for k in keys:
-                points = [(r[x_key], r[k]) for r in records if k in r and r.get(x_key) is not None]
+                points = [(r[x_key], r[k]) for r in records if r.get(k) is not None and r.get(x_key) is not None]
                 if points:
                     axis.plot(*zip(*points, strict=True), label=f"{name} {k}" if len(runs) > 1 or key == "eval/" else k)
         axis.set_title(title)
@@ -168,3 +170,12 @@ def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str
 
 def _short(value: Any) -> str:
     return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def write_report_or_warn(run_dir: Path) -> None:
+    """The end-of-run report; a failure to draw it is a warning, never a failed run."""
+    try:
+        write_report(run_dir)
+    except Exception as error:  # noqa: BLE001 - the run itself is done and saved
+        warnings.warn(f"accel-trainer: the report of {run_dir} could not be written ({type(error).__name__}:"
+                      f" {error}); `accel-trainer report {run_dir}` tries again", stacklevel=2)  # fmt: skip

@@ -10,14 +10,19 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
 
 from .config import TrainConfig
+from .flops import flops_per_sample
 from .losses import LossOutput
 from .mesh import data_ranks
+
+if TYPE_CHECKING:
+    from .metrics import MetricsLog
+    from .prepared_run import Run
 
 
 @dataclass
@@ -45,6 +50,17 @@ class Window:
             if name not in self.term_sums:
                 self.term_sums[name] = torch.zeros_like(self.loss_sum)
             self.term_sums[name].add_(value.float(), alpha=weight)
+
+    def add_step(self, outputs: list[LossOutput], micro_batch_size: int) -> None:
+        """Add the loss outputs of one step's micro-batches: item sums, or batch means weighted by their size.
+        Training micro-batches are always full (the tail of an epoch is dropped), on every path."""
+        for output in outputs:
+            if output.num_items is not None:
+                self.add(output)
+                self.num_items += output.num_items.to(self.num_items.device, torch.float32)
+            else:
+                self.add(output, weight=micro_batch_size)
+                self.num_host_items += micro_batch_size
 
     def elapsed(self) -> float:
         """Training time of this window: wall time since it started, less the excluded time."""
@@ -90,14 +106,15 @@ def log_record(
     totals = [sum(column) / ranks.replicas for column in zip(*rows, strict=True)]
     loss_sum, num_items = totals[:2]
     num_items += window.num_host_items * ranks.size  # every data-parallel rank ran equal micro-batches
+    terms = dict(zip(names, totals[2 : len(sums)], strict=True))
     timing = {name: [row[len(sums) + i] for row in rows] for i, name in enumerate(_PER_PROCESS)}
     elapsed = max(timing["elapsed"])
     samples_per_s = window.num_steps * cfg.global_batch_size / elapsed
     record: dict[str, Any] = {
         "step": step,
         "epoch": epoch,
-        "loss": loss_sum / num_items,
-        **{name: total / num_items for name, total in zip(names, totals[2 : len(sums)], strict=True)},
+        "loss": loss_sum / num_items if num_items else None,  # None: every step of the window was non-finite
+        **{name: total / num_items if num_items else None for name, total in terms.items()},
         "lr": lrs[0],
         **{f"lr/{index}": lr for index, lr in enumerate(lrs[1:], start=1)},
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
@@ -128,3 +145,29 @@ def _memory_gb(device: torch.device) -> list[float]:
     if device.type != "cuda":
         return [host, 0.0, 0.0]
     return [host, torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30]
+
+
+def write_log_record(run: Run, log: MetricsLog, window: Window, lrs: list[float], grad_norm: Any) -> None:
+    """Read the window back into a record (counting FLOPs first, once), log it, and keep it as the latest."""
+    state = run.checkpointer.state
+    if run.speed.flops_per_sample is None:
+        window.excluded_s += _count_flops(run, log)
+    record, new_items = log_record(run.accelerator, run.cfg, window, state.step, state.epoch, lrs, grad_norm,
+                                   run.speed)  # fmt: skip
+    state.items_seen += new_items
+    record.update(skipped_steps=state.skipped_steps, nonfinite_steps=state.nonfinite_steps,
+                  samples_seen=state.samples_seen, items_seen=state.items_seen,
+                  **run.compile_watch.record(state.step))  # fmt: skip
+    log.write(record)
+    state.metrics.update(record)
+
+
+def _count_flops(run: Run, log: MetricsLog) -> float:
+    """Count the model's FLOPs per sample once, from the first micro-batch's shapes, and say so; the seconds it
+    took (not training time)."""
+    started = time.perf_counter()
+    if run.first_batch is not None:
+        flops, source = flops_per_sample(run.recipe, run.cfg, run.first_batch, run.num_parameters)
+        run.speed.flops_per_sample = flops
+        log.note(f"accel-trainer: {flops:.4g} FLOPs per training sample ({source})")
+    return time.perf_counter() - started

@@ -24,11 +24,14 @@ class TrainState:
     samples_seen: int = 0
     """Training samples consumed, over all processes."""
     items_seen: float = 0.0
-    """Loss items (tokens for a token loss, samples otherwise) consumed, over all processes."""
+    """Loss items (tokens for a token loss, samples otherwise) of the steps taken, over all processes (a step
+    skipped as non-finite is not counted)."""
     data_position: list[int] | None = None
     """A stream's position (streams.py); None for a map-style set, whose position follows from `step`."""
     skipped_steps: int = 0
     """Optimizer steps the fp16 gradient scaler skipped (inf/NaN gradients)."""
+    nonfinite_steps: int = 0
+    """Steps skipped because their loss or gradient norm was NaN or Inf (nonfinite_guard.py)."""
     best_metric: float | None = None
     """The best value of `keep_best_metric` so far."""
     best_checkpoint: str | None = None

@@ -140,14 +140,20 @@ def count_reads_by_accel_trainer(monkeypatch) -> list[str]:
 
 
 def test_steps_between_log_steps_read_nothing_back_from_the_device(tmp_path, monkeypatch):
+    """Without the non-finite guard nothing is read back between log steps; with it (the default), one verdict
+    per step and nothing else (nonfinite_guard.py says why that read is worth it)."""
     reads = count_reads_by_accel_trainer(monkeypatch)
 
-    def reads_of_a_run(steps: int) -> list[str]:
+    def reads_of_a_run(steps: int, guard: bool) -> list[str]:
         reads.clear()
         at.train("gpt", n_layer=1, d_model=32, block_size=32, max_steps=steps, log_every_steps=0, max_grad_norm=1.0,
-                 eval_every_steps=0, output_dir=str(tmp_path / str(steps)), **QUIET)  # fmt: skip
+                 eval_every_steps=0, skip_nonfinite_steps=guard, output_dir=str(tmp_path / f"{steps}{guard}"),
+                 **QUIET)  # fmt: skip
         return sorted(reads)
 
-    three = reads_of_a_run(3)
+    three = reads_of_a_run(3, guard=False)
     assert three  # the counting sees the reads of the last step's log record and the final evaluation
-    assert reads_of_a_run(8) == three  # five more steps, not one more read
+    assert reads_of_a_run(8, guard=False) == three  # five more steps, not one more read
+    guarded = reads_of_a_run(8, guard=True)
+    assert sorted(set(guarded) - set(three)) == ["item in nonfinite_guard.py"]
+    assert guarded.count("item in nonfinite_guard.py") == 8

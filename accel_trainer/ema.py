@@ -1,0 +1,82 @@
+"""An exponential moving average of the weights (`ema_decay`), kept beside the model on every layout.
+
+The average starts as the initial weights and after every optimizer step taken moves towards the new ones
+(torch's `get_ema_multi_avg_fn`: one foreach lerp, on the device, no host sync). It covers every floating-point
+entry of the model's state dict, parameters and running statistics alike (like timm's ModelEma), each kept
+in fp32 and shaped like its entry: under FSDP or tensor parallelism an entry is a DTensor shard, so its average is
+a shard with the same placement and the EMA costs one fp32 copy of this process's part of the model.
+
+Checkpoints hold it beside the model (checkpoint.py: `ema.safetensors`, or `ema/` keys of the sharded files), so it
+resumes bitwise and reshards across layouts like the weights. `evaluate_ema=true` evaluates it at every
+evaluation (`eval_ema/<metric>`); the run ends by exporting it to `final/ema/model.safetensors`. Both swap the
+average into the model's own tensors and back, so the eval and export code is the model's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+
+class WeightAverage:
+    """The EMA of a prepared model's floating-point state, keyed like its checkpoint entries."""
+
+    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+        self.model = model
+        state: dict[str, Any] = get_model_state_dict(model)  # the names checkpoints use, whatever wraps the model
+        self.average: dict[str, torch.Tensor] = {
+            name: tensor.detach().to(torch.float32, copy=True) for name, tensor in state.items()
+            if tensor.is_floating_point()
+        }  # fmt: skip
+        self._update = get_ema_multi_avg_fn(decay)
+        self._live: list[torch.Tensor] | None = None
+
+    def update(self) -> None:
+        """Move the average towards the current weights (after an optimizer step)."""
+        if self._live is None:  # after the first forward: FSDP2 settles its sharded storage in its lazy init
+            self._live = self._live_tensors()
+        live = self._live
+        targets = [_local(tensor) for tensor in self.average.values()]
+        self._update(targets, [tensor if tensor.dtype == torch.float32 else tensor.float() for tensor in live], None)
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The model holds the averaged weights inside the block, its own again after it."""
+        live = self._live_tensors()
+        kept = [tensor.clone() for tensor in live]
+        with torch.no_grad():
+            torch._foreach_copy_(live, [_local(tensor) for tensor in self.average.values()])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(live, kept)
+
+    def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take whole tensors (an unsharded checkpoint's) into the average, sharding them like the model's."""
+        for name, target in self.average.items():
+            whole = tensors[name].to(target.device, torch.float32)
+            if isinstance(target, DTensor):  # a collective: every process takes its part
+                whole = distribute_tensor(whole, target.device_mesh, target.placements).to_local()
+            _local(target).copy_(whole)
+
+    def restart_from_weights(self) -> None:
+        """Set the average to the current weights (resuming a checkpoint that had none)."""
+        with torch.no_grad():
+            torch._foreach_copy_([_local(tensor) for tensor in self.average.values()], self._live_tensors())
+
+    def _live_tensors(self) -> list[torch.Tensor]:
+        """This process's tensors of the model's entries (views of its own storage), in the average's order."""
+        state: dict[str, Any] = get_model_state_dict(self.model)
+        return [_local(state[name]) for name in self.average]
+
+
+def _local(tensor: torch.Tensor) -> Any:
+    """This process's part of a DTensor (a shard, or a replica), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,85 @@
+"""Skipping the optimizer steps whose loss or gradient norm is NaN or Inf, and stopping a run that keeps making them.
+
+One bad batch (a corrupt sample, a log of zero, an overflow) would otherwise write NaN into every weight and the
+run would train on, logging `nan`, until max_steps. With `skip_nonfinite_steps` (the default) every step's loss
+(this process's micro-batches) and gradient norm (over all processes) are checked, and all processes agree on
+the verdict with one all-reduce of one number. A non-finite step then changes nothing: no optimizer step, no
+schedule step, no EMA update, its gradients dropped, the BatchNorm statistics its forward passes moved put back,
+and its loss left out of the logged mean; it is counted (`nonfinite_steps`, logged and checkpointed). After
+`max_nonfinite_in_a_row` such steps in a row the run saves a checkpoint, which holds the weights of the last good
+step (skipped steps changed nothing), and stops with a one-line error.
+
+The price is one host read per step, where the loop otherwise reads back only at log steps (Megatron-LM pays
+the same for its NaN check); `skip_nonfinite_steps=false` removes it. Under fp16 the gradient scaler already
+skips steps with inf/NaN gradients (`skipped_steps`), which are its normal business, so there only the loss is
+checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch.nn.modules.batchnorm import _NormBase
+
+from .config import TrainConfig
+from .errors import UserError
+from .losses import LossOutput
+
+
+class NonfiniteSteps(UserError):
+    """The loss or gradient norm stayed non-finite for max_nonfinite_in_a_row steps."""
+
+
+class NonfiniteGuard:
+    """Decides, alike on every process, whether a step's loss and gradients are finite enough to take it (made
+    only with skip_nonfinite_steps)."""
+
+    def __init__(self, cfg: TrainConfig, accelerator: Accelerator, model: torch.nn.Module) -> None:
+        self.max_in_a_row = cfg.max_nonfinite_in_a_row
+        self.accelerator = accelerator
+        self.checks_gradients = accelerator.scaler is None  # fp16: inf gradients are the scaler's to skip
+        self.in_a_row = 0
+        self.first_bad_step = 0
+        # Running statistics move in every training forward pass, taken step or not: kept to put them back.
+        self.statistics = [
+            buffer for module in model.modules() if isinstance(module, _NormBase) and module.track_running_stats
+            for buffer in module.buffers(recurse=False)
+        ]  # fmt: skip
+        self.good_statistics = [buffer.clone() for buffer in self.statistics]
+
+    def step_is_finite(self, step: int, outputs: list[LossOutput], grad_norm: torch.Tensor | None) -> bool:
+        """Whether to take this step: its losses and gradient norm are finite on every process."""
+        losses = torch.stack([output.loss.detach().float() for output in outputs])
+        bad = (~torch.isfinite(losses)).any()
+        if self.checks_gradients and grad_norm is not None:
+            bad = bad | ~torch.isfinite(grad_norm.detach().to(bad.device))
+        bad = bad.float()
+        if self.accelerator.num_processes > 1:  # the loss is this process's: the others must learn of it
+            bad = self.accelerator.reduce(bad, reduction="sum")
+        if not bad.item():
+            self.in_a_row = 0
+            if self.statistics:
+                torch._foreach_copy_(self.good_statistics, self.statistics)
+            return True
+        if self.statistics:
+            torch._foreach_copy_(self.statistics, self.good_statistics)
+        self.first_bad_step = step if self.in_a_row == 0 else self.first_bad_step
+        self.in_a_row += 1
+        return False
+
+    @property
+    def gives_up(self) -> bool:
+        """max_nonfinite_in_a_row steps in a row were not finite: the run saves and stops."""
+        return self.in_a_row >= self.max_in_a_row
+
+    def error(self, step: int, checkpoint: Any) -> NonfiniteSteps:
+        """The one line the run stops with."""
+        steps = f"step {step}" if self.in_a_row == 1 else f"steps {self.first_bad_step}-{step}"
+        return NonfiniteSteps(
+            f"the loss or gradient norm was NaN or Inf in {steps} ({self.in_a_row} in a row, the limit set by"
+            f" max_nonfinite_in_a_row); checkpoint {checkpoint} holds the weights of step {self.first_bad_step - 1},"
+            " the last finite one. Lower lr, raise warmup_steps or check the data of those steps, then continue"
+            " with resume=auto"
+        )
