@@ -5,6 +5,7 @@ accel-trainer new my_recipe                              # recipes/my_recipe.py 
 accel-trainer train vae max_steps=200
 accel-trainer report outputs/vae/<run>                  # report.md and report.png
 accel-trainer compare outputs/vae/run1 outputs/vae/run2 --output curves.png
+accel-trainer doctor --config_file accelerate_configs/cpu_ddp.yaml   # environment, then launch checks of a layout
 accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accel_trainer train vae
 """
 
@@ -14,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .doctor import doctor
 from .errors import UserError
 from .export import export
 from .new_recipe import write_new_recipe
@@ -41,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     comparer.add_argument("runs", nargs="+")
     comparer.add_argument("--output", help="draw the overlaid curves into this .png")
     comparer.add_argument("--x", default="step", help="align on step (default), samples or items seen")
+    _add_doctor_parser(commands)
     if arguments[:1] == ["train"]:
         known = parser.parse_args(arguments[:2])
         run_recipe(known.recipe, arguments[2:])
@@ -59,11 +62,25 @@ def main(argv: list[str] | None = None) -> None:
             print(f"report: {write_report(Path(known.run))}")
         elif known.command == "compare":
             print(compare([Path(run) for run in known.runs], Path(known.output) if known.output else None, known.x))
+        elif known.command == "doctor":
+            raise SystemExit(doctor(known.config_file, known.timeout_s))
         else:
             print(f"exported to {export(known.source, known.output)}")
     except UserError as error:
         print(f"accel-trainer: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:
+    checker = commands.add_parser(
+        "doctor", help="print the environment, launch a layout's processes and check them",
+        description="Print the environment, launch the layout's processes for a few seconds and check the rendezvous,"
+        " world size, an all-reduce, a broadcast and device placement, one line each. Exit status 0: all passed;"
+        " 1: a check failed (its line says the fix); 2: the config file is missing or not an accelerate config.",
+    )  # fmt: skip
+    checker.add_argument("--config_file", help="the accelerate config to check (default: accelerate_configs/"
+                         "cpu_ddp.yaml, 2 processes: gloo on the CPU or 2 GPUs; gpu.yaml with one GPU)")  # fmt: skip
+    checker.add_argument("--timeout_s", type=float, default=60.0, help="stop the launch after this long (default 60)")
 
 
 if __name__ == "__main__":
