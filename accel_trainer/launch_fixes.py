@@ -97,9 +97,11 @@ def refuse_single_process_cpu_launch() -> None:
 
     accelerate's simple launcher sets MASTER_ADDR only when it was asked for several processes or machines,
     yet starts one process and no launcher world size; that combination is the silent single-process run.
+    Only the simple launcher sets ACCELERATE_USE_CPU, to "False" for a `distributed_type: MULTI_CPU` config
+    with `use_cpu: false`, which started one process just the same (found by `accel-trainer doctor`).
     """
-    simple_cpu_launch = os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true"
-    if simple_cpu_launch and os.environ.get("MASTER_ADDR") and launched_world_size() is None:
+    simple_launch = "ACCELERATE_USE_CPU" in os.environ
+    if simple_launch and os.environ.get("MASTER_ADDR") and launched_world_size() is None:
         raise LayoutError(
             "`accelerate launch --cpu` (or a MULTI_CPU config) with several processes starts only one process"
             " without mpirun; launch with --config_file accelerate_configs/cpu_ddp.yaml or with torchrun"

@@ -23,9 +23,10 @@ def test_a_world_smaller_than_the_launcher_started_is_refused(monkeypatch):
     launch_fixes.check_launched_world(2)
 
 
-def test_a_single_process_started_for_a_multi_process_cpu_launch_is_refused(monkeypatch):
+@pytest.mark.parametrize("use_cpu", ["True", "False"])  # False: a MULTI_CPU config with use_cpu: false
+def test_a_single_process_started_for_a_multi_process_cpu_launch_is_refused(monkeypatch, use_cpu):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", use_cpu)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(LayoutError, match="cpu_ddp.yaml"):
         launch_fixes.refuse_single_process_cpu_launch()
