@@ -115,6 +115,11 @@ def rank_parameters(out: Path, rank: int) -> dict[str, torch.Tensor]:
     return load_file(str(Path(out) / f"rank{rank}.safetensors"))
 
 
+def rank_buffers(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    """The buffers one rank of the dumping worker held at the end (its local part of a sharded one)."""
+    return load_file(str(Path(out) / f"rank{rank}.buffers.safetensors"))
+
+
 def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
     """The consolidated weights a run exported (the same whether it trained plain, DDP or sharded)."""
     return load_file(str(Path(run_dir) / "final" / "model.safetensors"))

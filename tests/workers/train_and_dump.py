@@ -7,7 +7,9 @@ Writes `out/rank<r>.safetensors` with the parameters this rank holds at the end 
 consolidated weights are the run's final/model.safetensors), so a test can compare ranks with each other,
 and `out/rank<r>.json` with the number of parameter elements the rank holds itself (half of them per rank
 under 2-process FSDP) and trains (its stages' under a pipeline), the step counts in the optimizer's own
-state (one step per accumulation window, never more), and the DDP communication hooks registered.
+state (one step per accumulation window, never more), the DDP communication hooks registered and the names
+of the parameters and buffers the rank holds as shards (DTensors); `out/rank<r>.buffers.safetensors` holds
+the rank's buffers (its local part of a sharded one).
 ACCEL_TEST_RECIPE_FOLDER names a folder of extra recipes to register. Exits 3 if this process sees a
 different world size than the test expected.
 """
@@ -74,10 +76,19 @@ for name, parameter in trained.named_parameters():
 optimizer_steps = {int(s["step"]) for s in built_optimizers[0].state.values()}  # AdamW's own count
 optimizer_elements = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()  # what this rank trains
                          for group in built_optimizers[0].param_groups for p in group["params"])  # fmt: skip
+buffers = {}  # cloned: two names of one tensor (a shared mask) are two tensors in safetensors
+for name, buffer in trained.named_buffers():
+    if not buffer.is_meta:
+        local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
+        buffers[name.replace("_checkpoint_wrapped_module.", "")] = local.detach().clone()
 out = Path(os.environ["ACCEL_TEST_DUMP_DIR"])
 save_file(parameters, str(out / f"rank{state.process_index}.safetensors"))
+save_file(buffers, str(out / f"rank{state.process_index}.buffers.safetensors"))
+sharded_parameters = sorted(name for name, p in trained.named_parameters() if isinstance(p.data, DTensor))
+sharded_buffers = sorted(name for name, b in trained.named_buffers() if isinstance(b, DTensor))
 summary = {"local_elements": local_elements, "optimizer_elements": optimizer_elements,
-           "optimizer_steps": sorted(optimizer_steps), "comm_hooks": comm_hooks}  # fmt: skip
+           "optimizer_steps": sorted(optimizer_steps), "comm_hooks": comm_hooks,
+           "sharded_parameters": sharded_parameters, "sharded_buffers": sharded_buffers}  # fmt: skip
 (out / f"rank{state.process_index}.json").write_text(json.dumps(summary))
 sys.stdout.flush()
 os._exit(0)
