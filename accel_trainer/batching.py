@@ -46,3 +46,19 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, num_processes: i
             " or a smaller micro_batch_size"
         )
     return BatchPlan(global_batch_size, micro_batch_size, num_processes, global_batch_size // per_step)
+
+
+def per_process_batch(global_batch_size: int, num_processes: int) -> int:
+    """Samples per process per optimizer step: the largest micro-batch, with no accumulation.
+
+    Raises:
+        ConfigError: the global batch does not split evenly over the processes.
+    """
+    return plan_batches(global_batch_size, 1, num_processes).accumulation_steps
+
+
+def halved_micro_batch(per_process: int, micro_batch_size: int) -> int:
+    """The micro-batch to try after `micro_batch_size` ran out of memory: the largest divisor of the per-process
+    batch that is at most half of it (so the accumulation steps stay whole and the global batch the same); 0
+    when even 1 did not fit."""
+    return next((size for size in range(micro_batch_size // 2, 0, -1) if per_process % size == 0), 0)

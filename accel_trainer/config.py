@@ -40,8 +40,9 @@ class TrainConfig:
     """Number of optimizer steps to train for."""
     global_batch_size: int = 64
     """Samples per optimizer step, summed over all processes and accumulation micro-batches."""
-    micro_batch_size: int = 32
-    """Samples per process per forward pass; accumulation steps are derived from it and the process count."""
+    micro_batch_size: int | Literal["auto"] = 32
+    """Samples per process per forward pass; accumulation steps are derived from it and the process count. auto:
+    the largest that fits in memory, halved from the whole per-process batch until one fits (auto_batch.py)."""
     lr: float = 1e-3
     """Peak learning rate (before the optional scaling rule)."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -181,6 +182,8 @@ def validate_config(config: TrainConfig | LayoutSettings) -> None:
         if not hasattr(config, name):  # the bounds cover the config and the layout settings
             continue
         value = getattr(config, name)
+        if isinstance(value, str):  # micro_batch_size=auto
+            continue
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name}={value}: expected a finite number")
         if value < bound or (value == bound and not inclusive):

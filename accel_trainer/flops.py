@@ -69,7 +69,7 @@ def flops_per_sample(recipe: Recipe, cfg: TrainConfig, batch: Any, num_parameter
     declared = getattr(recipe, "flops_per_sample", None)
     if declared:
         return float(declared), "declared by the recipe's flops_per_sample"
-    samples = _batch_size(batch) or cfg.micro_batch_size
+    samples = _batch_size(batch) or int(cfg.micro_batch_size)  # the run's config: auto is resolved
     try:
         with _rng_untouched():
             total = _count_on_meta(recipe, cfg, batch)

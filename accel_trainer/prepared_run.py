@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from accelerate.utils import DynamoBackend, set_seed
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from . import data, launch_fixes
+from .auto_batch import check_auto_layout, choose_micro_batch_size
 from .batching import BatchPlan, plan_batches
 from .batchnorm import convert_to_sync_batchnorm
 from .checkpoint import RunIdentity, Trained
@@ -98,8 +99,9 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     cfg, layout = identity.cfg, identity.layout
     set_seed(cfg.seed)  # the same initial weights on every process and layout
     ranks = data_ranks(accelerator)
-    plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, ranks.size)
-    accelerator.gradient_accumulation_steps = plan.accumulation_steps
+    if cfg.micro_batch_size == "auto":
+        check_auto_layout(accelerator, layout, ranks)
+    plan = plan_batches(cfg.global_batch_size, _fixed_micro_batch_size(cfg), ranks.size)  # before any work
     model = recipe.build_model(cfg)
     num_parameters, summary = sum(parameter.numel() for parameter in model.parameters()), model_summary(model)
     model = _split_and_wrap(model, recipe, layout, accelerator)
@@ -108,6 +110,11 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     data.check_dataset(train_set, "training")
     if eval_set is not None:
         data.check_dataset(eval_set, "eval")
+    if cfg.micro_batch_size == "auto":  # the largest that fits; the run's cfg holds it, its identity says auto
+        micro_batch_size = choose_micro_batch_size(recipe, cfg.global_batch_size, model, train_set, accelerator, ranks)
+        cfg = recipe.cfg = replace(cfg, micro_batch_size=micro_batch_size)
+        plan = plan_batches(cfg.global_batch_size, micro_batch_size, ranks.size)
+    accelerator.gradient_accumulation_steps = plan.accumulation_steps
     pipeline = None
     if layout.pp_size > 1:  # the stages of this process; the optimizer and checkpoints see only their weights
         pipeline = _pipeline(recipe, model.to(accelerator.device), train_set, plan, layout, accelerator)
@@ -115,15 +122,7 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     optimizer = recipe.build_optimizer(cfg, model)
     # deliberately not prepared: see schedules.py
     scheduler = recipe_scheduler(recipe, cfg, optimizer, warn=accelerator.is_main_process)
-    workers = cfg.num_dataloader_workers
-    if workers and data.is_stream(train_set) and accelerator.is_main_process:
-        warnings.warn("accel-trainer: num_dataloader_workers has no effect on a stream: it is read in the training"
-                      " process (streams.py)", stacklevel=2)  # fmt: skip
-    cache_gb = cfg.data_cache_gb
-    train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, workers, cache_gb)
-    eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (Run.eval_batches)
-    if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == ranks.context_parallel == 1:
-        eval_loader = data.eval_loader(recipe, eval_set, plan, workers, cache_gb)
+    train_loader, eval_loader = _loaders(recipe, cfg, train_set, eval_set, plan, ranks, accelerator.is_main_process)
     if pipeline is not None:  # not wrapped (there is no gradient to average); loaders for the data ranks
         optimizer = accelerator.prepare_optimizer(optimizer)  # alone: prepare() refuses that under FSDP2
         if train_loader is not None:
@@ -143,6 +142,26 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
                num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks,
                pipeline, compile_watch=CompileWatch(enabled=compiled, warn=accelerator.is_main_process),
                guard=guard, ema=ema)  # fmt: skip
+
+
+def _loaders(recipe: Recipe, cfg: TrainConfig, train_set: Any, eval_set: Any, plan: BatchPlan, ranks: DataRanks,
+             is_main_process: bool) -> tuple[Any, Any]:  # fmt: skip
+    """The training and eval loaders (before `prepare`); None for a stream, read by streams.py instead."""
+    workers = cfg.num_dataloader_workers
+    if workers and data.is_stream(train_set) and is_main_process:
+        warnings.warn("accel-trainer: num_dataloader_workers has no effect on a stream: it is read in the training"
+                      " process (streams.py)", stacklevel=3)  # fmt: skip
+    cache_gb = cfg.data_cache_gb
+    train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, workers, cache_gb)
+    eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (Run.eval_batches)
+    if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == ranks.context_parallel == 1:
+        eval_loader = data.eval_loader(recipe, eval_set, plan, workers, cache_gb)
+    return train_loader, eval_loader
+
+
+def _fixed_micro_batch_size(cfg: TrainConfig) -> int:
+    """The micro-batch size set; 1 for auto, whose size is found later (the global batch is checked now)."""
+    return 1 if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
 
 
 def _split_and_wrap(model: Any, recipe: Recipe, layout: LayoutSettings, accelerator: Accelerator) -> Any:

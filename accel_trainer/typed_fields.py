@@ -26,9 +26,16 @@ from .errors import ConfigError
 
 
 def config_fields(config_cls: type) -> dict[str, Any]:
-    """Map each field name of a config dataclass to its resolved type."""
-    hints = typing.get_type_hints(config_cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(config_cls)}
+    """Map each field name of a config dataclass to its resolved type: the type of its first declaration, so a
+    recipe's `micro_batch_size: int = 16` changes the framework field's default, not its type (auto stays)."""
+    types_found: dict[str, Any] = {}
+    for klass in reversed(config_cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            hints = typing.get_type_hints(klass)
+            for name in inspect.get_annotations(klass):  # declared by this class itself
+                types_found.setdefault(name, hints[name])
+    return {f.name: types_found.get(f.name, typing.get_type_hints(config_cls)[f.name])
+            for f in dataclasses.fields(config_cls)}  # fmt: skip
 
 
 def field_docs(config_cls: type) -> dict[str, str]:

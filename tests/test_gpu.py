@@ -193,3 +193,22 @@ def test_context_parallel_gpt_follows_the_one_gpu_trajectory(tmp_path):
               f" {max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)):.2e}")  # fmt: skip
         assert got == pytest.approx(want, rel=1e-3)
     assert [r["items_seen"] for r in sliced] == [r["items_seen"] for r in training_records(one)]
+
+
+def test_auto_micro_batch_size_halves_after_a_real_out_of_memory_and_keeps_the_global_batch(tmp_path):
+    """A 1M-wide MLP under a 6 GiB cap: 1024 samples of ~16 MB of activations cannot fit in one pass."""
+    fraction = 6 * 2**30 / torch.cuda.get_device_properties(0).total_memory
+    result = run_command(
+        [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / "gpu.yaml",
+         "--main_process_port", str(free_port()), WORKERS / "train_and_dump.py", "mlp", f"output_dir={tmp_path}",
+         "hidden=1048576", "global_batch_size=1024", "micro_batch_size=auto", "max_steps=2", "log_every_steps=1",
+         "eval_every_steps=0", *TEST_OVERRIDES],
+        env={**dump_env(tmp_path, 1), "ACCEL_TEST_CUDA_MEMORY_FRACTION": str(fraction)},
+    )  # fmt: skip
+
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("micro_batch_size=auto:")]
+    print(line)
+    chosen = int(line.split(": ")[1].split(" of ")[0])
+    assert 1 <= chosen < 1024 and 1024 % chosen == 0
+    assert f"= {chosen} per micro-batch x 1 process(es) x {1024 // chosen} accumulation step(s)" in result.stdout
+    assert len(training_records(read_metrics(tmp_path))) == 2

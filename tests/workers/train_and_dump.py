@@ -10,7 +10,8 @@ under 2-process FSDP) and trains (its stages' under a pipeline), the step counts
 state (one step per accumulation window, never more), the DDP communication hooks registered and the names
 of the parameters and buffers the rank holds as shards (DTensors); `out/rank<r>.buffers.safetensors` holds
 the rank's buffers (its local part of a sharded one).
-ACCEL_TEST_RECIPE_FOLDER names a folder of extra recipes to register. Exits 3 if this process sees a
+ACCEL_TEST_RECIPE_FOLDER names a folder of extra recipes to register; ACCEL_TEST_CUDA_MEMORY_FRACTION caps
+the GPU memory this process may use. Exits 3 if this process sees a
 different world size than the test expected.
 """
 
@@ -26,6 +27,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import accel_trainer as at
 
+if os.environ.get("ACCEL_TEST_CUDA_MEMORY_FRACTION"):  # a smaller GPU, to run out of memory on purpose
+    import torch
+
+    torch.cuda.set_per_process_memory_fraction(float(os.environ["ACCEL_TEST_CUDA_MEMORY_FRACTION"]))
 if os.environ.get("ACCEL_TEST_RECIPE_FOLDER"):  # extra test recipes, e.g. deliberately wrong variants
     at.registry.discover_recipes([Path(os.environ["ACCEL_TEST_RECIPE_FOLDER"])])
 recipe_name, overrides = sys.argv[1], sys.argv[2:]
