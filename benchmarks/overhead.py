@@ -12,6 +12,7 @@ Three workloads (issue 11's targets; docs/benchmarks.md has the figures):
     held as tensors, one indexing per batch through `__getitems__`: accel-trainer's batched data path), the same
     clipping, schedule and logging. Target >= 0.97.
 (c) compute-bound: a wide MLP whose steps are tens of milliseconds of matrix work, same work. Target >= 0.99.
+(d) in (a), plain accelerate and, when installed (`pip install -e .[bench]`), Lightning at their defaults.
 It asserts nothing: it is a measurement.
 
 Method. Separate runs on a small shared machine vary by up to 2x, so the sides run in this one process and
@@ -29,11 +30,13 @@ import contextlib
 import dataclasses
 import functools
 import io
+import logging
 import math
 import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,6 +275,49 @@ def accelerate_seconds(cfg: MLPConfig, clock: StepClock, at_defaults: bool) -> t
     return clock.seconds()
 
 
+def lightning_seconds(cfg: MLPConfig, clock: StepClock, run_dir: Path) -> tuple[float, float]:
+    """The same model and data as a LightningModule, trained by Lightning's `Trainer` at its defaults (its logger
+    and checkpointing, `self.log` of the loss; only the progress bar and model summary off: there is no terminal)."""
+    import lightning
+
+    for name in ("lightning.pytorch", "lightning.fabric"):  # its tips and device lines on every chunk
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="lightning")
+
+    class Module(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build_mlp(cfg)
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_index: int) -> torch.Tensor:
+            clock.tick()
+            loss = mse_loss(self.model, batch)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return build_optimizer(cfg, self.model)
+
+    torch.manual_seed(cfg.seed)
+    dataset = synthetic_dataset(cfg.num_samples, cfg.num_features).with_format("torch")
+    loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, shuffle=True, drop_last=True)
+    trainer = lightning.Trainer(max_steps=cfg.max_steps, accelerator="cpu", devices=1, default_root_dir=run_dir,
+                                log_every_n_steps=cfg.log_every_steps, enable_progress_bar=False,
+                                enable_model_summary=False)  # fmt: skip
+    trainer.fit(Module(), loader)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return clock.seconds()
+
+
+def lightning_installed() -> bool:
+    """Lightning is compared when installed (`pip install -e .[bench]`)."""
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 # ---- (b) accel-trainer ----
 
 
@@ -321,7 +367,10 @@ class Rates:
 
 
 def sides(workload: Workload) -> list[str]:
-    return ["plain", "accelerate", "accel-trainer"] if workload.at_defaults else ["plain", "accel-trainer"]
+    """(a) and (d): each framework at its defaults, Lightning when installed; otherwise the same work."""
+    if not workload.at_defaults:
+        return ["plain", "accel-trainer"]
+    return ["plain", "accelerate", *(["lightning"] if lightning_installed() else []), "accel-trainer"]
 
 
 def run_chunk(side: str, workload: Workload, cfg: MLPConfig, run_dir: Path, rates: Rates) -> None:
@@ -332,6 +381,8 @@ def run_chunk(side: str, workload: Workload, cfg: MLPConfig, run_dir: Path, rate
             wall, cpu = plain_seconds(cfg, clock, workload.at_defaults)
         elif side == "accelerate":
             wall, cpu = accelerate_seconds(cfg, clock, workload.at_defaults)
+        elif side == "lightning":
+            wall, cpu = lightning_seconds(cfg, clock, run_dir)
         else:
             wall, cpu = accel_seconds(cfg, clock, workload.at_defaults, run_dir)
     rates.cpu.append(workload.num_timed_steps / cpu)
