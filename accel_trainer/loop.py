@@ -123,7 +123,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         state.epoch, state.step, state.samples_seen = epoch + 1, step, step * cfg.global_batch_size
         is_log_step = _logs_after(cfg, step)
         lrs, grad_norm = _optimizer_step(run, is_log_step, outputs)
-        if run.guard is None or not run.guard.in_a_row:  # a skipped step's losses stay out of the logged mean
+        if run.guard is None or not state.nonfinite_in_a_row:  # a skipped step's losses stay out of the logged mean
             window.add_step(outputs, run.plan.micro_batch_size)
         profiler.after_step(step)
         log.advance()
@@ -134,7 +134,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         scores = _evaluate_after(run, log, window, step) if has_eval else None
         early_stop = should_stop_early(cfg, state, scores)
         stop = preemption.should_stop()
-        gives_up = run.guard is not None and run.guard.gives_up
+        gives_up = run.guard is not None and run.guard.gives_up(state)
         note_where(f"the save of step {step}")
         if run.stream is not None:  # a map-style set's position is derived from the step
             state.data_position = list(run.stream.position)
@@ -146,7 +146,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
             _event(run, "checkpoint", step=step, seconds=seconds, background=run.checkpointer.writer is not None)
         if gives_up:
             _event(run, "nonfinite_stop", step=step)
-            raise run.guard.error(step, folder)  # type: ignore[union-attr]
+            raise run.guard.error(state, folder)  # type: ignore[union-attr]
         if stop:
             _event(run, "preempted", step=step, signal=preemption.signal_name)
             raise Preempted(preemption.signal_name, step, folder)
@@ -202,9 +202,10 @@ def _optimizer_step(run: Run, is_log_step: bool, outputs: list[LossOutput]) -> t
         else:
             grad_norm = run.verbs.clip_grad_norm(run.model.parameters(), max_norm)
     lrs = [group["lr"] for group in run.optimizer.param_groups] if is_log_step else []  # the LRs of this step
-    if run.guard is not None and not run.guard.step_is_finite(state.step, outputs, grad_norm):
-        state.nonfinite_steps += 1
-    elif run.verbs.optimizer_step():
+    if run.guard is not None and not run.guard.step_is_finite(state, outputs, grad_norm):
+        run.verbs.zero_grad()  # a skipped step (counted in state): only its gradients go
+        return lrs, grad_norm
+    if run.verbs.optimizer_step():
         run.scheduler.step()  # the schedule follows the optimizer steps actually taken
         if run.ema is not None:
             run.ema.update()

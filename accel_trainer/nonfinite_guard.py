@@ -26,6 +26,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from .config import TrainConfig
 from .errors import UserError
 from .losses import LossOutput
+from .train_state import TrainState
 
 
 class NonfiniteSteps(UserError):
@@ -40,8 +41,6 @@ class NonfiniteGuard:
         self.max_in_a_row = cfg.max_nonfinite_in_a_row
         self.accelerator = accelerator
         self.checks_gradients = accelerator.scaler is None  # fp16: inf gradients are the scaler's to skip
-        self.in_a_row = 0
-        self.first_bad_step = 0
         # Running statistics move in every training forward pass, taken step or not: kept to put them back.
         self.statistics = [
             buffer for module in model.modules() if isinstance(module, _NormBase) and module.track_running_stats
@@ -49,8 +48,9 @@ class NonfiniteGuard:
         ]  # fmt: skip
         self.good_statistics = [buffer.clone() for buffer in self.statistics]
 
-    def step_is_finite(self, step: int, outputs: list[LossOutput], grad_norm: torch.Tensor | None) -> bool:
-        """Whether to take this step: its losses and gradient norm are finite on every process."""
+    def step_is_finite(self, state: TrainState, outputs: list[LossOutput], grad_norm: torch.Tensor | None) -> bool:
+        """Whether to take this step: its losses and gradient norm are finite on every process. Counts a step that
+        is not in `state` (nonfinite_steps, and nonfinite_in_a_row, which a resume continues)."""
         losses = torch.stack([output.loss.detach().float() for output in outputs])
         bad = (~torch.isfinite(losses)).any()
         if self.checks_gradients and grad_norm is not None:
@@ -59,27 +59,27 @@ class NonfiniteGuard:
         if self.accelerator.num_processes > 1:  # the loss is this process's: the others must learn of it
             bad = self.accelerator.reduce(bad, reduction="sum")
         if not bad.item():
-            self.in_a_row = 0
+            state.nonfinite_in_a_row = 0
             if self.statistics:
                 torch._foreach_copy_(self.good_statistics, self.statistics)
             return True
         if self.statistics:
             torch._foreach_copy_(self.statistics, self.good_statistics)
-        self.first_bad_step = step if self.in_a_row == 0 else self.first_bad_step
-        self.in_a_row += 1
+        state.nonfinite_steps += 1
+        state.nonfinite_in_a_row += 1
         return False
 
-    @property
-    def gives_up(self) -> bool:
+    def gives_up(self, state: TrainState) -> bool:
         """max_nonfinite_in_a_row steps in a row were not finite: the run saves and stops."""
-        return self.in_a_row >= self.max_in_a_row
+        return state.nonfinite_in_a_row >= self.max_in_a_row
 
-    def error(self, step: int, checkpoint: Any) -> NonfiniteSteps:
+    def error(self, state: TrainState, checkpoint: Any) -> NonfiniteSteps:
         """The one line the run stops with."""
-        steps = f"step {step}" if self.in_a_row == 1 else f"steps {self.first_bad_step}-{step}"
+        count, first = state.nonfinite_in_a_row, state.step - state.nonfinite_in_a_row + 1
+        steps = f"step {state.step}" if count == 1 else f"steps {first}-{state.step}"
         return NonfiniteSteps(
-            f"the loss or gradient norm was NaN or Inf in {steps} ({self.in_a_row} in a row, the limit set by"
-            f" max_nonfinite_in_a_row); checkpoint {checkpoint} holds the weights of step {self.first_bad_step - 1},"
-            " the last finite one. Lower lr, raise warmup_steps or check the data of those steps, then continue"
-            " with resume=auto"
+            f"the loss or gradient norm was NaN or Inf in {steps} ({count} in a row, the limit set by"
+            f" max_nonfinite_in_a_row); checkpoint {checkpoint} holds the weights of step {first - 1}, the last"
+            " finite one. Lower lr, raise warmup_steps or check the data of those steps, then continue with"
+            " resume=auto"
         )

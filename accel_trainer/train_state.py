@@ -32,6 +32,8 @@ class TrainState:
     """Optimizer steps the fp16 gradient scaler skipped (inf/NaN gradients)."""
     nonfinite_steps: int = 0
     """Steps skipped because their loss or gradient norm was NaN or Inf (nonfinite_guard.py)."""
+    nonfinite_in_a_row: int = 0
+    """The latest of those in a row, up to this step (0: this step was finite)."""
     best_metric: float | None = None
     """The best value of `keep_best_metric` so far."""
     best_checkpoint: str | None = None

@@ -74,6 +74,12 @@ def test_too_many_in_a_row_stop_with_a_checkpoint_of_the_last_good_weights(tmp_p
     assert_same_tensors(saved(tmp_path, 4), saved(tmp_path, 7))
     assert not (tmp_path / "checkpoints" / "step_00000008").exists()
 
+    # The count is checkpointed: one more bad step after the resume makes four in a row (the recipe counts its
+    # calls from 1 again in the resumed run, so its first step, step 8, is poisoned as "1").
+    with pytest.raises(NonfiniteSteps, match=r"NaN or Inf in steps 5-8 \(4 in a row"):
+        at.train("poisoned", poison_steps="1", max_nonfinite_in_a_row=3, output_dir=str(tmp_path / "resumed"),
+                 resume=str(tmp_path / "checkpoints" / "step_00000007"), **SAVE_EVERY_STEP)  # fmt: skip
+
 
 def test_two_skipped_steps_apart_do_not_add_up_to_a_stop(tmp_path):
     at.train("poisoned", poison_steps="3,5,7", max_nonfinite_in_a_row=2, output_dir=str(tmp_path), **SAVE_EVERY_STEP)
