@@ -56,16 +56,19 @@ def as_torch(dataset: Any) -> Any:
     return dataset
 
 
-def train_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int, cache_gb: float) -> DataLoader:
+def train_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int, cache_gb: float,
+                 pin_memory: bool = False) -> DataLoader:  # fmt: skip
+    """The training loader; `pin_memory` (for a CUDA device) lets accelerate copy each batch without blocking."""
     source, collate = _source(recipe, dataset, cache_gb)
     return DataLoader(source, batch_size=plan.micro_batch_size, shuffle=True, drop_last=True, collate_fn=collate,
-                      num_workers=num_workers)  # fmt: skip
+                      num_workers=num_workers, pin_memory=pin_memory)  # fmt: skip
 
 
-def eval_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int, cache_gb: float) -> DataLoader:
+def eval_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int, cache_gb: float,
+                pin_memory: bool = False) -> DataLoader:  # fmt: skip
     source, collate = _source(recipe, dataset, cache_gb)
     return DataLoader(source, batch_size=plan.micro_batch_size, shuffle=False, collate_fn=collate,
-                      num_workers=num_workers)  # fmt: skip
+                      num_workers=num_workers, pin_memory=pin_memory)  # fmt: skip
 
 
 def _source(recipe: Recipe, dataset: Any, cache_gb: float) -> tuple[Any, Callable[[Any], Any]]:

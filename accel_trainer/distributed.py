@@ -68,7 +68,8 @@ def _accelerator(cfg: TrainConfig, layout: LayoutSettings, fsdp_plugin: FullySha
         dynamo_plugin=dynamo_plugin(layout),
         mixed_precision=layout.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1, sync_with_dataloader=False),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
+        # non_blocking: a CUDA batch is copied from pinned memory (data.train_loader) while the GPU still works.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=True),
         kwargs_handlers=[
             InitProcessGroupKwargs(timeout=timedelta(seconds=layout.collective_timeout_s)),
             ddp_kwargs(layout),

@@ -122,14 +122,9 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     optimizer = recipe.build_optimizer(cfg, model)
     # deliberately not prepared: see schedules.py
     scheduler = recipe_scheduler(recipe, cfg, optimizer, warn=accelerator.is_main_process)
-    train_loader, eval_loader = _loaders(recipe, cfg, train_set, eval_set, plan, ranks, accelerator.is_main_process)
-    if pipeline is not None:  # not wrapped (there is no gradient to average); loaders for the data ranks
-        optimizer = accelerator.prepare_optimizer(optimizer)  # alone: prepare() refuses that under FSDP2
-        if train_loader is not None:
-            train_loader = launch_fixes.prepare_loader_for_data_ranks(accelerator, train_loader, ranks.rank,
-                                                                      ranks.size)  # fmt: skip
-    else:  # A None loader (a stream, or no eval set) passes through prepare unchanged.
-        model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    train_loader, eval_loader = _loaders(recipe, cfg, train_set, eval_set, plan, ranks, accelerator)
+    model, optimizer, train_loader, eval_loader = _prepare(accelerator, pipeline, ranks, model, optimizer,
+                                                          train_loader, eval_loader)  # fmt: skip
     set_seed(cfg.seed + ranks.rank)  # independent dropout per data-parallel rank, shared by its TP ranks
     steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
     ema = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay else None
@@ -144,18 +139,32 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
                guard=guard, ema=ema)  # fmt: skip
 
 
+def _prepare(accelerator: Accelerator, pipeline: Pipeline | None, ranks: DataRanks, *objects: Any) -> tuple[Any, ...]:
+    """`accelerator.prepare` the model, optimizer and loaders; a None loader (a stream, no eval set) stays None."""
+    model, optimizer, train_loader, eval_loader = objects
+    if pipeline is not None:  # not wrapped (there is no gradient to average); loaders for the data ranks
+        optimizer = accelerator.prepare_optimizer(optimizer)  # alone: prepare() refuses that under FSDP2
+        if train_loader is not None:
+            train_loader = launch_fixes.prepare_loader_for_data_ranks(accelerator, train_loader, ranks.rank,
+                                                                      ranks.size)  # fmt: skip
+        return model, optimizer, train_loader, eval_loader
+    # On the CPU a batch is already where it belongs: no device placement (a send_to_device walk per step).
+    placement = False if accelerator.device.type == "cpu" else None
+    return tuple(accelerator.prepare(*objects, device_placement=[None, None, placement, placement]))
+
+
 def _loaders(recipe: Recipe, cfg: TrainConfig, train_set: Any, eval_set: Any, plan: BatchPlan, ranks: DataRanks,
-             is_main_process: bool) -> tuple[Any, Any]:  # fmt: skip
+             accelerator: Accelerator) -> tuple[Any, Any]:  # fmt: skip
     """The training and eval loaders (before `prepare`); None for a stream, read by streams.py instead."""
     workers = cfg.num_dataloader_workers
-    if workers and data.is_stream(train_set) and is_main_process:
+    if workers and data.is_stream(train_set) and accelerator.is_main_process:
         warnings.warn("accel-trainer: num_dataloader_workers has no effect on a stream: it is read in the training"
                       " process (streams.py)", stacklevel=3)  # fmt: skip
-    cache_gb = cfg.data_cache_gb
-    train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, workers, cache_gb)
+    options = dict(num_workers=workers, cache_gb=cfg.data_cache_gb, pin_memory=accelerator.device.type == "cuda")
+    train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, **options)
     eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (Run.eval_batches)
     if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == ranks.context_parallel == 1:
-        eval_loader = data.eval_loader(recipe, eval_set, plan, workers, cache_gb)
+        eval_loader = data.eval_loader(recipe, eval_set, plan, **options)
     return train_loader, eval_loader
 
 
