@@ -16,7 +16,8 @@ is exact on any layout. `pack_sequences=true` packs paragraphs into full windows
 and positions restart at each paragraph), and `streaming=true` streams the training text from the files
 (datasets' streaming text loader), as a corpus larger than memory would be read. Each log record carries
 `padded_per_token`: the positions that train nothing (padding, a packed window's paragraph starts) per trained
-token.
+token. `data_cache_dir=<folder>` keeps the paragraphs, the split and the cut examples in datasets' Arrow cache
+there: the main process builds them once, the other processes and later runs read them.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ class GPTConfig(at.TrainConfig):
     """Fraction of the paragraphs held out for evaluation."""
     max_source_bytes: int = 2_000_000
     """Cap on the corpus: the sorted source files are taken in order while their total size stays within it."""
+    data_cache_dir: str = ""
+    """A folder for datasets' Arrow cache of the paragraphs, the split and the cut or packed examples, reused by
+    later runs (datasets' fingerprints: a change of block_size or split makes a new entry); the main process
+    writes it first, the others read it. Empty: built in memory by each process, nothing kept."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -230,15 +235,19 @@ def _quiet_datasets() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def load_paragraphs(files: list[str]) -> datasets.Dataset:
+def load_paragraphs(files: list[str], cache_dir: str = "") -> datasets.Dataset:
     """The files as a `datasets.Dataset` of paragraphs (text between blank lines), in file order.
 
-    Built in a throwaway cache folder and kept in memory: each process builds it in well under a second, and
-    nothing is left behind or shared between concurrent runs.
+    Without a `cache_dir`, built in a throwaway cache folder and kept in memory: each process builds it in well
+    under a second, and nothing is left behind or shared between concurrent runs. With one, an Arrow table there,
+    whose later maps and splits datasets caches beside it.
     """
-    with tempfile.TemporaryDirectory() as cache_dir:
+    if cache_dir:
+        return datasets.load_dataset("text", data_files=files, sample_by="paragraph", split="train",
+                                     cache_dir=cache_dir)  # fmt: skip
+    with tempfile.TemporaryDirectory() as throwaway:
         return datasets.load_dataset(
-            "text", data_files=files, sample_by="paragraph", split="train", cache_dir=cache_dir, keep_in_memory=True
+            "text", data_files=files, sample_by="paragraph", split="train", cache_dir=throwaway, keep_in_memory=True
         )
 
 
@@ -287,7 +296,7 @@ def build_splits(cfg: GPTConfig) -> tuple[Any, datasets.Dataset]:
     options = dict(batched=True, remove_columns=["text"], fn_kwargs={"block_size": cfg.block_size})
     files = source_files(cfg.max_source_bytes)
     with _quiet_datasets():
-        paragraphs = load_paragraphs(files)
+        paragraphs = load_paragraphs(files, cfg.data_cache_dir)
         if not cfg.streaming:
             splits = paragraphs.train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
             return splits["train"].map(cut, **options), splits["test"].map(cut, **options)

@@ -51,6 +51,20 @@ def test_the_dataset_is_deterministic_and_its_sequences_vary_in_length():
     assert 0.02 < len(eval_) / (len(train) + len(eval_)) < 0.1  # eval_fraction of the paragraphs, 0.05
 
 
+def test_a_data_cache_dir_keeps_the_cut_examples_for_later_runs_and_changes_nothing(tmp_path):
+    in_memory = recipe_and_config()
+    recipe, cfg = recipe_and_config(data_cache_dir=str(tmp_path))
+    train, eval_ = recipe.build_datasets(cfg)
+    written = {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*.arrow")}
+    train_again, eval_again = recipe.build_datasets(cfg)  # a later run: read from the cache
+
+    assert {path: path.stat().st_mtime_ns for path in tmp_path.rglob("*.arrow")} == written  # nothing rebuilt
+    assert train_again.cache_files and {Path(f["filename"]) for f in train_again.cache_files} <= set(written)
+    expected_train, expected_eval = in_memory[0].build_datasets(in_memory[1])
+    assert train_again["input_ids"] == train["input_ids"] == expected_train["input_ids"]
+    assert eval_again["input_ids"] == eval_["input_ids"] == expected_eval["input_ids"]
+
+
 def test_collate_pads_to_the_longest_sequence_rounded_up_to_8_and_the_loss_ignores_the_padding():
     """Lengths are multiples of 8 so sequence parallelism can split them evenly over up to 8 processes."""
     recipe, cfg = recipe_and_config()
