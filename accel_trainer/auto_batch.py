@@ -42,12 +42,15 @@ def check_auto_layout(accelerator: Accelerator, layout: LayoutSettings, ranks: D
     Raises:
         ConfigError: FSDP, tensor, pipeline or context parallelism.
     """
-    sharded = accelerator.is_fsdp2 or layout.tp_size > 1 or ranks.replicas > 1
-    if sharded or layout.pp_size > 1 or ranks.context_parallel > 1:
+    kinds = {"an FSDP": accelerator.is_fsdp2, "a tensor-parallel": layout.tp_size > 1 or ranks.replicas > 1,
+             "a pipeline": layout.pp_size > 1, "a context-parallel": ranks.context_parallel > 1}  # fmt: skip
+    kind = next((name for name, applies in kinds.items() if applies), None)
+    if kind is not None:
         raise ConfigError(
-            "micro_batch_size=auto probes an unsharded copy of the model on each process, so it works on one"
-            " process and on DDP layouts; set micro_batch_size on a sharded, pipeline or context-parallel layout"
-            " (auto on one GPU of the same kind gives an upper bound)"
+            f"micro_batch_size=auto on {kind} layout: auto probes an unsharded copy of the model on each process,"
+            " which does not measure this layout's memory; it works on one process and on DDP layouts. Set"
+            " micro_batch_size (on CUDA, the size auto finds on one GPU fits here too: sharding only lowers each"
+            " GPU's share)"
         )
 
 

@@ -209,6 +209,11 @@ def config_warnings(config: TrainConfig) -> list[str]:
             f"warmup_steps={config.warmup_steps} is beyond max_steps={config.max_steps}: the learning rate never"
             " reaches its peak"
         )
+    if not config.skip_nonfinite_steps and config.max_nonfinite_in_a_row != TrainConfig.max_nonfinite_in_a_row:
+        problems.append(
+            f"max_nonfinite_in_a_row={config.max_nonfinite_in_a_row} has no effect with skip_nonfinite_steps=false:"
+            " nothing checks the loss for NaN or Inf"
+        )
     return problems
 
 

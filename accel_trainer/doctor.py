@@ -100,6 +100,9 @@ def load_layout(path: Path) -> Any:
     """
     from accelerate.commands.config.config_args import load_config_from_file
 
+    if not path.read_text().strip():
+        raise ConfigError(f"{path} is empty: write an accelerate config there (`accelerate config`), or pass one"
+                          " such as accelerate_configs/cpu_ddp.yaml")  # fmt: skip
     try:
         layout = load_config_from_file(str(path))
     except Exception as error:  # noqa: BLE001 - yaml, unknown keys, a list instead of a mapping: all one line

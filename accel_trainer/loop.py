@@ -54,7 +54,7 @@ def train_loop(
     """
     setup_started = time.time()
     run = prepare_run(recipe, RunIdentity(recipe_name, cfg, layout), accelerator, run_dir)
-    state = run.checkpointer.restore()
+    state = run.restore()
     check_early_stop(cfg, run.eval_set is not None)
     if state.step >= cfg.max_steps or state.stopped_early:  # the run's files stay as they are: nothing is trained
         return _already_trained(run)
@@ -128,13 +128,14 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         profiler.after_step(step)
         log.advance()
 
-        if is_log_step:
+        gives_up = run.guard is not None and run.guard.gives_up(state)
+        if is_log_step or gives_up:  # a stop on non-finite steps records the steps since the last record
+            lrs = lrs or [group["lr"] for group in run.optimizer.param_groups]  # unchanged by the skipped steps
             write_log_record(run, log, window, lrs, grad_norm)
             window = Window.empty(accelerator.device)
         scores = _evaluate_after(run, log, window, step) if has_eval else None
         early_stop = should_stop_early(cfg, state, scores)
         stop = preemption.should_stop()
-        gives_up = run.guard is not None and run.guard.gives_up(state)
         note_where(f"the save of step {step}")
         if run.stream is not None:  # a map-style set's position is derived from the step
             state.data_position = list(run.stream.position)

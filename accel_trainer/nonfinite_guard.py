@@ -69,6 +69,12 @@ class NonfiniteGuard:
         state.nonfinite_in_a_row += 1
         return False
 
+    def resume(self, state: TrainState) -> None:
+        """A resumed run continues a streak cut short by a preemption; one that the guard itself stopped starts a
+        new allowance (rerunning it is the user's decision to go on)."""
+        if self.gives_up(state):
+            state.nonfinite_in_a_row = 0
+
     def gives_up(self, state: TrainState) -> bool:
         """max_nonfinite_in_a_row steps in a row were not finite: the run saves and stops."""
         return state.nonfinite_in_a_row >= self.max_in_a_row
@@ -78,8 +84,8 @@ class NonfiniteGuard:
         count, first = state.nonfinite_in_a_row, state.step - state.nonfinite_in_a_row + 1
         steps = f"step {state.step}" if count == 1 else f"steps {first}-{state.step}"
         return NonfiniteSteps(
-            f"the loss or gradient norm was NaN or Inf in {steps} ({count} in a row, the limit set by"
-            f" max_nonfinite_in_a_row); checkpoint {checkpoint} holds the weights of step {first - 1}, the last"
-            " finite one. Lower lr, raise warmup_steps or check the data of those steps, then continue with"
-            " resume=auto"
+            f"the loss or gradient norm was NaN or Inf in {steps} ({count} in a row; max_nonfinite_in_a_row="
+            f"{self.max_in_a_row}); checkpoint {checkpoint} holds the weights of step {first - 1}, the last finite"
+            " one. Check the data of those steps; rerun the same command to go on past them, or start a new run"
+            " from that checkpoint with a lower lr or more warmup_steps: resume=<checkpoint> output_dir=<new folder>"
         )

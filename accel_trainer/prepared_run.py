@@ -40,6 +40,7 @@ from .step import StepVerbs
 from .step_log import Speed
 from .streams import TrainStream, eval_batches
 from .tensor_parallel import apply_tensor_parallel, check_tp_plan
+from .train_state import TrainState
 from .wrapping import prepare_blocks
 
 
@@ -86,6 +87,14 @@ class Run:
         batches = eval_batches(data.as_torch(self.eval_set), self.recipe.collate, self.plan.micro_batch_size,
                                self.ranks.rank, self.ranks.size)  # fmt: skip
         return batches, False
+
+    def restore(self) -> TrainState:
+        """Load the checkpoint `resume` names, if any (Checkpointer.restore), and return the run's state; a run
+        the non-finite guard stopped gets a new allowance."""
+        state = self.checkpointer.restore()
+        if self.guard is not None:
+            self.guard.resume(state)
+        return state
 
     def final_weights(self) -> None:
         """final/model.safetensors and the recipe's artifacts, and final/ema/model.safetensors with an EMA."""

@@ -72,7 +72,9 @@ def test_auto_is_refused_where_an_unsharded_probe_cannot_measure_the_run(where):
     accelerator = SimpleNamespace(is_fsdp2=where.get("is_fsdp2", False))
     layout = LayoutSettings(tp_size=where.get("tp_size", 1), pp_size=where.get("pp_size", 1))
     ranks = DataRanks(rank=0, size=1, replicas=1, context_parallel=where.get("context_parallel", 1))
-    with pytest.raises(ConfigError, match="micro_batch_size=auto probes an unsharded copy"):
+    kind = {"is_fsdp2": "an FSDP", "tp_size": "a tensor-parallel", "pp_size": "a pipeline",
+            "context_parallel": "a context-parallel"}[next(iter(where))]  # fmt: skip
+    with pytest.raises(ConfigError, match=f"micro_batch_size=auto on {kind} layout: auto probes an unsharded copy"):
         check_auto_layout(accelerator, layout, ranks)
 
 

@@ -91,8 +91,9 @@ def test_a_multi_cpu_layout_that_starts_one_process_fails_at_the_rendezvous_with
         (None, "does not exist"),
         ("distributed_type: [MULTI_GPU\n", "is not an accelerate config: while parsing"),
         ("distributed_type: MULTI_GPU\nnum_procesess: 2\n", "unknown keys (['num_procesess'])"),
+        ("\n", "is empty: write an accelerate config there"),
     ],
-    ids=["missing", "malformed", "unknown-key"],
+    ids=["missing", "malformed", "unknown-key", "empty"],
 )
 def test_a_bad_config_file_is_a_one_line_error_with_exit_status_2(capsys, tmp_path, content, expected):
     layout = tmp_path / "layout.yaml"

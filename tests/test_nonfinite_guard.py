@@ -54,6 +54,7 @@ def test_a_non_finite_step_is_skipped_counted_and_changes_nothing(tmp_path, pois
     assert records[5]["loss"] is None and all(records[s]["loss"] > 0 for s in (4, 6, 10))  # kept out of the mean
     assert records[6]["lr"] == records[5]["lr"]  # the step after the skip gets the skipped step's LR
     assert all(torch.isfinite(t).all() for t in load_file(str(tmp_path / "final" / "model.safetensors")).values())
+    assert "- steps skipped: 1 nonfinite_steps" in (tmp_path / "report.md").read_text()
 
 
 def test_without_the_guard_one_nan_step_ruins_the_weights(tmp_path):
@@ -64,21 +65,38 @@ def test_without_the_guard_one_nan_step_ruins_the_weights(tmp_path):
     assert training_records(tmp_path)[10]["nonfinite_steps"] == 0
 
 
+def test_a_limit_without_the_guard_is_warned_about(tmp_path):
+    with pytest.warns(UserWarning, match="max_nonfinite_in_a_row=3 has no effect with skip_nonfinite_steps=false"):
+        at.train("poisoned", skip_nonfinite_steps=False, max_nonfinite_in_a_row=3, max_steps=2,
+                 output_dir=str(tmp_path), show_progress_bar=False)  # fmt: skip
+
+
 def test_too_many_in_a_row_stop_with_a_checkpoint_of_the_last_good_weights(tmp_path):
     with pytest.raises(NonfiniteSteps) as stopped:
         at.train("poisoned", poison_steps="5,6,7", max_nonfinite_in_a_row=3, output_dir=str(tmp_path),
-                 **SAVE_EVERY_STEP)  # fmt: skip
+                 log_every_steps=4, **SAVE_EVERY_STEP)  # fmt: skip
 
-    assert "NaN or Inf in steps 5-7 (3 in a row" in str(stopped.value)
+    assert "NaN or Inf in steps 5-7 (3 in a row; max_nonfinite_in_a_row=3)" in str(stopped.value)
     assert "step_00000007 holds the weights of step 4" in str(stopped.value)
+    assert "rerun the same command to go on past them" in str(stopped.value)
     assert_same_tensors(saved(tmp_path, 4), saved(tmp_path, 7))
     assert not (tmp_path / "checkpoints" / "step_00000008").exists()
+    assert [r["step"] for r in training_records(tmp_path).values()] == [4, 7]  # the stop records steps 5-7
 
-    # The count is checkpointed: one more bad step after the resume makes four in a row (the recipe counts its
-    # calls from 1 again in the resumed run, so its first step, step 8, is poisoned as "1").
-    with pytest.raises(NonfiniteSteps, match=r"NaN or Inf in steps 5-8 \(4 in a row"):
-        at.train("poisoned", poison_steps="1", max_nonfinite_in_a_row=3, output_dir=str(tmp_path / "resumed"),
-                 resume=str(tmp_path / "checkpoints" / "step_00000007"), **SAVE_EVERY_STEP)  # fmt: skip
+
+def test_a_resume_continues_a_cut_streak_and_a_stopped_run_gets_a_new_allowance(tmp_path):
+    with pytest.raises(NonfiniteSteps):
+        at.train("poisoned", poison_steps="5,6,7", max_nonfinite_in_a_row=3, output_dir=str(tmp_path / "run"),
+                 **SAVE_EVERY_STEP)  # fmt: skip
+    # Resumed mid-streak (as after a preemption at step 6): the count goes on, one more bad step stops it. The
+    # recipe counts its calls from 1 again in a resumed run: its first step, step 7, is poisoned as "1".
+    with pytest.raises(NonfiniteSteps, match=r"NaN or Inf in steps 5-7 \(3 in a row"):
+        at.train("poisoned", poison_steps="1", max_nonfinite_in_a_row=3, output_dir=str(tmp_path / "cut"),
+                 resume=str(tmp_path / "run/checkpoints/step_00000006"), **SAVE_EVERY_STEP)  # fmt: skip
+    # Resumed from the stop itself: rerunning is the decision to go on; one bad step is one in a row.
+    at.train("poisoned", poison_steps="1", max_nonfinite_in_a_row=3, output_dir=str(tmp_path / "on"),
+             resume=str(tmp_path / "run/checkpoints/step_00000007"), **SAVE_EVERY_STEP)  # fmt: skip
+    assert training_records(tmp_path / "on")[10]["nonfinite_steps"] == 4
 
 
 def test_two_skipped_steps_apart_do_not_add_up_to_a_stop(tmp_path):
