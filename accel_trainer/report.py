@@ -156,8 +156,9 @@ def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str
                 if key == "eval/" else [key]  # fmt: skip
             for k in keys:
                 points = [(r[x_key], r[k]) for r in records if r.get(k) is not None and r.get(x_key) is not None]
-                if points:
-                    axis.plot(*zip(*points, strict=True), label=f"{name} {k}" if len(runs) > 1 or key == "eval/" else k)
+                if points:  # an EMA's evaluation dashed, so that it does not hide the weights' own
+                    axis.plot(*zip(*points, strict=True), label=f"{name} {k}" if len(runs) > 1 or key == "eval/" else k,
+                              linestyle="--" if k.startswith("eval_ema/") else "-")  # fmt: skip
         axis.set_title(title)
         axis.set_xlabel(x_key)
         if axis.lines:
