@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
+from .sharding import local_part
+
 
 class WeightAverage:
     """The EMA of a prepared model's floating-point state, keyed like its checkpoint entries."""
@@ -42,7 +44,7 @@ class WeightAverage:
         if self._live is None:  # after the first forward: FSDP2 settles its sharded storage in its lazy init
             self._live = self._live_tensors()
         live = self._live
-        targets = [_local(tensor) for tensor in self.average.values()]
+        targets = [local_part(tensor) for tensor in self.average.values()]
         self._update(targets, [tensor if tensor.dtype == torch.float32 else tensor.float() for tensor in live], None)
 
     @contextlib.contextmanager
@@ -51,7 +53,7 @@ class WeightAverage:
         live = self._live_tensors()
         kept = [tensor.clone() for tensor in live]
         with torch.no_grad():
-            torch._foreach_copy_(live, [_local(tensor) for tensor in self.average.values()])
+            torch._foreach_copy_(live, [local_part(tensor) for tensor in self.average.values()])
         try:
             yield
         finally:
@@ -64,19 +66,14 @@ class WeightAverage:
             whole = tensors[name].to(target.device, torch.float32)
             if isinstance(target, DTensor):  # a collective: every process takes its part
                 whole = distribute_tensor(whole, target.device_mesh, target.placements).to_local()
-            _local(target).copy_(whole)
+            local_part(target).copy_(whole)
 
     def restart_from_weights(self) -> None:
         """Set the average to the current weights (resuming a checkpoint that had none)."""
         with torch.no_grad():
-            torch._foreach_copy_([_local(tensor) for tensor in self.average.values()], self._live_tensors())
+            torch._foreach_copy_([local_part(tensor) for tensor in self.average.values()], self._live_tensors())
 
     def _live_tensors(self) -> list[torch.Tensor]:
         """This process's tensors of the model's entries (views of its own storage), in the average's order."""
         state: dict[str, Any] = get_model_state_dict(self.model)
-        return [_local(state[name]) for name in self.average]
-
-
-def _local(tensor: torch.Tensor) -> Any:
-    """This process's part of a DTensor (a shard, or a replica), or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return [local_part(state[name]) for name in self.average]

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from torch.distributed.tensor import DTensor
 
 from .checkpoint import RunIdentity
 from .config import TrainConfig, config_to_dict, config_to_yaml, layout_to_yaml
@@ -39,6 +38,7 @@ from .profiling import StepProfiler, dump_out_of_memory, parse_steps
 from .recipe import Recipe
 from .report import write_report_or_warn
 from .run_info import header, parameters_held, write_run_info
+from .sharding import local_part
 from .step_log import Window, write_log_record
 from .trackers import Trackers
 
@@ -281,7 +281,7 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> tuple[int, 
         scale = plan.accumulation_steps * plan.num_processes * run.ranks.context_parallel / total_items
         for parameter in model.parameters():
             if parameter.grad is not None:
-                local = parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad
+                local = local_part(parameter.grad)
                 local.mul_(scale.to(local.dtype))  # an FSDP2 shard is scaled in place like a whole gradient
     window.num_steps += 1
     return epoch, outputs

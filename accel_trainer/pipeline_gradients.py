@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .pipeline_sharding import PipelinePlace
 from .pipeline_split import tied_groups
+from .sharding import local_part
 
 
 @dataclass
@@ -54,11 +54,11 @@ class PipelineGradients:
         for parameter, group in self.tied:
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
-            dist.all_reduce(_local(parameter.grad), group=group)
+            dist.all_reduce(local_part(parameter.grad), group=group)
 
     def clip(self, max_norm: float, device: torch.device) -> torch.Tensor:
         """Clip by the norm of all stages' gradients together; return that norm."""
-        named = [(name, _local(p.grad)) for name, p in self.view.named_parameters() if p.grad is not None]
+        named = [(name, local_part(p.grad)) for name, p in self.view.named_parameters() if p.grad is not None]
         counted = [grad for name, grad in named if name not in self.uncounted]
         local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=device)
         squared = local.float().pow(2)
@@ -68,7 +68,3 @@ class PipelineGradients:
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_([grad for _, grad in named], coefficient.to(named[0][1].dtype))
         return total
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -14,12 +14,17 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 
+def local_part(tensor: Any) -> Any:
+    """This process's part of a DTensor (its shard or replica), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def tied_names(model_state: dict[str, Any]) -> list[list[str]]:
     """Groups of state names that share one tensor (tied weights: an LM head and its embedding), so that an
     export can keep one name of each, as `final/model.safetensors` does (safetensors keeps the first sorted)."""
     groups: dict[tuple[int, int], list[str]] = {}
     for name, value in model_state.items():
-        local = value.to_local() if isinstance(value, DTensor) else value
+        local = local_part(value)
         if isinstance(local, torch.Tensor) and local.numel():
             groups.setdefault((local.untyped_storage().data_ptr(), int(local.storage_offset())), []).append(name)
     return [sorted(names) for names in groups.values() if len(names) > 1]

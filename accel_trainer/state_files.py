@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
 
 from .errors import UserError
+from .sharding import local_part
 
 SKELETON_KEY = "accel_trainer.skeleton"
 TENSOR, TUPLE, DICT, NDARRAY = "__tensor__", "__tuple__", "__dict__", "__ndarray__"
@@ -155,7 +155,7 @@ def writable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen: set[int] = set()
     result = {}
     for name, tensor in tensors.items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = local_part(tensor)
         pointer = local.untyped_storage().data_ptr()
         tensor = tensor.detach()
         result[name] = tensor.clone() if pointer in seen else tensor.contiguous()
