@@ -19,7 +19,6 @@ context-parallel layouts, whose memory that copy would not measure.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -64,7 +63,7 @@ def choose_micro_batch_size(
         ConfigError: not even one sample fits.
     """
     per_process = per_process_batch(global_batch_size, ranks.size)
-    examples = _first_examples(train_set, per_process)
+    examples = data.first_examples(train_set, per_process)
     size = per_process
 
     def next_size() -> int:
@@ -105,11 +104,3 @@ def _forward_backward(recipe: Recipe, model: torch.nn.Module, examples: list[Any
     loss.backward()
     del placeholders, batch, loss
     model.zero_grad(set_to_none=True)
-
-
-def _first_examples(train_set: Any, count: int) -> list[Any]:
-    """The first `count` training examples in torch format (a map-style set's or a stream's)."""
-    examples = data.as_torch(train_set)
-    if data.is_stream(train_set):
-        return list(itertools.islice(iter(examples), count))
-    return [examples[i] for i in range(min(count, len(examples)))]

@@ -10,6 +10,7 @@ micro-batches r, r+N, r+2N, ... of the one global order).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,6 +55,15 @@ def as_torch(dataset: Any) -> Any:
     if isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
         return dataset.with_format("torch")
     return dataset
+
+
+def first_examples(dataset: Any, count: int) -> list[Any]:
+    """The first `count` examples of a set in torch format (as_torch), a map-style set's or a stream's: what a
+    probe or a trace runs on before training."""
+    examples = as_torch(dataset)
+    if is_stream(dataset):
+        return list(itertools.islice(iter(examples), count))
+    return [examples[i] for i in range(min(count, len(examples)))]
 
 
 def train_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int, cache_gb: float,

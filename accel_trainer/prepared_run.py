@@ -6,7 +6,6 @@ the per-process seed after `accelerator.prepare`) and hands the loop a `Run`.
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -218,11 +217,7 @@ def _pipeline(recipe: Recipe, model: Any, train_set: Any, plan: BatchPlan, layou
     if layout.activation_checkpointing and not recipe.wrap_classes and accelerator.is_main_process:
         warnings.warn(f"accel-trainer: activation_checkpointing has no effect: {type(recipe).__name__} names no"
                       " wrap_classes to checkpoint", stacklevel=3)  # fmt: skip
-    examples = data.as_torch(train_set)
-    if data.is_stream(train_set):
-        sample = list(itertools.islice(iter(examples), plan.micro_batch_size))
-    else:
-        sample = [examples[i] for i in range(min(plan.micro_batch_size, len(examples)))]
+    sample = data.first_examples(train_set, plan.micro_batch_size)
     fsdp = accelerator.state.fsdp_plugin if accelerator.is_fsdp2 else None
     if fsdp is not None and isinstance(fsdp.cpu_offload, CPUOffloadPolicy):
         raise LayoutError("a pipeline layout does not offload parameters yet: set fsdp_offload_params: false")
