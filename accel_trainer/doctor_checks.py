@@ -105,13 +105,22 @@ def _world_size(reports: list[dict], expected: int, path: Path) -> Check:
                  f" {expected} processes in one world", _NOT_ONE_GROUP)  # fmt: skip
 
 
-def _all_reduce(joined: list[dict], expected: int) -> Check:
-    results = [(r["rank"], r["all_reduce"]) for r in joined if "all_reduce" in r]
+def _collective_results(joined: list[dict], key: str, name: str) -> tuple[list[tuple[int, dict]], Check | None]:
+    """Each process's (rank, result) of one collective, and the check already decided: skipped when no process
+    joined a group, failed on the first process that raised."""
+    results = [(r["rank"], r[key]) for r in joined if key in r]
     if not results:
-        return Check("skip", "all-reduce", "no process joined a group")
+        return results, Check("skip", name, "no process joined a group")
     failed = [(rank, result["error"]) for rank, result in results if "error" in result]
     if failed:
-        return Check("FAIL", "all-reduce", f"process {failed[0][0]}: {failed[0][1]}", _COLLECTIVE_FIX)
+        return results, Check("FAIL", name, f"process {failed[0][0]}: {failed[0][1]}", _COLLECTIVE_FIX)
+    return results, None
+
+
+def _all_reduce(joined: list[dict], expected: int) -> Check:
+    results, decided = _collective_results(joined, "all_reduce", "all-reduce")
+    if decided is not None:
+        return decided
     want = expected * (expected + 1) // 2
     sums = [result["value"] for _, result in results]
     if sums == [want] * expected:
@@ -122,12 +131,9 @@ def _all_reduce(joined: list[dict], expected: int) -> Check:
 
 
 def _broadcast(joined: list[dict], expected: int) -> Check:
-    results = [(r["rank"], r["broadcast"]) for r in joined if "broadcast" in r]
-    if not results:
-        return Check("skip", "broadcast", "no process joined a group")
-    failed = [(rank, result["error"]) for rank, result in results if "error" in result]
-    if failed:
-        return Check("FAIL", "broadcast", f"process {failed[0][0]}: {failed[0][1]}", _COLLECTIVE_FIX)
+    results, decided = _collective_results(joined, "broadcast", "broadcast")
+    if decided is not None:
+        return decided
     wrong = [rank for rank, result in results if result["value"] != BROADCAST_VALUES]
     if wrong:
         return Check("FAIL", "broadcast", f"process(es) {wrong} did not receive rank 0's tensor", _COLLECTIVE_FIX)
