@@ -58,11 +58,9 @@ class NonfiniteGuard:
             total = total + output.loss.detach().float()
         if self.checks_gradients and grad_norm is not None:
             total = total + grad_norm.detach().to(total.device)
-        finite = math.isfinite(total.item())  # the step's one read-back; faster than torch.isfinite on a scalar
-        if self.accelerator.num_processes > 1:  # the loss is this process's: the others must learn of it
-            bad = torch.tensor(0.0 if finite else 1.0, device=total.device)
-            finite = not self.accelerator.reduce(bad, reduction="sum").item()
-        if finite:
+        if self.accelerator.num_processes > 1:  # the loss is this process's: the sum over processes tells all
+            total = self.accelerator.reduce(total, reduction="sum")
+        if math.isfinite(total.item()):  # the step's one read-back; faster than torch.isfinite on a scalar
             state.nonfinite_in_a_row = 0
             if self.statistics:
                 torch._foreach_copy_(self.good_statistics, self.statistics)
