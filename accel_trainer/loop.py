@@ -39,7 +39,7 @@ from .recipe import Recipe
 from .report import write_report_or_warn
 from .run_info import header, parameters_held, write_run_info
 from .sharding import local_part
-from .step_log import Window, write_log_record
+from .step_log import Window, count_flops_once, write_log_record
 from .trackers import Trackers
 
 
@@ -127,6 +127,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
             window.add_step(outputs, run.plan.micro_batch_size)
         profiler.after_step(step)
         log.advance()
+        count_flops_once(run, log, window)
 
         gives_up = run.guard is not None and run.guard.gives_up(state)
         if is_log_step or gives_up:  # a stop on non-finite steps records the steps since the last record
@@ -201,7 +202,7 @@ def _optimizer_step(run: Run, is_log_step: bool, outputs: list[LossOutput]) -> t
         if run.pipeline is not None:  # one norm over all stages
             grad_norm = run.pipeline.clip_grad_norm(max_norm)
         else:
-            grad_norm = run.verbs.clip_grad_norm(run.model.parameters(), max_norm)
+            grad_norm = run.verbs.clip_grad_norm(max_norm)
     lrs = [group["lr"] for group in run.optimizer.param_groups] if is_log_step else []  # the LRs of this step
     if run.guard is not None and not run.guard.step_is_finite(state, outputs, grad_norm):
         run.verbs.zero_grad()  # a skipped step (counted in state): only its gradients go

@@ -141,7 +141,7 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     checkpointer = Checkpointer(accelerator, run_dir, trained, identity, has_eval=eval_set is not None)
     compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
     return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
-               eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer), checkpointer,
+               eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer, model), checkpointer,
                num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks,
                pipeline, compile_watch=CompileWatch(enabled=compiled, warn=accelerator.is_main_process),
                guard=guard, ema=ema)  # fmt: skip

@@ -9,19 +9,27 @@ runs `inspect.signature` every call, about 150 us per step on the CPU; `backward
 version checks and parameter scans (~16 us). There the same operations go to torch directly, measured
 bit-identical (tests/test_step.py), which lifted the tiny-model ratio from ~0.92 to ~0.97 of a plain loop.
 
+Clipping there is torch's own arithmetic without torch's per-call dispatch. `torch.nn.utils.clip_grad_norm_`
+groups the gradients by device and dtype and checks each for foreach support on every call (plus its no_grad
+wrappers): 25 of the 66 us it takes for a six-tensor MLP on the CPU, and 124 us of a 650 us step inside a run
+(benchmarks/overhead.py, case (b)). Where every parameter is a plain tensor in one dtype on one device with
+foreach kernels, which is decided once, `clip_one_group` runs the same kernels in the same order
+(`_foreach_norm`, `vector_norm` of their stack, the clamped coefficient, `_foreach_mul_`), bit-identical
+(tested); with no clipping asked (max_norm inf) it only measures. A canary test fails when torch stops
+grouping on every call, and then this shortcut should go.
+
 DeepSpeed, XLA and Megatron-LM layouts are refused when the Accelerator is built (distributed.py), so the
 fast choice is made only among layouts whose behaviour is known.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _device_has_foreach_support
 
 _PLAIN_LAYOUTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
@@ -29,11 +37,13 @@ _PLAIN_LAYOUTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType
 class StepVerbs:
     """backward, clip, step and zero_grad for one prepared optimizer on the current layout."""
 
-    def __init__(self, accelerator: Accelerator, optimizer: AcceleratedOptimizer) -> None:
+    def __init__(self, accelerator: Accelerator, optimizer: AcceleratedOptimizer, model: torch.nn.Module) -> None:
         self.accelerator = accelerator
         self.optimizer = optimizer
+        self.parameters = list(model.parameters())  # the prepared model's: they stay the same objects all run
         # Decided once: neither the layout nor the presence of a scaler changes during a run.
         self.direct = accelerator.scaler is None and accelerator.distributed_type in _PLAIN_LAYOUTS
+        self.one_group = self.direct and _one_foreach_group(self.parameters)
 
     def backward(self, loss: torch.Tensor) -> None:
         """`accelerator.backward`, including its division by the accumulation steps."""
@@ -43,12 +53,15 @@ class StepVerbs:
         steps = self.accelerator.gradient_accumulation_steps
         (loss / steps if steps > 1 else loss).backward()
 
-    def clip_grad_norm(self, parameters: Any, max_norm: float) -> torch.Tensor:
-        """`accelerator.clip_grad_norm_` (which unscales fp16 gradients and handles sharded ones first)."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The gradients' norm, after scaling them to at most `max_norm` (inf: measured only); through
+        `accelerator.clip_grad_norm_` where it unscales fp16 gradients or handles sharded ones first."""
         if not self.direct:
-            norm = self.accelerator.clip_grad_norm_(parameters, max_norm)
+            norm = self.accelerator.clip_grad_norm_(self.parameters, max_norm)
+        elif self.one_group:
+            norm = clip_one_group(self.parameters, max_norm)
         else:
-            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # tensor parallel: a replicated DTensor
 
     def optimizer_step(self) -> bool:
@@ -66,3 +79,22 @@ class StepVerbs:
         would do the same.
         """
         self.optimizer.optimizer.zero_grad(set_to_none=True)
+
+
+def _one_foreach_group(parameters: list[torch.Tensor]) -> bool:
+    """Whether the parameters are plain tensors of one dtype on one device that has foreach kernels."""
+    kinds = {(parameter.device, parameter.dtype) for parameter in parameters}
+    plain = all(type(parameter) in (torch.Tensor, torch.nn.Parameter) for parameter in parameters)
+    return len(kinds) == 1 and plain and _device_has_foreach_support(parameters[0].device)
+
+
+@torch.no_grad()
+def clip_one_group(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_(parameters, max_norm)` for one device and dtype, bit for bit."""
+    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    if not grads:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)  # its zero norm, on its device
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    if max_norm != float("inf"):  # a factor of 1 for a finite norm: nothing to scale
+        torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+    return total

@@ -148,10 +148,8 @@ def _memory_gb(device: torch.device) -> list[float]:
 
 
 def write_log_record(run: Run, log: MetricsLog, window: Window, lrs: list[float], grad_norm: Any) -> None:
-    """Read the window back into a record (counting FLOPs first, once), log it, and keep it as the latest."""
+    """Read the window back into a record, log it, and keep it as the latest."""
     state = run.checkpointer.state
-    if run.speed.flops_per_sample is None:
-        window.excluded_s += _count_flops(run, log)
     record, new_items = log_record(run.accelerator, run.cfg, window, state.step, state.epoch, lrs, grad_norm,
                                    run.speed)  # fmt: skip
     state.items_seen += new_items
@@ -162,9 +160,16 @@ def write_log_record(run: Run, log: MetricsLog, window: Window, lrs: list[float]
     state.metrics.update(record)
 
 
+def count_flops_once(run: Run, log: MetricsLog, window: Window) -> None:
+    """Count the model's FLOPs per sample from the first micro-batch's shapes, once, and say so; its time is not
+    training time. Called after the first step, not at the first log record: a start-up cost (milliseconds of
+    tracing) paid with the others before training settles, not inside a measured window."""
+    if run.speed.flops_per_sample is None:
+        window.excluded_s += _count_flops(run, log)
+
+
 def _count_flops(run: Run, log: MetricsLog) -> float:
-    """Count the model's FLOPs per sample once, from the first micro-batch's shapes, and say so; the seconds it
-    took (not training time)."""
+    """Count and say the model's FLOPs per sample; the seconds it took."""
     started = time.perf_counter()
     if run.first_batch is not None:
         flops, source = flops_per_sample(run.recipe, run.cfg, run.first_batch, run.num_parameters)

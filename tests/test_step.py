@@ -13,7 +13,7 @@ from accelerate.utils import DistributedType
 
 from accel_trainer import LayoutError
 from accel_trainer.distributed import check_supported
-from accel_trainer.step import StepVerbs
+from accel_trainer.step import StepVerbs, clip_one_group
 from conftest import reset_accelerate_state
 
 
@@ -46,7 +46,7 @@ def _train_two_steps(verbs: StepVerbs, model) -> list[torch.Tensor]:
     for _ in range(2):
         for micro_batch in inputs.split(4):
             verbs.backward(model(micro_batch).square().mean())
-        norms.append(verbs.clip_grad_norm(model.parameters(), 0.5))
+        norms.append(verbs.clip_grad_norm(0.5))
         assert verbs.optimizer_step()
         verbs.zero_grad()
     return norms
@@ -63,7 +63,7 @@ def test_canary_accelerated_optimizer_step_searches_installed_packages_on_every_
 
 def test_direct_verbs_do_no_package_search_or_signature_inspection(monkeypatch, prepared):
     accelerator, model, optimizer = prepared
-    verbs = StepVerbs(accelerator, optimizer)
+    verbs = StepVerbs(accelerator, optimizer, model)
     searches = _count_calls(monkeypatch, importlib.util, "find_spec")
     inspections = _count_calls(monkeypatch, inspect, "signature")
     before = model[0].weight.detach().clone()
@@ -79,18 +79,59 @@ def test_direct_verbs_do_no_package_search_or_signature_inspection(monkeypatch, 
 def test_direct_verbs_train_bit_identically_to_accelerates_verbs(prepared):
     accelerator, model, optimizer = prepared
     initial = {name: value.clone() for name, value in model.state_dict().items()}
-    direct = StepVerbs(accelerator, optimizer)
+    direct = StepVerbs(accelerator, optimizer, model)
     direct_norms = _train_two_steps(direct, model)
     direct_weights = {name: value.clone() for name, value in model.state_dict().items()}
 
     model.load_state_dict(initial)
     optimizer.optimizer.state.clear()
-    through_accelerate = StepVerbs(accelerator, optimizer)
+    through_accelerate = StepVerbs(accelerator, optimizer, model)
     through_accelerate.direct = False
     accelerate_norms = _train_two_steps(through_accelerate, model)
 
     assert [n.item() for n in direct_norms] == [n.item() for n in accelerate_norms]
     assert all(torch.equal(model.state_dict()[name], direct_weights[name]) for name in direct_weights)
+
+
+def _gradients_of_a_small_mlp(seed: int = 0) -> list[torch.nn.Parameter]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    model(torch.randn(4, 6)).square().mean().backward()
+    model[2].bias.grad = None  # a parameter without a gradient is passed over, as torch does
+    return list(model.parameters())
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e6, float("inf")])
+def test_clipping_one_group_is_torchs_clip_grad_norm_bit_for_bit(max_norm):
+    """Clipping active (1e-3), a no-op factor (1e6), and only measuring (inf)."""
+    torch_parameters, ours = _gradients_of_a_small_mlp(), _gradients_of_a_small_mlp()
+
+    torch_norm = torch.nn.utils.clip_grad_norm_(torch_parameters, max_norm)
+    our_norm = clip_one_group(ours, max_norm)
+
+    assert torch.equal(our_norm, torch_norm)
+    for theirs, mine in zip(torch_parameters, ours, strict=True):
+        assert (theirs.grad is None and mine.grad is None) or torch.equal(theirs.grad, mine.grad)
+
+
+def test_clipping_one_group_of_no_gradients_is_torchs_zero_norm():
+    parameters = [torch.nn.Parameter(torch.ones(3))]
+    assert torch.equal(clip_one_group(parameters, 1.0), torch.nn.utils.clip_grad_norm_(parameters, 1.0))
+
+
+def test_parameters_of_two_dtypes_are_clipped_by_torch_itself(prepared):
+    accelerator, _, optimizer = prepared
+    mixed = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1).double())
+    assert not StepVerbs(accelerator, optimizer, mixed).one_group
+    assert StepVerbs(accelerator, optimizer, torch.nn.Linear(2, 1)).one_group
+
+
+def test_canary_torchs_clip_grad_norm_groups_the_gradients_on_every_call(monkeypatch):
+    """The per-call work `clip_one_group` avoids; when this fails, torch stopped grouping on each call: measure
+    `benchmarks/overhead.py` (b) with torch's clip and drop the shortcut if it no longer pays."""
+    calls = _count_calls(monkeypatch, torch.nn.utils.clip_grad, "_group_tensors_by_device_and_dtype")
+    torch.nn.utils.clip_grad_norm_(_gradients_of_a_small_mlp(), 1.0)
+    assert len(calls) >= 2  # once for the norm, once for the scaling
 
 
 @pytest.mark.parametrize(
@@ -103,7 +144,7 @@ def test_accelerates_verbs_are_kept_for_a_gradient_scaler_and_for_sharded_gradie
     distributed_type, has_scaler, direct
 ):
     accelerator = SimpleNamespace(scaler=object() if has_scaler else None, distributed_type=distributed_type)
-    assert StepVerbs(accelerator, optimizer=None).direct is direct  # type: ignore[arg-type]
+    assert StepVerbs(accelerator, None, torch.nn.Linear(2, 1)).direct is direct  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("distributed_type", [DistributedType.DEEPSPEED, DistributedType.XLA,
