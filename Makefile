@@ -98,6 +98,7 @@ bench: install  ## per-step overhead against a plain loop, checkpoint throughput
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/checkpoint_speed.py
 	$(BIN)/python benchmarks/scaling.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/prefetch.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/layout_memory.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/gpt_throughput.py
 

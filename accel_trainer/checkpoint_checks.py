@@ -26,8 +26,8 @@ SAFE_SUFFIXES = (".safetensors", ".json", ".yaml")
 # Keys that change how a run is driven or recorded, not its trajectory: changing them on resume is routine.
 _BOOKKEEPING_KEYS = RUN_CONTROL_KEYS | {
     "log_every_steps", "eval_every_steps", "save_every_steps", "keep_last", "keep_best_metric", "keep_best_mode",
-    "async_save", "num_dataloader_workers", "trackers", "profile_steps", "max_time", "data_cache_gb",
-    "evaluate_ema", "skip_nonfinite_steps", "max_nonfinite_in_a_row",
+    "async_save", "num_dataloader_workers", "num_prefetch_batches", "trackers", "profile_steps", "max_time",
+    "data_cache_gb", "evaluate_ema", "skip_nonfinite_steps", "max_nonfinite_in_a_row",
 }  # fmt: skip
 # max_steps (extending a run): changing it continues the run, with a warning. The layout settings are not
 # config keys: a checkpoint resumes on another layout.

@@ -79,6 +79,9 @@ class TrainConfig:
     """Write checkpoints in a background thread from a snapshot in host memory (not under FSDP)."""
     num_dataloader_workers: int = 0
     """Worker processes per data loader; 0 loads batches in the training process."""
+    num_prefetch_batches: int = 0
+    """Training micro-batches a background thread builds ahead while the step computes (map-style sets; the
+    collate and transforms must not draw from global random generators, which is checked); 0: built in the step."""
     early_stop_metric: str = ""
     """Stop when this eval metric (e.g. eval/loss) has not improved for early_stop_patience evaluations; the run
     saves a checkpoint and ends normally. Empty: never stop early."""
@@ -164,7 +167,8 @@ _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "max_steps": (1, True), "global_batch_size": (1, True), "micro_batch_size": (1, True),
     "warmup_steps": (0, True), "log_every_steps": (0, True), "eval_every_steps": (0, True),
     "save_every_steps": (0, True), "keep_last": (0, True), "num_dataloader_workers": (0, True),
-    "data_cache_gb": (0, True), "early_stop_patience": (1, True), "early_stop_min_delta": (0, True),
+    "num_prefetch_batches": (0, True), "data_cache_gb": (0, True), "early_stop_patience": (1, True),
+    "early_stop_min_delta": (0, True),
     "reference_batch_size": (0, True), "lr": (0, True), "weight_decay": (0, True), "max_grad_norm": (0, True),
     "min_lr_ratio": (0, True), "collective_timeout_s": (0, False), "fp16_init_scale": (0, False),
     "peak_tflops": (0, True), "max_nonfinite_in_a_row": (1, True), "ema_decay": (0, True),

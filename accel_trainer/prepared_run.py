@@ -32,6 +32,7 @@ from .layout import LayoutSettings
 from .mesh import DataRanks, data_ranks
 from .nonfinite_guard import NonfiniteGuard
 from .pipeline import Pipeline
+from .prefetch import refuse_on_stream
 from .recipe import Recipe
 from .run_info import model_summary
 from .schedules import recipe_scheduler
@@ -232,6 +233,7 @@ def micro_batches(run: Run) -> Any:
     """This process's training micro-batches from the resume point on, with the RNG states restored in time."""
     state, resume_rng = run.checkpointer.state, run.checkpointer.resume_rng
     if run.train_loader is None:
+        refuse_on_stream(run.cfg.num_prefetch_batches)
         position = (state.data_position or [0, 0])[0], (state.data_position or [0, 0])[1]
         run.stream = TrainStream(data.as_torch(run.train_set), run.recipe.collate, run.plan, run.ranks.rank,
                                  position)  # fmt: skip
@@ -239,4 +241,5 @@ def micro_batches(run: Run) -> Any:
     return data.micro_batches(
         run.train_loader, run.plan, run.steps_per_epoch or 0, start_step=state.step,
         skip_first_batches=run.accelerator.skip_first_batches, resume_rng=resume_rng,
+        prefetch=run.cfg.num_prefetch_batches, device=run.accelerator.device,
     )  # fmt: skip

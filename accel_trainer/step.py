@@ -24,6 +24,8 @@ fast choice is made only among layouts whose behaviour is known.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
@@ -81,7 +83,7 @@ class StepVerbs:
         self.optimizer.optimizer.zero_grad(set_to_none=True)
 
 
-def _one_foreach_group(parameters: list[torch.Tensor]) -> bool:
+def _one_foreach_group(parameters: Sequence[torch.Tensor]) -> bool:
     """Whether the parameters are plain tensors of one dtype on one device that has foreach kernels."""
     kinds = {(parameter.device, parameter.dtype) for parameter in parameters}
     plain = all(type(parameter) in (torch.Tensor, torch.nn.Parameter) for parameter in parameters)
@@ -89,7 +91,7 @@ def _one_foreach_group(parameters: list[torch.Tensor]) -> bool:
 
 
 @torch.no_grad()
-def clip_one_group(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_one_group(parameters: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_(parameters, max_norm)` for one device and dtype, bit for bit."""
     grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
     if not grads:

@@ -1,0 +1,133 @@
+"""Prefetching micro-batches on a thread (`num_prefetch_batches`) trains on the same batches in the same order.
+
+The test recipe collates rows itself (the per-row path, where a thread pays) and draws dropout from torch's
+global generator in every forward pass, so a batch fetched at another moment of the generator's sequence, or a
+loader iterator created on the thread, would change the losses. Runs with and without prefetching end bitwise
+equal on one process and two, over epoch boundaries and across a mid-epoch resume; a collate that draws random
+numbers itself is refused in one line; a failing row fails the run as it does without a thread.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import accel_trainer as at
+from accel_trainer import loop
+from accel_trainer.prefetch import CHECKED_FETCHES, _from_thread, prefetched
+from conftest import WORKERS, final_parameters, read_metrics, train_and_dump
+
+at.registry.discover_recipes([WORKERS / "recipes"])
+
+
+def losses(run_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir) if "loss" in r]
+
+
+def assert_same_training(a, b) -> None:
+    assert losses(a) == losses(b)
+    expected, actual = final_parameters(a), final_parameters(b)
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+
+
+def train(run_dir, **overrides) -> None:
+    at.train("rows_with_dropout", output_dir=str(run_dir), show_progress_bar=False, **overrides)
+
+
+def test_prefetched_training_is_bitwise_the_training_without_a_thread(tmp_path):
+    train(tmp_path / "inline")
+    train(tmp_path / "prefetched", num_prefetch_batches=3)
+    assert len(losses(tmp_path / "inline")) == 23  # 4 epochs and a part (5 steps an epoch)
+    assert_same_training(tmp_path / "inline", tmp_path / "prefetched")
+
+
+def test_negative_control_a_thread_running_ahead_across_epochs_changes_the_losses(tmp_path, monkeypatch):
+    """Why each epoch's loader iterator is created in the training thread: it draws a seed from the global
+    generator, and drawn ahead of time it shifts every dropout mask after it."""
+    train(tmp_path / "inline")
+    whole_run = loop.micro_batches
+    monkeypatch.setattr(loop, "micro_batches", lambda run: _from_thread(whole_run(run), 10**6, 3, None))
+    train(tmp_path / "ahead")
+    assert losses(tmp_path / "ahead") != losses(tmp_path / "inline")
+
+
+def test_a_prefetched_run_resumed_mid_epoch_ends_where_it_would_have(tmp_path):
+    train(tmp_path / "full", num_prefetch_batches=2, save_every_steps=1, keep_last=0)
+    train(tmp_path / "resumed", num_prefetch_batches=2,
+          resume=str(tmp_path / "full" / "checkpoints" / "step_00000013"))  # fmt: skip
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "full")[13:]
+    expected, actual = final_parameters(tmp_path / "full"), final_parameters(tmp_path / "resumed")
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+
+
+def test_a_collate_that_draws_from_the_global_generator_is_refused_in_one_line(tmp_path):
+    with pytest.raises(at.ConfigError, match="num_prefetch_batches: building a training batch draws from a global"):
+        train(tmp_path, num_prefetch_batches=2, random_collate=True)
+    train(tmp_path / "inline", random_collate=True)  # without a thread the same recipe trains
+
+
+def test_an_error_reading_a_row_on_the_thread_is_raised_in_the_training_thread(tmp_path):
+    with pytest.raises(ValueError, match="row 17 is unreadable"):
+        train(tmp_path, num_prefetch_batches=2, broken_row=17)
+    assert not [thread for thread in threading.enumerate() if thread.name == "accel-trainer-prefetch"]
+
+
+@pytest.mark.parametrize("draw", [lambda: torch.rand(1), lambda: np.random.rand(), lambda: random.random()],
+                         ids=["torch", "numpy", "random"])  # fmt: skip
+def test_a_draw_from_any_global_generator_while_building_a_batch_is_refused(draw):
+    def drawing_batches():
+        while True:
+            draw()
+            yield 0
+
+    with pytest.raises(at.ConfigError, match="draws from a global random generator"):
+        list(prefetched(drawing_batches(), total=10, depth=2))
+
+
+class CallerThreads:
+    """An iterator of 0..n-1 that records which thread fetched each item."""
+
+    def __init__(self, n: int) -> None:
+        self.items, self.threads = iter(range(n)), []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        item = next(self.items)
+        self.threads.append(threading.current_thread() is threading.main_thread())
+        return item
+
+
+def test_the_first_fetches_and_the_last_are_made_by_the_caller_the_ones_between_by_the_thread():
+    source = CallerThreads(10)
+    assert list(prefetched(source, total=10, depth=2)) == list(range(10))
+    first = 1 + CHECKED_FETCHES
+    assert source.threads == [True] * first + [False] * (10 - first - 1) + [True]
+
+
+def test_closing_early_stops_the_thread():
+    batches = prefetched(iter(range(1000)), total=1000, depth=2)
+    assert [next(batches) for _ in range(6)] == list(range(6))
+    batches.close()
+    assert not [thread for thread in threading.enumerate() if thread.name == "accel-trainer-prefetch"]
+
+
+def test_a_stream_refuses_prefetching_in_one_line(tmp_path):
+    with pytest.raises(at.ConfigError, match="num_prefetch_batches works on map-style training sets"):
+        at.train("gpt", output_dir=str(tmp_path), streaming=True, num_prefetch_batches=2, max_steps=2,
+                 show_progress_bar=False)  # fmt: skip
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_prefetching_train_bitwise_as_without(tmp_path):
+    overrides = ["max_steps=12", "micro_batch_size=2"]  # accumulation 2 on each of 2 processes
+    train_and_dump("cpu_ddp", tmp_path / "inline", "rows_with_dropout", *overrides, world_size=2)
+    train_and_dump("cpu_ddp", tmp_path / "prefetched", "rows_with_dropout", *overrides, "num_prefetch_batches=2",
+                   world_size=2)  # fmt: skip
+    assert_same_training(tmp_path / "inline", tmp_path / "prefetched")

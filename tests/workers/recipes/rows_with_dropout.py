@@ -1,0 +1,64 @@
+"""A regressor with dropout on rows collated by its own `collate` (the per-row path), for prefetching tests.
+
+Forty rows make five optimizer steps of eight per epoch, so a run of a few dozen steps crosses several epoch
+boundaries; dropout draws from torch's global generator in every forward pass, beside whatever builds the
+batches. `random_collate` makes the collate draw from it too; `broken_row` makes reading that row fail.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import default_collate
+
+import accel_trainer as at
+
+
+@dataclass
+class RowsConfig(at.TrainConfig):
+    max_steps: int = 23
+    global_batch_size: int = 8
+    micro_batch_size: int = 4
+    lr: float = 1e-2
+    warmup_steps: int = 0
+    log_every_steps: int = 1
+    eval_every_steps: int = 0
+    random_collate: bool = False
+    """Add noise drawn from torch's global generator to every batch."""
+    broken_row: int = -1
+    """Raise when this row is read; -1: none."""
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, broken_row: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.broken_row = torch.randn(40, 5, generator=generator), broken_row
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if index == self.broken_row:
+            raise ValueError(f"row {index} is unreadable")
+        return {"x": self.x[index], "y": self.x[index].sum(0, keepdim=True)}
+
+
+@at.register_recipe("rows_with_dropout")
+class RowsWithDropout(at.Recipe):
+    Config = RowsConfig
+
+    def build_model(self, cfg):
+        return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                   torch.nn.Linear(16, 1))  # fmt: skip
+
+    def build_datasets(self, cfg):
+        return Rows(cfg.broken_row), None
+
+    def collate(self, examples):
+        batch = default_collate(examples)
+        if self.cfg.random_collate:
+            batch["x"] = batch["x"] + 0.01 * torch.randn_like(batch["x"])
+        return batch
+
+    def compute_loss(self, model, batch):
+        return F.mse_loss(model(batch["x"]), batch["y"])
