@@ -137,7 +137,7 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
         scores = _evaluate_after(run, log, window, step) if has_eval else None
         early_stop = should_stop_early(cfg, state, scores)
         stop = preemption.should_stop()
-        note_where(f"the save of step {step}")
+        note_where("the save of step", step)
         if run.stream is not None:  # a map-style set's position is derived from the step
             state.data_position = list(run.stream.position)
         pending = None if is_log_step else functools.partial(window.bank_items, accelerator)
@@ -182,7 +182,7 @@ def _evaluate_after(run: Run, log: MetricsLog, window: Window, step: int) -> dic
     cfg, state = run.cfg, run.checkpointer.state
     if not evaluates_after(cfg, step):
         return None
-    note_where(f"the evaluation after step {step}")
+    note_where("the evaluation after step", step)
     scores, seconds = _timed(evaluate_run, run)
     window.excluded_s += seconds
     log.write({"step": step, **scores, "eval/seconds": seconds, "samples_seen": state.samples_seen})
@@ -195,7 +195,7 @@ def _optimizer_step(run: Run, is_log_step: bool, outputs: list[LossOutput]) -> t
     """Clip, step, schedule, zero the gradients, update the EMA; the LRs of this step and its gradient norm (on
     log steps). A step the non-finite guard rejects does none of it but drop the gradients."""
     cfg, state = run.cfg, run.checkpointer.state
-    note_where(f"the gradient norm and optimizer step of step {state.step}")
+    note_where("the gradient norm and optimizer step of step", state.step)
     grad_norm = None
     if cfg.max_grad_norm > 0 or is_log_step or run.guard is not None:
         max_norm = cfg.max_grad_norm or float("inf")
@@ -232,12 +232,12 @@ def _timed(work: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
 def _forward_backward(run: Run, batch: Any, step: int, cp: int) -> Any:
     """One micro-batch's loss and gradients (a pipeline's schedule runs both, divided like backward's)."""
     if run.pipeline is not None:
-        note_where(f"the pipeline's forward and backward of step {step}")
+        note_where("the pipeline's forward and backward of step", step)
         return run.pipeline.train(batch)
-    note_where(f"the forward of step {step}")
+    note_where("the forward of step", step)
     output = read_loss_output(run.recipe.compute_loss(run.model, batch))
     check_loss_counts_items(output.num_items, run.recipe, cp)
-    note_where(f"the backward (and gradient reduction) of step {step}")
+    note_where("the backward (and gradient reduction) of step", step)
     run.verbs.backward(output.loss)  # divided by the accumulation steps
     return output
 
@@ -255,7 +255,7 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> tuple[int, 
     step = run.checkpointer.state.step + 1
     outputs = []
     for _ in range(plan.accumulation_steps):
-        note_where(f"the data of step {step}")  # where a hung or killed process says it was
+        note_where("the data of step", step)  # where a hung or killed process says it was
         waited = time.perf_counter()
         epoch, batch = next(batches)
         window.data_wait_s += time.perf_counter() - waited

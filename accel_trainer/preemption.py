@@ -30,7 +30,7 @@ EXIT_PREEMPTED = 75
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
 _SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-_where = ["setting up"]
+_where: list[Any] = ["setting up", None]  # (phase, step): formatted only when a report needs it
 
 
 def parse_duration(text: str) -> float:
@@ -45,13 +45,16 @@ def parse_duration(text: str) -> float:
     return sum(float(number) * _SECONDS[unit] for number, unit in parts)
 
 
-def note_where(where: str) -> None:
-    """Record what this process is doing ("step 12", "evaluation after step 10"), for one-line reports."""
-    _where[0] = where
+def note_where(phase: str, step: int | None = None) -> None:
+    """Record what this process is doing ("the forward of step", 12), for one-line reports; called several times
+    a step, so it stores and does not format."""
+    _where[0], _where[1] = phase, step
 
 
 def where() -> str:
-    return _where[0]
+    """What the process was doing: "the forward of step 12"."""
+    phase, step = _where
+    return phase if step is None else f"{phase} {step}"
 
 
 class Preempted(Exception):
