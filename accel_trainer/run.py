@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -76,8 +77,9 @@ def _train_here(recipe_name: str, config_file: str | Path | None, overrides: dic
     if accelerator.is_main_process:
         for problem in config_warnings(cfg):
             warnings.warn(f"accel-trainer: {problem}", stacklevel=2)
-    run_dir = _make_run_dir(accelerator, recipe_name, cfg)
     recipe = recipe_cls(cfg)
+    new_folder = not (cfg.output_dir and Path(cfg.output_dir).exists())
+    run_dir = _make_run_dir(accelerator, recipe_name, cfg)
     try:
         metrics = train_loop(recipe, cfg, layout, accelerator, run_dir, recipe_name)
     except Preempted as stop:
@@ -87,6 +89,10 @@ def _train_here(recipe_name: str, config_file: str | Path | None, overrides: dic
             stop.how_to_continue = f"to continue, run it again with resume=auto output_dir={run_dir}"
         elif not cfg.output_dir:
             stop.how_to_continue = f"rerun the same command to continue it (or add output_dir={run_dir})"
+        raise
+    except BaseException:
+        if new_folder and accelerator.is_main_process:
+            _remove_if_empty(run_dir)  # failed before writing anything (a recipe or data error): leave no trace
         raise
     if accelerator.is_main_process:
         run_folder.forget_preempted(recipe_name, cfg)
@@ -189,6 +195,12 @@ def _pop_config_flag(arguments: list[str]) -> str | None:
         if argument.startswith("-"):
             raise UserError(f"unknown option {argument!r}; options are --config FILE and --help, the rest key=value")
     return None
+
+
+def _remove_if_empty(run_dir: Path) -> None:
+    """Remove a run folder this run created and wrote nothing to; a folder holding anything stays."""
+    with contextlib.suppress(OSError):
+        run_dir.rmdir()
 
 
 def _make_run_dir(accelerator: Any, recipe_name: str, cfg: Any) -> Path:

@@ -139,3 +139,29 @@ def test_run_folder_files_follow_the_umask_so_a_team_can_share_them(tmp_path):
     os.umask(umask)
     files = [path for path in result.run_dir.rglob("*") if path.is_file()]
     assert {path.stat().st_mode & 0o777 for path in files} == {0o666 & ~umask}  # safetensors alone wrote 0o600
+
+
+@at.register_recipe("unbuildable")
+class Unbuildable(at.Recipe):
+    """A recipe whose model cannot be built: the run fails before it writes anything."""
+
+    def build_model(self, cfg):
+        raise ValueError("no such layer size")
+
+
+def test_a_run_that_fails_before_writing_anything_leaves_no_empty_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="no such layer size"):
+        at.train("unbuildable", **QUICK)
+    with pytest.raises(ValueError, match="no such layer size"):
+        at.train("unbuildable", output_dir=str(tmp_path / "named"), **QUICK)
+
+    assert not list((tmp_path / "outputs" / "unbuildable").iterdir())
+    assert not (tmp_path / "named").exists()
+
+
+def test_a_folder_that_existed_before_the_failed_run_stays(tmp_path):
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ValueError, match="no such layer size"):
+        at.train("unbuildable", output_dir=str(tmp_path / "mine"), **QUICK)
+    assert (tmp_path / "mine").is_dir()
