@@ -80,8 +80,9 @@ class TrainConfig:
     num_dataloader_workers: int = 0
     """Worker processes per data loader; 0 loads batches in the training process."""
     num_prefetch_batches: int = 0
-    """Training micro-batches a background thread builds ahead while the step computes (map-style sets; the
-    collate and transforms must not draw from global random generators, which is checked); 0: built in the step."""
+    """Training micro-batches a background thread builds ahead while the step computes (map-style sets; paused
+    while evaluating; up to N+2 built ahead). Building a batch must draw nothing from global random generators
+    (a draw in each epoch's first batches is refused) nor read training state; 0: built in the step."""
     early_stop_metric: str = ""
     """Stop when this eval metric (e.g. eval/loss) has not improved for early_stop_patience evaluations; the run
     saves a checkpoint and ends normally. Empty: never stop early."""

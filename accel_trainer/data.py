@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from .batched_data import already_collated, column_batches
 from .batching import BatchPlan
 from .errors import RecipeError
-from .prefetch import prefetched
+from .prefetch import PrefetchGate, prefetched
 from .recipe import Recipe
 
 ACCEPTED = (
@@ -98,6 +98,7 @@ def micro_batches(
     skip_first_batches: Callable[[Any, int], Any] | None = None,
     resume_rng: Callable[[], None] | None = None,
     prefetch: int = 0,
+    gate: PrefetchGate | None = None,
     device: torch.device | None = None,
 ) -> Iterator[tuple[int, Any]]:
     """Yield `(epoch, micro_batch)` forever, `steps_per_epoch * accumulation_steps` micro-batches an epoch.
@@ -112,7 +113,8 @@ def micro_batches(
     the uninterrupted run did mid-epoch only at the epoch's start, so mid-epoch the states are restored
     *after* the first fetch, while at an epoch boundary they are restored before it (docs/accelerate-traps.md).
 
-    `prefetch` > 0 builds up to that many micro-batches ahead on a thread (prefetch.py), the same ones.
+    `prefetch` > 0 builds up to that many micro-batches ahead on a thread (prefetch.py), the same ones; `gate`
+    lets the loop pause it.
     """
     per_epoch = steps_per_epoch * plan.accumulation_steps
     epoch, steps_done = divmod(start_step, steps_per_epoch)
@@ -123,7 +125,7 @@ def micro_batches(
     while True:
         loader.set_epoch(epoch)
         source = skip_first_batches(loader, skip) if skip and skip_first_batches else loader
-        fetched = prefetched(iter(source), len(source), prefetch, device) if prefetch else source
+        fetched = prefetched(iter(source), len(source), prefetch, gate, device) if prefetch else source
         for index, batch in enumerate(fetched, start=skip):
             if resume_rng is not None:
                 resume_rng()

@@ -77,9 +77,10 @@ def train_loop(
     log = MetricsLog(run_dir, enabled=accelerator.is_main_process, total_steps=cfg.max_steps,
                      show_progress_bar=cfg.show_progress_bar, initial=state.step, trackers=trackers)  # fmt: skip
     try:
-        with PreemptionWatcher(accelerator.num_processes, layout.collective_timeout_s, cfg.max_time,
-                               setup_started) as preemption:  # fmt: skip
-            final = _train_steps(run, micro_batches(run), log, preemption)
+        watcher = PreemptionWatcher(accelerator.num_processes, layout.collective_timeout_s, cfg.max_time,
+                                    setup_started)  # fmt: skip
+        with watcher as preemption, contextlib.closing(micro_batches(run)) as batches:  # a prefetch thread too
+            final = _train_steps(run, batches, log, preemption)
     except torch.cuda.OutOfMemoryError:
         print(f"accel-trainer: out of CUDA memory; what it held: {dump_out_of_memory(run_dir, accelerator)}",
               flush=True)  # fmt: skip
@@ -183,7 +184,8 @@ def _evaluate_after(run: Run, log: MetricsLog, window: Window, step: int) -> dic
     if not evaluates_after(cfg, step):
         return None
     note_where("the evaluation after step", step)
-    scores, seconds = _timed(evaluate_run, run)
+    with run.prefetch_gate.paused():  # evaluation may share the training set's objects, and forks its workers
+        scores, seconds = _timed(evaluate_run, run)
     window.excluded_s += seconds
     log.write({"step": step, **scores, "eval/seconds": seconds, "samples_seen": state.samples_seen})
     _event(run, "eval", step=step, seconds=seconds)

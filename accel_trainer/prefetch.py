@@ -2,25 +2,31 @@
 
 Reading rows and collating them is Python work beside a step whose matrix work releases the GIL, so a thread
 can build the next batches while the model computes (the wide-MLP row-by-row case of benchmarks/prefetch.py:
-about 9% more steps/s on 2 cores). torch's own background loading, `num_dataloader_workers`, pays for it with
+about 5% more steps/s on 2 cores). torch's own background loading, `num_dataloader_workers`, pays for it with
 a copy of every batch between processes, which measured no gain there; on a sub-millisecond step a thread
 costs more in GIL hand-overs than it saves, hence off by default.
 
-A thread must not change what the run computes, and two things in a loader's epoch would:
-- The loader's iterator draws its base seed from torch's global generator when it is created, and accelerate
-  registers it as the active loader (`GradientState`) then and drops it at the epoch's end. So each epoch's
-  first micro-batch and its last are fetched in the calling thread, where they are without prefetching; the
-  thread fetches only the ones between.
-- A collate or transform that draws from a global generator (torch's, numpy's, Python's) would draw at moments
-  that interleave with the step's own draws (dropout) differently on every run. The first CHECKED_FETCHES
-  fetches after the first are made in the calling thread with the three generators' states compared around
-  each; a draw is a one-line error naming the fix, before any thread starts.
+A thread must not change what the run computes. What in a loader's epoch could:
+- Creating the loader's iterator draws its base seed from torch's global generator, and accelerate registers
+  the loader as the active one (`GradientState`) then and drops it at the epoch's end. So the first fetches of
+  each epoch (which create the iterator) and its last (which ends it) are made in the training thread, at the
+  moments they are made without prefetching; the thread makes only the ones between. (accelerate's loader
+  builds one batch ahead, so the last batch itself is built on the thread; ending the epoch is not.)
+- A collate or transform drawing from a global generator would draw at moments that interleave with the step's
+  own draws (dropout) differently on every run. The CHECKED_FETCHES fetches after the first, in the training
+  thread, compare torch's (and CUDA's), numpy's and Python's generator states around each: a draw there is a
+  one-line error before any thread starts. A draw only some batches make, or a generator the recipe keeps
+  itself, cannot be seen this way: the setting's documentation asks for batch building that draws nothing.
+- Evaluation may share the data objects (a tokenizer, a file) and forks its loader's workers: the loop pauses
+  the thread's fetching while it evaluates (`PrefetchGate.paused`), so the two never run at once.
 An exception in the thread is raised in the training thread when it reaches that batch, as without a thread.
-Streams are read in the step (streams.py keeps their position batch by batch) and refuse the setting.
+Up to `depth` + 2 micro-batches are built ahead (the queue, the one in hand, accelerate's look-ahead), on the
+device on GPUs. Streams are read in the step (streams.py keeps their position batch by batch) and refuse it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import random
 import threading
@@ -44,20 +50,50 @@ class _Failure:
         self.error = error
 
 
-def prefetched(batches: Iterator[Any], total: int, depth: int, device: torch.device | None = None) -> Iterator[Any]:
-    """The `total` items of `batches` (one loader epoch), those between the first few and the last built ahead
+class PrefetchGate:
+    """Lets the loop hold the prefetch thread's fetching while it evaluates."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self._fetching = threading.Lock()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No fetch runs inside this block (one in progress is waited for)."""
+        self._open.clear()
+        try:
+            with self._fetching:
+                yield
+        finally:
+            self._open.set()
+
+    def fetch(self, batches: Iterator[Any], stop: threading.Event) -> Any:
+        """The next item, once the gate is open; `_END` if `stop` was set while waiting."""
+        while not self._open.wait(timeout=0.05):
+            if stop.is_set():
+                return _END
+        with self._fetching:
+            return next(batches)
+
+
+def prefetched(batches: Iterator[Any], total: int, depth: int, gate: PrefetchGate | None = None,
+               device: torch.device | None = None) -> Iterator[Any]:  # fmt: skip
+    """The `total` items of `batches` (one loader epoch), those between the first few and the last fetched ahead
     by a thread, at most `depth` of them waiting.
 
     Raises:
         ConfigError: building a batch drew from a global random generator.
     """
     fetched = 0
-    while fetched < min(total, 1 + CHECKED_FETCHES):
-        yield next(batches) if fetched == 0 else _checked_fetch(batches)
-        fetched += 1
-    ahead = total - 1 - fetched  # the last one stays in this thread
-    if ahead > 0:
-        yield from _from_thread(batches, ahead, depth, device)
+    with contextlib.suppress(StopIteration):  # an epoch shorter than its length said ends here, as it would inline
+        while fetched < min(total, 1 + CHECKED_FETCHES):
+            item = next(batches) if fetched == 0 else _checked_fetch(batches)
+            yield item
+            fetched += 1
+        ahead = total - 1 - fetched  # the last one stays in this thread
+        if ahead > 0:
+            yield from _from_thread(batches, ahead, depth, gate or PrefetchGate(), device)
     yield from batches  # the last item, and the end of the epoch
 
 
@@ -74,26 +110,30 @@ def _checked_fetch(batches: Iterator[Any]) -> Any:
     return item
 
 
-def _global_generator_states() -> tuple[bytes, Any, bytes, int]:
-    """torch's, Python's and numpy's global generator states, comparable with ==."""
-    numpy_state: Any = np.random.get_state()  # (name, key array, position, ...)
-    return bytes(torch.random.get_rng_state().numpy()), random.getstate(), numpy_state[1].tobytes(), numpy_state[2]
+def _global_generator_states() -> tuple[Any, ...]:
+    """torch's (and CUDA's, once initialised), Python's and numpy's global generator states, comparable with ==."""
+    numpy_state: Any = np.random.get_state()  # (name, key array, position, cached Gaussian flag, its value)
+    cuda = [bytes(state.numpy()) for state in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else []
+    return (bytes(torch.random.get_rng_state().numpy()), *cuda, random.getstate(), numpy_state[1].tobytes(),
+            *numpy_state[2:])  # fmt: skip
 
 
-def _from_thread(batches: Iterator[Any], count: int, depth: int, device: torch.device | None) -> Iterator[Any]:
+def _from_thread(batches: Iterator[Any], count: int, depth: int, gate: PrefetchGate,
+                 device: torch.device | None) -> Iterator[Any]:  # fmt: skip
     """`count` items of `batches`, fetched by a thread into a queue of `depth`; the thread stops when this
     generator is closed (the run ended) or raised through."""
     ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
     def fetch() -> None:
-        if device is not None and device.type == "cuda":
-            torch.cuda.set_device(device)  # pinning and copies on this process's GPU, not on GPU 0
         try:
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)  # pinning and copies on this process's GPU, not on GPU 0
             for _ in range(count):
-                if not _put(ready, next(batches), stop):
+                item = gate.fetch(batches, stop)
+                if item is _END or not _put(ready, item, stop):
                     return
-        except StopIteration:  # shorter than its length said: the rest of the epoch goes on in the caller
+        except StopIteration:  # the epoch ended before its length said: the caller's loop sees the end
             pass
         except BaseException as error:  # noqa: BLE001 - raised again in the training thread
             _put(ready, _Failure(error), stop)

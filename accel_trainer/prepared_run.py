@@ -32,7 +32,7 @@ from .layout import LayoutSettings
 from .mesh import DataRanks, data_ranks
 from .nonfinite_guard import NonfiniteGuard
 from .pipeline import Pipeline
-from .prefetch import refuse_on_stream
+from .prefetch import PrefetchGate, refuse_on_stream
 from .recipe import Recipe
 from .run_info import model_summary
 from .schedules import recipe_scheduler
@@ -74,6 +74,7 @@ class Run:
     events: EventLog | None = None
     guard: NonfiniteGuard | None = None  # skips non-finite steps (None: skip_nonfinite_steps=false)
     ema: WeightAverage | None = None  # the EMA of the weights (None: ema_decay=0)
+    prefetch_gate: PrefetchGate = field(default_factory=PrefetchGate)  # held shut while evaluating
 
     @property
     def evaluator(self) -> Any:
@@ -241,5 +242,5 @@ def micro_batches(run: Run) -> Any:
     return data.micro_batches(
         run.train_loader, run.plan, run.steps_per_epoch or 0, start_step=state.step,
         skip_first_batches=run.accelerator.skip_first_batches, resume_rng=resume_rng,
-        prefetch=run.cfg.num_prefetch_batches, device=run.accelerator.device,
+        prefetch=run.cfg.num_prefetch_batches, gate=run.prefetch_gate, device=run.accelerator.device,
     )  # fmt: skip

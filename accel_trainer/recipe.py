@@ -79,7 +79,7 @@ class Recipe:
         keys of the mapping are extra scalar terms (reconstruction, KL, ...), logged beside `loss` with the
         same normalisation; return the same terms from every micro-batch (a missing one counts as 0).
 
-        It is also called once, at the first log step, on a meta-device copy of the model and of the first
+        It is also called once, after the first step, on a meta-device copy of the model and of the first
         micro-batch, to count the FLOPs behind MFU (flops.py): code with side effects (counters, files)
         should leave batches whose tensors are `is_meta` alone.
         """

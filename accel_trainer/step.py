@@ -15,8 +15,8 @@ wrappers): 25 of the 66 us it takes for a six-tensor MLP on the CPU, and 124 us 
 (benchmarks/overhead.py, case (b)). Where every parameter is a plain tensor in one dtype on one device with
 foreach kernels, which is decided once, `clip_one_group` runs the same kernels in the same order
 (`_foreach_norm`, `vector_norm` of their stack, the clamped coefficient, `_foreach_mul_`), bit-identical
-(tested); with no clipping asked (max_norm inf) it only measures. A canary test fails when torch stops
-grouping on every call, and then this shortcut should go.
+(tested, finite and non-finite norms); with no clipping asked (max_norm inf) it only measures, as the other
+direct layouts then do. A canary test fails when torch stops grouping on every call: then this should go.
 
 DeepSpeed, XLA and Megatron-LM layouts are refused when the Accelerator is built (distributed.py), so the
 fast choice is made only among layouts whose behaviour is known.
@@ -56,12 +56,16 @@ class StepVerbs:
         (loss / steps if steps > 1 else loss).backward()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The gradients' norm, after scaling them to at most `max_norm` (inf: measured only); through
-        `accelerator.clip_grad_norm_` where it unscales fp16 gradients or handles sharded ones first."""
+        """The gradients' norm, after scaling them to at most `max_norm`; through `accelerator.clip_grad_norm_`
+        where it unscales fp16 gradients or handles sharded ones first. With max_norm inf (no clipping asked) the
+        direct layouts only measure: torch's clip would multiply every gradient by 1, or by NaN when the norm is
+        not finite."""
         if not self.direct:
             norm = self.accelerator.clip_grad_norm_(self.parameters, max_norm)
         elif self.one_group:
             norm = clip_one_group(self.parameters, max_norm)
+        elif max_norm == float("inf"):
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters if p.grad is not None])
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # tensor parallel: a replicated DTensor
@@ -92,11 +96,12 @@ def _one_foreach_group(parameters: Sequence[torch.Tensor]) -> bool:
 
 @torch.no_grad()
 def clip_one_group(parameters: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_(parameters, max_norm)` for one device and dtype, bit for bit."""
+    """`torch.nn.utils.clip_grad_norm_(parameters, max_norm)` for one device and dtype, bit for bit; with max_norm
+    inf, `get_total_norm` (the gradients untouched)."""
     grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
     if not grads:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)  # its zero norm, on its device
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-    if max_norm != float("inf"):  # a factor of 1 for a finite norm: nothing to scale
+    if max_norm != float("inf"):  # no clipping asked: nothing to scale
         torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
     return total

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,10 +19,14 @@ import torch
 
 import accel_trainer as at
 from accel_trainer import loop
-from accel_trainer.prefetch import CHECKED_FETCHES, _from_thread, prefetched
+from accel_trainer.prefetch import CHECKED_FETCHES, PrefetchGate, _from_thread, prefetched
 from conftest import WORKERS, final_parameters, read_metrics, train_and_dump
 
 at.registry.discover_recipes([WORKERS / "recipes"])
+
+
+def prefetch_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "accel-trainer-prefetch"]
 
 
 def losses(run_dir) -> list[tuple[int, float]]:
@@ -50,16 +55,18 @@ def test_negative_control_a_thread_running_ahead_across_epochs_changes_the_losse
     generator, and drawn ahead of time it shifts every dropout mask after it."""
     train(tmp_path / "inline")
     whole_run = loop.micro_batches
-    monkeypatch.setattr(loop, "micro_batches", lambda run: _from_thread(whole_run(run), 10**6, 3, None))
+    monkeypatch.setattr(loop, "micro_batches", lambda run: _from_thread(whole_run(run), 10**6, 3, PrefetchGate(), None))
     train(tmp_path / "ahead")
     assert losses(tmp_path / "ahead") != losses(tmp_path / "inline")
 
 
-def test_a_prefetched_run_resumed_mid_epoch_ends_where_it_would_have(tmp_path):
-    train(tmp_path / "full", num_prefetch_batches=2, save_every_steps=1, keep_last=0)
+def test_a_prefetched_run_resumed_mid_epoch_ends_where_the_run_without_a_thread_ends(tmp_path):
+    """Step 11 is one step into the third epoch: the resumed loader skips 2 of its 10 micro-batches and the
+    thread builds 4 of the 8 left."""
+    train(tmp_path / "full", save_every_steps=1, keep_last=0)
     train(tmp_path / "resumed", num_prefetch_batches=2,
-          resume=str(tmp_path / "full" / "checkpoints" / "step_00000013"))  # fmt: skip
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "full")[13:]
+          resume=str(tmp_path / "full" / "checkpoints" / "step_00000011"))  # fmt: skip
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "full")[11:]
     expected, actual = final_parameters(tmp_path / "full"), final_parameters(tmp_path / "resumed")
     assert all(torch.equal(actual[name], expected[name]) for name in expected)
 
@@ -70,10 +77,12 @@ def test_a_collate_that_draws_from_the_global_generator_is_refused_in_one_line(t
     train(tmp_path / "inline", random_collate=True)  # without a thread the same recipe trains
 
 
-def test_an_error_reading_a_row_on_the_thread_is_raised_in_the_training_thread(tmp_path):
-    with pytest.raises(ValueError, match="row 17 is unreadable"):
-        train(tmp_path, num_prefetch_batches=2, broken_row=17)
-    assert not [thread for thread in threading.enumerate() if thread.name == "accel-trainer-prefetch"]
+def test_an_error_building_a_batch_on_the_thread_is_raised_in_the_training_thread(tmp_path):
+    """Read 30 belongs to micro-batch 7 of the first epoch, which the thread builds (1-3 are the caller's)."""
+    with pytest.raises(ValueError, match="read 30 failed") as failure:
+        train(tmp_path, num_prefetch_batches=2, failing_read=30)
+    assert "fetch" in [frame.name for frame in failure.traceback]  # raised by the thread's fetch
+    assert not prefetch_threads()
 
 
 @pytest.mark.parametrize("draw", [lambda: torch.rand(1), lambda: np.random.rand(), lambda: random.random()],
@@ -114,7 +123,21 @@ def test_closing_early_stops_the_thread():
     batches = prefetched(iter(range(1000)), total=1000, depth=2)
     assert [next(batches) for _ in range(6)] == list(range(6))
     batches.close()
-    assert not [thread for thread in threading.enumerate() if thread.name == "accel-trainer-prefetch"]
+    assert not prefetch_threads()
+
+
+def test_while_the_gate_is_paused_the_thread_fetches_nothing():
+    gate, source = PrefetchGate(), CallerThreads(1000)
+    batches = prefetched(source, total=1000, depth=2, gate=gate)
+    [next(batches) for _ in range(5)]
+    with gate.paused():
+        fetched = len(source.threads)
+        time.sleep(0.3)
+        assert len(source.threads) == fetched
+    next(batches)
+    time.sleep(0.1)
+    assert len(source.threads) > fetched
+    batches.close()
 
 
 def test_a_stream_refuses_prefetching_in_one_line(tmp_path):

@@ -114,6 +114,38 @@ def test_clipping_one_group_is_torchs_clip_grad_norm_bit_for_bit(max_norm):
         assert (theirs.grad is None and mine.grad is None) or torch.equal(theirs.grad, mine.grad)
 
 
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")])
+def test_clipping_one_group_of_non_finite_gradients_is_torchs_too(poison):
+    torch_parameters, ours = _gradients_of_a_small_mlp(), _gradients_of_a_small_mlp()
+    for parameters in (torch_parameters, ours):
+        parameters[0].grad[0, 0] = poison
+
+    torch_norm = torch.nn.utils.clip_grad_norm_(torch_parameters, 1.0)
+    our_norm = clip_one_group(ours, 1.0)
+
+    assert torch.equal(our_norm, torch_norm) or (our_norm.isnan() and torch_norm.isnan())
+    for theirs, mine in zip(torch_parameters, ours, strict=True):
+        assert (theirs.grad is None and mine.grad is None) or torch.equal(theirs.grad.isnan(), mine.grad.isnan())
+
+
+@pytest.mark.parametrize("mixed_dtypes", [False, True], ids=["one group", "two dtypes"])
+def test_without_clipping_the_direct_verbs_only_measure_even_a_non_finite_norm(prepared, mixed_dtypes):
+    """torch's clip at max_norm inf would multiply every gradient by NaN here."""
+    accelerator, _, optimizer = prepared
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1).double() if mixed_dtypes else
+                                torch.nn.Linear(2, 1))  # fmt: skip
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    model[0].weight.grad[0, 0] = float("inf")
+    before = [parameter.grad.clone() for parameter in model.parameters()]
+
+    verbs = StepVerbs(accelerator, optimizer, model)
+    norm = verbs.clip_grad_norm(float("inf"))
+
+    assert verbs.one_group is not mixed_dtypes and norm.isinf()
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
 def test_clipping_one_group_of_no_gradients_is_torchs_zero_norm():
     parameters = [torch.nn.Parameter(torch.ones(3))]
     assert torch.equal(clip_one_group(parameters, 1.0), torch.nn.utils.clip_grad_norm_(parameters, 1.0))

@@ -2,7 +2,7 @@
 
 Forty rows make five optimizer steps of eight per epoch, so a run of a few dozen steps crosses several epoch
 boundaries; dropout draws from torch's global generator in every forward pass, beside whatever builds the
-batches. `random_collate` makes the collate draw from it too; `broken_row` makes reading that row fail.
+batches. `random_collate` makes the collate draw from it too; `failing_read` makes one row read fail.
 """
 
 from dataclasses import dataclass
@@ -25,21 +25,22 @@ class RowsConfig(at.TrainConfig):
     eval_every_steps: int = 0
     random_collate: bool = False
     """Add noise drawn from torch's global generator to every batch."""
-    broken_row: int = -1
-    """Raise when this row is read; -1: none."""
+    failing_read: int = 0
+    """Raise at this row read, counting reads from 1 (row 4k+1 to 4k+4 make micro-batch k); 0: none."""
 
 
 class Rows(torch.utils.data.Dataset):
-    def __init__(self, broken_row: int) -> None:
+    def __init__(self, failing_read: int) -> None:
         generator = torch.Generator().manual_seed(0)
-        self.x, self.broken_row = torch.randn(40, 5, generator=generator), broken_row
+        self.x, self.failing_read, self.reads = torch.randn(40, 5, generator=generator), failing_read, 0
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if index == self.broken_row:
-            raise ValueError(f"row {index} is unreadable")
+        self.reads += 1
+        if self.reads == self.failing_read:
+            raise ValueError(f"read {self.reads} failed")
         return {"x": self.x[index], "y": self.x[index].sum(0, keepdim=True)}
 
 
@@ -52,7 +53,7 @@ class RowsWithDropout(at.Recipe):
                                    torch.nn.Linear(16, 1))  # fmt: skip
 
     def build_datasets(self, cfg):
-        return Rows(cfg.broken_row), None
+        return Rows(cfg.failing_read), None
 
     def collate(self, examples):
         batch = default_collate(examples)
