@@ -13,6 +13,7 @@ from .config import TrainConfig
 from .errors import ConfigError
 from .pipeline import Pipeline
 from .recipe import Recipe
+from .rng_states import rng_untouched
 
 if TYPE_CHECKING:
     from .prepared_run import Run
@@ -89,10 +90,12 @@ def evaluate(
 
 
 def evaluate_run(run: Run) -> dict[str, float]:
-    """The run's eval metrics (`eval/<name>`) and, with evaluate_ema, its EMA weights' (`eval_ema/<name>`)."""
-    scores = evaluate(run.accelerator, run.evaluator, run.model, *run.eval_batches())
-    if run.cfg.evaluate_ema and run.ema is not None:
-        with run.ema.swapped_in():
-            averaged = evaluate(run.accelerator, run.evaluator, run.model, *run.eval_batches())
-        scores.update({"eval_ema/" + name.removeprefix("eval/"): value for name, value in averaged.items()})
+    """The run's eval metrics (`eval/<name>`) and, with evaluate_ema, its EMA weights' (`eval_ema/<name>`); the
+    random streams are left as they were, so training does not depend on when it evaluates."""
+    with rng_untouched():
+        scores = evaluate(run.accelerator, run.evaluator, run.model, *run.eval_batches())
+        if run.cfg.evaluate_ema and run.ema is not None:
+            with run.ema.swapped_in():
+                averaged = evaluate(run.accelerator, run.evaluator, run.model, *run.eval_batches())
+            scores.update({"eval_ema/" + name.removeprefix("eval/"): value for name, value in averaged.items()})
     return scores

@@ -14,11 +14,9 @@ can log MFU too). A CPU has no standard peak, so without `peak_tflops` it logs n
 
 from __future__ import annotations
 
-import random
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from torch.utils._pytree import tree_map
@@ -28,6 +26,7 @@ from .config import TrainConfig
 from .layout import LayoutSettings
 from .losses import read_loss_output
 from .recipe import Recipe
+from .rng_states import rng_untouched
 
 # (name fragment, first match wins) -> dense TFLOP/s per device by compute dtype (vendor datasheets).
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
@@ -71,7 +70,7 @@ def flops_per_sample(recipe: Recipe, cfg: TrainConfig, batch: Any, num_parameter
         return float(declared), "declared by the recipe's flops_per_sample"
     samples = _batch_size(batch) or int(cfg.micro_batch_size)  # the run's config: auto is resolved
     try:
-        with _rng_untouched():
+        with rng_untouched():
             total = _count_on_meta(recipe, cfg, batch)
     except Exception as error:  # noqa: BLE001 - a model that cannot be built or run on meta
         return 6.0 * num_parameters, f"a 6N estimate: counting failed with {type(error).__name__}"
@@ -98,19 +97,6 @@ def _count_on_meta(recipe: Recipe, cfg: TrainConfig, batch: Any) -> int:
 def _batch_size(batch: Any) -> int | None:
     leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
     return leaves[0].shape[0] if leaves else None
-
-
-class _rng_untouched:
-    """Restore every random stream after the count: building a model may draw from them (layout invariance)."""
-
-    def __enter__(self) -> None:
-        self._states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-
-    def __exit__(self, *exc: object) -> None:
-        python, numpy_state, torch_state = self._states
-        random.setstate(python)
-        np.random.set_state(numpy_state)
-        torch.set_rng_state(torch_state)
 
 
 def peak_for_mfu(accelerator: Accelerator, layout: LayoutSettings) -> float | None:

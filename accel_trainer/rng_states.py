@@ -6,7 +6,9 @@ path restores them at the moment the uninterrupted run was at (data.micro_batche
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -32,3 +34,17 @@ def capture_rng_states() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
+
+
+@contextlib.contextmanager
+def rng_untouched() -> Iterator[None]:
+    """Every random stream as it was before the block, for work beside training whose draws must not move
+    training's: an evaluation (its loader draws a seed when it starts, a recipe may sample), FLOP counting
+    (building a model draws its initial weights). Without it, training with dropout would depend on
+    eval_every_steps, and a run extended past its end (which evaluated) would not continue as an uninterrupted
+    run does."""
+    states = capture_rng_states()
+    try:
+        yield
+    finally:
+        apply_rng_states(states)

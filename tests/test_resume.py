@@ -180,3 +180,24 @@ def test_async_saves_on_two_processes_publish_verified_checkpoints_and_resume(tm
         checkpoint_files.verify(folder)
     records = train_and_dump("cpu_ddp", tmp_path, "vae", *run, "max_steps=12", world_size=2)  # resume=auto
     assert [r["step"] for r in records if "loss" in r][-2:] == [11, 12]
+
+
+CONSTANT = dict(sample_latent="true", lr_schedule="constant", warmup_steps="0", log_every_steps="1",
+                show_progress_bar=False)  # fmt: skip
+
+
+def test_how_often_a_run_evaluates_leaves_its_training_trajectory_unchanged(tmp_path):
+    """An evaluation draws random numbers (its loader's seed); the VAE samples its latent in every training step."""
+    at.train("vae", output_dir=str(tmp_path / "often"), max_steps=12, eval_every_steps=3, **CONSTANT)
+    at.train("vae", output_dir=str(tmp_path / "once"), max_steps=12, eval_every_steps=0, **CONSTANT)
+    assert losses(tmp_path / "often") == losses(tmp_path / "once")
+
+
+def test_a_run_extended_past_its_end_continues_as_the_uninterrupted_run(tmp_path):
+    """The first run evaluated at its end (step 7), which the uninterrupted run did not."""
+    at.train("vae", output_dir=str(tmp_path / "full"), max_steps=12, eval_every_steps=6, **CONSTANT)
+    at.train("vae", output_dir=str(tmp_path / "extended"), max_steps=7, eval_every_steps=6, **CONSTANT)
+    with pytest.warns(UserWarning, match="max_steps 7 -> 12"):
+        at.train("vae", output_dir=str(tmp_path / "extended"), max_steps=12, eval_every_steps=6, **CONSTANT)
+    assert {step: loss for step, loss in losses(tmp_path / "extended").items() if step > 7} == {
+        step: loss for step, loss in losses(tmp_path / "full").items() if step > 7}  # fmt: skip
