@@ -19,12 +19,16 @@ from __future__ import annotations
 import os
 import warnings
 
+import torch
+import torch._dynamo
 from accelerate.utils import TorchDynamoPlugin
+from torch._dynamo.eval_frame import OptimizedModule
 
 from .errors import LayoutError
 from .layout import LayoutSettings
 
 WARN_AFTER_LOG_STEPS = 3  # log records before which new graphs are expected (first shapes, then dynamic ones)
+RECOMPILES_PER_REGION = 8  # dynamo's own default recompile_limit for one function
 
 
 def dynamo_plugin(layout: LayoutSettings) -> TorchDynamoPlugin:
@@ -38,6 +42,21 @@ def dynamo_plugin(layout: LayoutSettings) -> TorchDynamoPlugin:
             " dynamo_backend: 'NO' in the accelerate config)"
         )
     return TorchDynamoPlugin(backend="inductor" if backend == "NO" else backend.lower(), use_regional_compilation=True)
+
+
+def allow_recompiles_per_region(model: torch.nn.Module) -> None:
+    """Give every compiled region dynamo's default allowance of compiled variants.
+
+    accelerate's regional compilation wraps each region (a block, and every other child: embeddings, dropout,
+    norms, the head) in `torch.compile`, and all those wrappers run through one code object (dynamo's
+    `external_utils.inner`), whose cache holds at most `recompile_limit` (8) variants for the whole model: the
+    GPT's five other regions in train and eval mode used them up at its first evaluation, after which new
+    variants ran eager, each with a block of torch warnings (found by a new-user trial). The canary in
+    tests/test_compiling.py fails when two compiled modules stop sharing that cache; this can go then.
+    """
+    regions = sum(isinstance(module, OptimizedModule) for module in model.modules())
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, RECOMPILES_PER_REGION * regions)
 
 
 class CompileWatch:

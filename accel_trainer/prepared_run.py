@@ -21,7 +21,7 @@ from .batching import BatchPlan, plan_batches
 from .batchnorm import convert_to_sync_batchnorm
 from .checkpoint import RunIdentity, Trained
 from .checkpointer import Checkpointer
-from .compiling import CompileWatch
+from .compiling import CompileWatch, allow_recompiles_per_region
 from .config import TrainConfig
 from .ema import WeightAverage
 from .errors import ConfigError, LayoutError
@@ -142,6 +142,8 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     trained = Trained(model, optimizer, scheduler, whole=pipeline.model if pipeline is not None else None, ema=ema)
     checkpointer = Checkpointer(accelerator, run_dir, trained, identity, has_eval=eval_set is not None)
     compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
+    if compiled:
+        allow_recompiles_per_region(model)
     return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
                eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer, model), checkpointer,
                num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks,

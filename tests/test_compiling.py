@@ -12,11 +12,18 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate.utils import DynamoBackend
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
 import accel_trainer as at
 from accel_trainer import LayoutError
-from accel_trainer.compiling import WARN_AFTER_LOG_STEPS, CompileWatch, dynamo_plugin
+from accel_trainer.compiling import (
+    RECOMPILES_PER_REGION,
+    WARN_AFTER_LOG_STEPS,
+    CompileWatch,
+    allow_recompiles_per_region,
+    dynamo_plugin,
+)
 from accel_trainer.layout import LayoutSettings
 from conftest import final_parameters, read_metrics
 
@@ -57,6 +64,24 @@ def test_graphs_still_compiled_after_the_first_log_steps_are_warned_about_once(m
 GPT = dict(n_layer=2, n_head=2, d_model=32, block_size=64, max_source_bytes=200_000, max_steps=12,
            global_batch_size=8, micro_batch_size=4, log_every_steps=2, eval_every_steps=6, save_every_steps=6,
            show_progress_bar=False)  # fmt: skip
+
+
+def test_canary_modules_compiled_separately_share_one_dynamo_cache():
+    """Why allow_recompiles_per_region exists: when this fails, each compiled region has a cache of its own and
+    the raised limit can go."""
+    torch._dynamo.reset()
+    for module in (torch.nn.Linear(3, 3), torch.nn.LayerNorm(3)):
+        torch.compile(module, backend="eager")(torch.randn(2, 3))
+    shared = torch._dynamo.external_utils.wrap_inline(lambda: None).__code__
+    assert len(_debug_get_cache_entry_list(shared)) == 2
+    torch._dynamo.reset()
+
+
+def test_every_compiled_region_gets_dynamos_default_allowance(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    model = torch.nn.Sequential(*(torch.compile(torch.nn.Linear(2, 2), backend="eager") for _ in range(3)))
+    allow_recompiles_per_region(model)
+    assert torch._dynamo.config.recompile_limit == 3 * RECOMPILES_PER_REGION
 
 
 @pytest.mark.slow
