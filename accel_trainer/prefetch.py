@@ -22,6 +22,7 @@ A thread must not change what the run computes. What in a loader's epoch could:
 An exception in the thread is raised in the training thread when it reaches that batch, as without a thread.
 Up to `depth` + 2 micro-batches are built ahead (the queue, the one in hand, accelerate's look-ahead), on the
 device on GPUs. Streams are read in the step (streams.py keeps their position batch by batch) and refuse it.
+`check_prefetching` makes these refusals before any work, on the set's first micro-batches.
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ import contextlib
 import queue
 import random
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
+from .batched_data import ColumnBatches
 from .errors import ConfigError
+from .rng_states import rng_untouched
 
 CHECKED_FETCHES = 2
 
@@ -104,8 +108,8 @@ def _checked_fetch(batches: Iterator[Any]) -> Any:
     if _global_generator_states() != before:
         raise ConfigError(
             "num_prefetch_batches: building a training batch draws from a global random generator (torch, numpy or"
-            " random), which a background thread would make irreproducible: set num_prefetch_batches=0, or draw"
-            " from a generator seeded from the sample (e.g. torch.Generator().manual_seed(seed + index))"
+            " random), which a background thread would make irreproducible: set num_prefetch_batches=0, or draw in"
+            " the dataset's __getitem__ from a generator seeded by the row, torch.Generator().manual_seed(seed + index)"
         )
     return item
 
@@ -163,10 +167,36 @@ def _put(ready: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
     return False
 
 
-def refuse_on_stream(num_prefetch_batches: int) -> None:
-    """Raises: ConfigError: prefetching asked for a stream."""
-    if num_prefetch_batches:
+def check_prefetching(recipe: Any, rows: Any, train_loader: Any, micro_batch_size: int, warn: bool) -> None:
+    """Before any work: refuse prefetching a stream, or batch building that draws random numbers (the first
+    micro-batches of `rows`, the training set in torch format, built once with every random stream restored
+    after), and warn where a thread cannot pay.
+
+    Raises:
+        ConfigError: a stream, or a draw from a global generator while building a batch.
+    """
+    depth = recipe.cfg.num_prefetch_batches
+    if train_loader is None:
         raise ConfigError(
             "num_prefetch_batches works on map-style training sets; this recipe's training set is a stream"
             " (an IterableDataset), read in the step so that its position is exact: set num_prefetch_batches=0"
         )
+    if isinstance(train_loader.dataset, ColumnBatches):  # default collate, no transform: nothing draws
+        if warn:
+            warnings.warn(
+                f"accel-trainer: num_prefetch_batches={depth} on the batched column path, where a micro-batch is one"
+                " indexing (microseconds): a thread's hand-overs cost more than they save (docs/benchmarks.md); it"
+                " pays on the row-by-row path beside a compute-bound step",
+                stacklevel=4,
+            )
+        return
+    with rng_untouched(), contextlib.suppress(StopIteration):  # a set of fewer rows: what there is
+        first_batches = _first_batches(recipe, rows, micro_batch_size)
+        for _ in range(CHECKED_FETCHES):
+            _checked_fetch(first_batches)
+
+
+def _first_batches(recipe: Any, rows: Any, micro_batch_size: int) -> Iterator[Any]:
+    """The first CHECKED_FETCHES micro-batches of the set in its order, each read row by row and collated."""
+    for start in range(0, min(len(rows), CHECKED_FETCHES * micro_batch_size), micro_batch_size):
+        yield recipe.collate([rows[index] for index in range(start, min(start + micro_batch_size, len(rows)))])

@@ -32,7 +32,7 @@ from .layout import LayoutSettings
 from .mesh import DataRanks, data_ranks
 from .nonfinite_guard import NonfiniteGuard
 from .pipeline import Pipeline
-from .prefetch import PrefetchGate, refuse_on_stream
+from .prefetch import PrefetchGate, check_prefetching
 from .recipe import Recipe
 from .run_info import model_summary
 from .schedules import recipe_scheduler
@@ -174,6 +174,9 @@ def _loaders(recipe: Recipe, cfg: TrainConfig, train_set: Any, eval_set: Any, pl
                       " process (streams.py)", stacklevel=3)  # fmt: skip
     options = dict(num_workers=workers, cache_gb=cfg.data_cache_gb, pin_memory=accelerator.device.type == "cuda")
     train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, **options)
+    if cfg.num_prefetch_batches:
+        check_prefetching(recipe, data.as_torch(train_set), train_loader, plan.micro_batch_size,
+                          warn=accelerator.is_main_process)  # fmt: skip
     eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (Run.eval_batches)
     if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == ranks.context_parallel == 1:
         eval_loader = data.eval_loader(recipe, eval_set, plan, **options)
@@ -236,7 +239,6 @@ def micro_batches(run: Run) -> Any:
     """This process's training micro-batches from the resume point on, with the RNG states restored in time."""
     state, resume_rng = run.checkpointer.state, run.checkpointer.resume_rng
     if run.train_loader is None:
-        refuse_on_stream(run.cfg.num_prefetch_batches)
         position = (state.data_position or [0, 0])[0], (state.data_position or [0, 0])[1]
         run.stream = TrainStream(data.as_torch(run.train_set), run.recipe.collate, run.plan, run.ranks.rank,
                                  position)  # fmt: skip

@@ -40,7 +40,7 @@ def parameters_held(model: torch.nn.Module, accelerator: Accelerator) -> list[in
 
 
 def header(recipe_name: str, accelerator: Accelerator, plan: BatchPlan, num_parameters: int, run_dir: Path,
-           held: list[int]) -> str:  # fmt: skip
+           held: list[int], data_path: str) -> str:  # fmt: skip
     """The start-of-run lines: what trains, on what, with which batches, where it writes."""
     device = accelerator.device.type
     if device == "cuda":
@@ -54,6 +54,7 @@ def header(recipe_name: str, accelerator: Accelerator, plan: BatchPlan, num_para
         f"  batch: {plan.global_batch_size} per step = {plan.micro_batch_size} per micro-batch x"
         f" {plan.num_processes} {'data-parallel rank(s)' if mesh else 'process(es)'} x {plan.accumulation_steps}"
         " accumulation step(s)",
+        f"  data: {data_path}",
         f"  run folder: {run_dir}",
     ])  # fmt: skip
 

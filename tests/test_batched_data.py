@@ -112,3 +112,12 @@ def test_training_on_batched_columns_ends_bitwise_where_the_per_row_path_ends(la
     a, b = final_parameters(batched_dir), final_parameters(rows_dir)
     assert all(torch.equal(a[name], b[name]) for name in b)
     assert read_metrics(batched_dir)[-1]["step"] == 30
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    ({}, "data: columns held in memory, one indexing per micro-batch"),
+    ({"data_cache_gb": 0, "num_prefetch_batches": 2}, "data: row by row (data_cache_gb=0), 2 prefetched on a thread"),
+])  # fmt: skip
+def test_the_run_header_says_which_data_path_builds_the_batches(overrides, line, tmp_path, capsys):
+    at.train("vae", output_dir=str(tmp_path), max_steps=1, eval_every_steps=0, show_progress_bar=False, **overrides)
+    assert f"  {line}\n" in capsys.readouterr().out

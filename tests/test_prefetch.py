@@ -71,10 +71,17 @@ def test_a_prefetched_run_resumed_mid_epoch_ends_where_the_run_without_a_thread_
     assert all(torch.equal(actual[name], expected[name]) for name in expected)
 
 
-def test_a_collate_that_draws_from_the_global_generator_is_refused_in_one_line(tmp_path):
+def test_a_collate_that_draws_from_the_global_generator_is_refused_in_one_line_before_any_work(tmp_path):
     with pytest.raises(at.ConfigError, match="num_prefetch_batches: building a training batch draws from a global"):
-        train(tmp_path, num_prefetch_batches=2, random_collate=True)
+        train(tmp_path / "refused", num_prefetch_batches=2, random_collate=True)
+    assert not (tmp_path / "refused").exists()  # refused while preparing: the new run folder is removed
     train(tmp_path / "inline", random_collate=True)  # without a thread the same recipe trains
+
+
+def test_prefetching_on_the_batched_column_path_is_warned_about(tmp_path):
+    with pytest.warns(UserWarning, match="num_prefetch_batches=2 on the batched column path"):
+        at.train("vae", output_dir=str(tmp_path), num_prefetch_batches=2, max_steps=2, eval_every_steps=0,
+                 show_progress_bar=False)  # fmt: skip
 
 
 def test_an_error_building_a_batch_on_the_thread_is_raised_in_the_training_thread(tmp_path):
@@ -140,10 +147,11 @@ def test_while_the_gate_is_paused_the_thread_fetches_nothing():
     batches.close()
 
 
-def test_a_stream_refuses_prefetching_in_one_line(tmp_path):
+def test_a_stream_refuses_prefetching_in_one_line_before_any_work(tmp_path):
     with pytest.raises(at.ConfigError, match="num_prefetch_batches works on map-style training sets"):
-        at.train("gpt", output_dir=str(tmp_path), streaming=True, num_prefetch_batches=2, max_steps=2,
+        at.train("gpt", output_dir=str(tmp_path / "refused"), streaming=True, num_prefetch_batches=2, max_steps=2,
                  show_progress_bar=False)  # fmt: skip
+    assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.multiprocess
