@@ -24,7 +24,6 @@ from accelerate import Accelerator
 from .checkpoint import RunIdentity
 from .config import TrainConfig, config_to_dict, config_to_yaml, layout_to_yaml
 from .context_parallel import check_loss_counts_items, sequence_slices
-from .data import describe_path
 from .early_stopping import check_early_stop, should_stop_early
 from .evaluation import evaluate_run, evaluates_after
 from .events import EventLog
@@ -67,8 +66,7 @@ def train_loop(
         (run_dir / "model_summary.txt").write_text(run.model_summary)
         write_run_info(run_dir, accelerator, ran, state.step, held)
         drop_records_after(run_dir, state.step)
-        print(header(recipe_name, accelerator, run.plan, run.num_parameters, run_dir, held,
-                     describe_path(run.train_loader, recipe)), flush=True)  # fmt: skip
+        print(header(run, recipe_name, held), flush=True)
     trackers = None
     if accelerator.is_main_process and cfg.trackers:
         trackers = Trackers(cfg.trackers, run_dir, config_to_dict(cfg), state.step, state.tracker_ids)

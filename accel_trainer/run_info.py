@@ -15,17 +15,20 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 from torch.distributed.tensor import DTensor
 
-from .batching import BatchPlan
+from .data import describe_path
 from .layout import LayoutSettings, layout_to_dict
 from .mesh import data_ranks, describe_mesh
 from .sharding import pipeline_size
+
+if TYPE_CHECKING:
+    from .prepared_run import Run
 
 _PACKAGES = ("accel-trainer", "torch", "accelerate", "datasets", "safetensors", "transformers")
 
@@ -39,9 +42,9 @@ def parameters_held(model: torch.nn.Module, accelerator: Accelerator) -> list[in
     return gather_object([held]) if accelerator.num_processes > 1 else [held]
 
 
-def header(recipe_name: str, accelerator: Accelerator, plan: BatchPlan, num_parameters: int, run_dir: Path,
-           held: list[int], data_path: str) -> str:  # fmt: skip
-    """The start-of-run lines: what trains, on what, with which batches, where it writes."""
+def header(run: Run, recipe_name: str, held: list[int]) -> str:
+    """The start-of-run lines: what trains, on what, with which batches and data path, where it writes."""
+    accelerator, plan, num_parameters = run.accelerator, run.plan, run.num_parameters
     device = accelerator.device.type
     if device == "cuda":
         device = f"cuda ({torch.cuda.get_device_name(accelerator.device)})"
@@ -54,8 +57,8 @@ def header(recipe_name: str, accelerator: Accelerator, plan: BatchPlan, num_para
         f"  batch: {plan.global_batch_size} per step = {plan.micro_batch_size} per micro-batch x"
         f" {plan.num_processes} {'data-parallel rank(s)' if mesh else 'process(es)'} x {plan.accumulation_steps}"
         " accumulation step(s)",
-        f"  data: {data_path}",
-        f"  run folder: {run_dir}",
+        f"  data: {describe_path(run.train_loader, run.recipe)}",
+        f"  run folder: {run.run_dir}",
     ])  # fmt: skip
 
 
