@@ -157,7 +157,7 @@ def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str
             for k in keys:
                 points = [(r[x_key], r[k]) for r in records if r.get(k) is not None and r.get(x_key) is not None]
                 if points:  # an EMA's evaluation dashed, so that it does not hide the weights' own
-                    axis.plot(*zip(*points, strict=True), label=f"{name} {k}" if len(runs) > 1 or key == "eval/" else k,
+                    axis.plot(*zip(*points, strict=True), label=f"{name} {k}" if len(runs) > 1 else k,
                               linestyle="--" if k.startswith("eval_ema/") else "-")  # fmt: skip
         axis.set_title(title)
         axis.set_xlabel(x_key)
