@@ -29,18 +29,16 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import random
 import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from .batched_data import ColumnBatches
 from .errors import ConfigError
-from .rng_states import rng_untouched
+from .rng_states import capture_rng_states, rng_untouched
 
 CHECKED_FETCHES = 2
 
@@ -115,11 +113,11 @@ def _checked_fetch(batches: Iterator[Any]) -> Any:
 
 
 def _global_generator_states() -> tuple[Any, ...]:
-    """torch's (and CUDA's, once initialised), Python's and numpy's global generator states, comparable with ==."""
-    numpy_state: Any = np.random.get_state()  # (name, key array, position, cached Gaussian flag, its value)
-    cuda = [bytes(state.numpy()) for state in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else []
-    return (bytes(torch.random.get_rng_state().numpy()), *cuda, random.getstate(), numpy_state[1].tobytes(),
-            *numpy_state[2:])  # fmt: skip
+    """Every global random stream (`capture_rng_states`: Python, numpy, torch, CUDA), comparable with ==."""
+    states = capture_rng_states()
+    numpy_state = states["numpy"]  # (name, key array, position, cached Gaussian flag, its value)
+    cuda = [bytes(state.numpy()) for state in states["cuda"] or []]
+    return (bytes(states["torch"].numpy()), *cuda, states["python"], numpy_state[1].tobytes(), *numpy_state[2:])
 
 
 def _from_thread(batches: Iterator[Any], count: int, depth: int, gate: PrefetchGate,
