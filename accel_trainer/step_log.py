@@ -164,15 +164,10 @@ def count_flops_once(run: Run, log: MetricsLog, window: Window) -> None:
     """Count the model's FLOPs per sample from the first micro-batch's shapes, once, and say so; its time is not
     training time. Called after the first step, not at the first log record: a start-up cost (milliseconds of
     tracing) paid with the others before training settles, not inside a measured window."""
-    if run.speed.flops_per_sample is None:
-        window.excluded_s += _count_flops(run, log)
-
-
-def _count_flops(run: Run, log: MetricsLog) -> float:
-    """Count and say the model's FLOPs per sample; the seconds it took."""
+    if run.speed.flops_per_sample is not None or run.first_batch is None:
+        return
     started = time.perf_counter()
-    if run.first_batch is not None:
-        flops, source = flops_per_sample(run.recipe, run.cfg, run.first_batch, run.num_parameters)
-        run.speed.flops_per_sample = flops
-        log.note(f"accel-trainer: {flops:.4g} FLOPs per training sample ({source})")
-    return time.perf_counter() - started
+    flops, source = flops_per_sample(run.recipe, run.cfg, run.first_batch, run.num_parameters)
+    run.speed.flops_per_sample = flops
+    log.note(f"accel-trainer: {flops:.4g} FLOPs per training sample ({source})")
+    window.excluded_s += time.perf_counter() - started
