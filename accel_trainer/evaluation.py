@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
+from .batch_rows import batch_size, first_rows
 from .batchnorm import average_running_stats
 from .config import TrainConfig
 from .errors import ConfigError
+from .eval_outputs import metric_sums
 from .pipeline import Pipeline
 from .recipe import Recipe
 from .rng_states import rng_untouched
@@ -56,37 +59,69 @@ def metric_of(setting: str, name: str, scores: dict[str, Any]) -> float:
     return float(scores[name])
 
 
+def describe_nonfinite(cfg: TrainConfig, scores: dict[str, float], step: int) -> str:
+    """One line naming the eval metrics that are NaN or infinite, and what keep-best and early stopping make of
+    them (never a new best, never an improvement); "" when all are finite."""
+    bad = [name for name, value in scores.items() if not math.isfinite(value)]
+    if not bad:
+        return ""
+    line = f"accel-trainer: {', '.join(f'{name}={scores[name]}' for name in bad)} after step {step}: not finite"
+    uses = [what for what, name in (("keep-best", cfg.keep_best_metric), ("early stopping", cfg.early_stop_metric))
+            if name in bad]  # fmt: skip
+    return line + (f"; {' and '.join(uses)} count it as no improvement" if uses else "")
+
+
 def evaluate(
     accelerator: Accelerator, recipe: Recipe | Pipeline, model: torch.nn.Module, batches: Any, padded: bool
 ) -> dict[str, float]:
-    """Means of the recipe's per-sample eval metrics over the whole eval set, each sample counted once (on a
-    pipeline layout, `recipe` is the pipeline, which runs the recipe's eval_metrics on its last stage).
+    """The recipe's eval metrics over the whole eval set, each sample counted once (on a pipeline layout,
+    `recipe` is the pipeline, which runs the recipe's eval_metrics on its last stage).
 
-    Metrics are divided by the number of samples, or by the total of a `num_items` entry when the recipe
-    returns one (per-sample sums over tokens, giving a token-weighted mean). A `padded` loader's batches are
-    gathered with `gather_for_metrics`, which drops the duplicates that even out its last batch; a stream's
-    (streams.eval_batches: disjoint, unequal per process) are summed here and the sums combined.
+    Each metric is a mean over the samples, or over its items for a (sums, num_items) pair (eval_outputs.py).
+    The recipe sees only real rows: a `padded` loader's last batch, which accelerate evens out across the
+    processes with duplicates of the first samples, is cut to the rows `gather_for_metrics` would keep before
+    `eval_metrics` runs, so a batch mean (the default eval of a mean `compute_loss`) is exact too. A process
+    whose last batch holds no real row still runs it (FSDP's forward is collective) and counts nothing. Each
+    process sums its batches; the sums are combined on the host (eval is rare), so processes may see unequal
+    numbers of batches (a stream's disjoint shares, streams.eval_batches).
     """
     average_running_stats(accelerator, model)
     model.eval()
-    sums: dict[str, Any] = {}
+    sums: dict[str, list[torch.Tensor]] = {}
     with torch.no_grad():
         for batch in batches:
-            metrics = recipe.eval_metrics(model, batch)
-            if "num_items" not in metrics:
-                metrics = {**metrics, "num_items": torch.ones(len(next(iter(metrics.values()))))}
-            values = {k: v.float().to(accelerator.device) for k, v in metrics.items()}
-            for name, value in (accelerator.gather_for_metrics(values) if padded else values).items():
-                sums[name] = sums.get(name, 0) + value.sum()
+            size = batch_size(batch)
+            rows = _rows_counted(accelerator, size) if padded else size
+            output = recipe.eval_metrics(model, first_rows(batch, rows) if 0 < rows < size else batch)
+            if rows == 0:
+                continue
+            for name, (total, weight) in metric_sums(output, rows, accelerator.device).items():
+                if name in sums:
+                    sums[name][0] += total
+                    sums[name][1] += weight
+                else:
+                    sums[name] = [total, weight]
     model.train()
-    if not padded:  # a process may have had no eval batch at all: combine on the host, eval is rare
-        totals: dict[str, float] = {}
-        for part in gather_object([{name: float(total) for name, total in sums.items()}]):
-            for name, total in part.items():
-                totals[name] = totals.get(name, 0.0) + total
-        sums = totals
-    num_items = sums.pop("num_items")
-    return {f"eval/{name}": float(total / num_items) for name, total in sums.items()}
+    totals: dict[str, list[float]] = {}
+    for part in gather_object([{name: [float(total), float(weight)] for name, (total, weight) in sums.items()}]):
+        for name, (total, weight) in part.items():
+            kept = totals.setdefault(name, [0.0, 0.0])
+            kept[0], kept[1] = kept[0] + total, kept[1] + weight
+    return {f"eval/{name}": _ratio(total, weight) for name, (total, weight) in totals.items()}
+
+
+def _rows_counted(accelerator: Accelerator, size: int) -> int:
+    """How many leading rows of this process's current batch are real samples: all but in the last batch of a
+    loader that accelerate evened out, where `gather_for_metrics` itself says which rows it keeps."""
+    if not accelerator.gradient_state.end_of_dataloader:
+        return size
+    tags = torch.arange(size, device=accelerator.device) + accelerator.process_index * size
+    kept = accelerator.gather_for_metrics(tags)
+    return int((kept // size == accelerator.process_index).sum())
+
+
+def _ratio(total: float, weight: float) -> float:
+    return total / weight if weight else float("nan")
 
 
 def evaluate_run(run: Run) -> dict[str, float]:

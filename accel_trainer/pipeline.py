@@ -34,7 +34,9 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
+from .batch_rows import select_rows
 from .errors import ConfigError, RecipeError
+from .eval_outputs import metric_sums
 from .losses import LossOutput, read_loss_output
 from .pipeline_gradients import PipelineGradients
 from .pipeline_sharding import adopt_parameters, checkpoint_blocks, gathered_weights, pipeline_place, shard_stage
@@ -93,17 +95,6 @@ def model_inputs(recipe_function: Any, batch: Any) -> tuple[tuple[Any, ...], dic
     raise RecipeError(f"{recipe_function.__name__} never called the model, so a pipeline cannot feed it")
 
 
-def rows(values: Any, index: torch.Tensor, size: int) -> Any:
-    """The rows `index` of every tensor in `values` whose first dimension is the batch's `size`."""
-    if isinstance(values, torch.Tensor):
-        return values[index.to(values.device)] if values.ndim and values.shape[0] == size else values
-    if isinstance(values, dict):
-        return {key: rows(value, index, size) for key, value in values.items()}
-    if isinstance(values, (tuple, list)):
-        return type(values)(rows(value, index, size) for value in values)
-    return values
-
-
 def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor) and value.ndim:
@@ -128,7 +119,7 @@ class _Step:
     size: int = 0
     train: bool = True
     losses: list[LossOutput] = field(default_factory=list)
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # sums, weights
 
 
 class Pipeline:
@@ -212,10 +203,12 @@ class Pipeline:
 
     def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         step = self._step
-        batch = rows(step.batch, index, step.size)
+        batch = select_rows(step.batch, index, step.size)
         if not step.train:
-            for name, value in self.recipe.eval_metrics(_StageOutput(output), batch).items():
-                step.metrics[name] = value if name not in step.metrics else torch.cat([step.metrics[name], value])
+            chunk = self.recipe.eval_metrics(_StageOutput(output), batch)
+            for name, (total, weight) in metric_sums(chunk, len(index), self.device).items():
+                kept = step.metrics.get(name)
+                step.metrics[name] = (total, weight) if kept is None else (kept[0] + total, kept[1] + weight)
             return torch.zeros((), device=self.device)
         result = read_loss_output(self.recipe.compute_loss(_StageOutput(output), batch))
         step.losses.append(result)
@@ -237,8 +230,9 @@ class Pipeline:
             compiled.schedule.step(*args, target=torch.arange(size), return_outputs=False, **kwargs)
         return self._shared_loss()
 
-    def eval_metrics(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
-        """The recipe's per-sample eval metrics of one batch, computed on the last stage, on every process."""
+    def eval_metrics(self, model: nn.Module, batch: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The sums of the recipe's eval metrics over one batch and their weights (eval_outputs.metric_sums),
+        computed on the last stage, on every process."""
         args, kwargs = model_inputs(self.recipe.eval_metrics, batch)
         compiled = self._compiled_for(args, kwargs, train=False)
         for module in compiled.modules:
@@ -247,9 +241,9 @@ class Pipeline:
         self._step = _Step(batch=batch, size=size, train=False)
         with self._weights_for(compiled), self.autocast():
             compiled.schedule.eval(*args, target=torch.arange(size), **kwargs)
-        shared = [{name: value.cpu() for name, value in self._step.metrics.items()}]
+        shared = [{name: (total.cpu(), weight.cpu()) for name, (total, weight) in self._step.metrics.items()}]
         dist.broadcast_object_list(shared, src=self._last_process, group=self.place.group)
-        return {name: value.to(self.device) for name, value in shared[0].items()}
+        return {name: (total.to(self.device), weight.to(self.device)) for name, (total, weight) in shared[0].items()}
 
     @contextlib.contextmanager
     def _weights_for(self, compiled: _Compiled) -> Any:

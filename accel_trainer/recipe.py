@@ -10,7 +10,7 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
     build_optimizer(cfg, model) -> optional; AdamW with decoupled weight decay by default; each param
                                    group's own lr is its peak, which the schedule multiplies
     build_scheduler(cfg, optimizer) -> optional; any torch LR scheduler, stepped once per optimizer step
-    eval_metrics(model, batch)  -> optional; per-sample metric tensors for evaluation
+    eval_metrics(model, batch)  -> optional; per-sample metric tensors, batch means or (sums, num_items)
     collate(examples)           -> optional; how a list of examples becomes a batch
     wrap_classes                -> optional class attribute: the block classes FSDP shards as units
     tp_plan                     -> optional class attribute: how tensor parallelism splits modules
@@ -109,21 +109,21 @@ class Recipe:
         """
         return None
 
-    def eval_metrics(self, model: torch.nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
-        """Per-sample evaluation metrics, each a tensor of shape [batch_size].
+    def eval_metrics(self, model: torch.nn.Module, batch: Batch) -> dict[str, Any]:
+        """Evaluation metrics of a batch of real samples: `{name: value}` (eval_outputs.py), each value
 
-        The loop gathers them across processes with `gather_for_metrics`, which drops the samples repeated
-        to even out the last batch, and reports their means. If a `num_items` entry is present (for example
-        the number of tokens of each sequence), the other entries are per-sample *sums* and are reported
-        as sum over samples divided by the total of `num_items` (a token-weighted mean). The default reports
-        `loss`; when
-        `compute_loss` returns a batch mean, every sample of the batch is given that mean, so override this
-        for exact per-sample values.
+        - a tensor of shape [batch_size], one value per sample: the loop reports its mean over the eval set;
+        - a 0-dim tensor or a number, the batch's mean: weighted by the batch's samples, exact too;
+        - a pair `(sums, num_items)` (per-sample or per-batch): reported as the total of the sums over the
+          total of num_items, a token-weighted mean, say, for that metric alone.
+
+        The loop passes only real samples (never the duplicates that even out the last batch over the
+        processes) and combines the sums over all processes. The default reports `loss` from `compute_loss`:
+        its batch mean, or its sum over its `num_items`.
         """
         output = read_loss_output(self.compute_loss(model, batch))
-        loss = output.loss if output.num_items is None else output.loss / output.num_items
-        size = _batch_size(batch)
-        return {"loss": loss.detach().float().expand(size)}
+        loss = output.loss.detach()
+        return {"loss": loss if output.num_items is None else (loss, output.num_items)}
 
     def collate(self, examples: list[Any]) -> Any:
         """Stack a list of examples (dicts, tuples or tensors) into a batch."""
@@ -131,12 +131,3 @@ class Recipe:
 
     def write_artifacts(self, model: torch.nn.Module, eval_dataset: Any, run_dir: Path) -> None:
         """Write pictures or reports into the run folder after training (main process, unwrapped model)."""
-
-
-def _batch_size(batch: Any) -> int:
-    """The number of samples of a batch: a tensor, or a dict, tuple or list whose first entry is one."""
-    if isinstance(batch, Mapping):
-        return _batch_size(next(iter(batch.values())))
-    if isinstance(batch, (tuple, list)):
-        return _batch_size(batch[0])
-    return len(batch)

@@ -360,10 +360,10 @@ class ByteGPT(at.Recipe):
         return {**loss, "padded_per_token": (batch["targets"] == IGNORE_INDEX).sum()}
 
     def eval_metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Per-sequence sums; the loop divides them by the total of `num_items`, the eval token count."""
+        """Per-sequence sums with their token counts: the loop reports total loss over total tokens."""
         losses, mask = token_losses(model, batch)
-        loss = losses.sum(dim=1)
-        return {"loss": loss, "bits_per_char": loss / math.log(2), "num_items": mask.sum(dim=1)}
+        loss, tokens = losses.sum(dim=1), mask.sum(dim=1)
+        return {"loss": (loss, tokens), "bits_per_char": (loss / math.log(2), tokens)}
 
     def write_artifacts(self, model: nn.Module, eval_dataset: datasets.Dataset, run_dir: Path) -> None:
         """Save `samples.txt`: what the model writes (sampled, fixed seed) after a few Python prompts."""

@@ -71,7 +71,8 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
         losses = torch.nn.functional.cross_entropy(
             logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
         ).sum(dim=1)
-        return {"loss": losses, "bits_per_char": losses / math.log(2), "num_items": (targets != IGNORE_INDEX).sum(1)}
+        tokens = (targets != IGNORE_INDEX).sum(1)
+        return {"loss": (losses, tokens), "bits_per_char": (losses / math.log(2), tokens)}
 
     def write_artifacts(self, model: Any, eval_dataset: Any, run_dir: Path) -> None:
         """Save `samples.txt`: what the model writes after a few Python prompts (sampled, fixed seed)."""

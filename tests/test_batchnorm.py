@@ -27,7 +27,7 @@ def evaluate_saved_model(run_dir) -> dict[str, float]:
     batch = {key: evaluation[:][key] for key in ("x", "label")}
     with torch.no_grad():
         metrics = recipe.eval_metrics(model.eval(), batch)
-    return {f"eval/{name}": values.float().mean().item() for name, values in metrics.items()}
+    return {f"eval/{name}": values.double().mean().item() for name, values in metrics.items()}
 
 
 @pytest.mark.multiprocess

@@ -95,9 +95,10 @@ def test_eval_metrics_are_per_sequence_sums_with_bits_per_char_the_loss_in_bits(
 
     metrics = recipe.eval_metrics(model, batch)
 
-    assert metrics["num_items"].tolist() == [len(s) - 1 for s in sequences]
-    torch.testing.assert_close(metrics["bits_per_char"], metrics["loss"] / math.log(2))
-    torch.testing.assert_close(metrics["loss"].sum(), recipe.compute_loss(model, batch)["loss"])
+    (loss, tokens), (bits, bit_tokens) = metrics["loss"], metrics["bits_per_char"]
+    assert tokens.tolist() == bit_tokens.tolist() == [len(s) - 1 for s in sequences]
+    torch.testing.assert_close(bits, loss / math.log(2))
+    torch.testing.assert_close(loss.sum(), recipe.compute_loss(model, batch)["loss"])
 
 
 def test_a_short_run_lowers_eval_bits_per_char(tmp_path):
