@@ -14,6 +14,7 @@ error then, and the first evaluation is the step-0 baseline (keep-best needs `ev
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,7 +98,9 @@ class Checkpointer:
         if not name or scores is None:
             return False
         value, best = metric_of("keep_best_metric", name, scores), state.best_metric
-        better = best is None or (value < best if self.cfg.keep_best_mode == "min" else value > best)
+        better = math.isfinite(value) and (  # NaN or inf is never the best: loop.py says so when it happens
+            best is None or (value < best if self.cfg.keep_best_mode == "min" else value > best)
+        )
         if state.step == 0 or not better:
             return False
         state.best_metric, state.best_checkpoint = value, files.step_folder_name(state.step)

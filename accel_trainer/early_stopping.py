@@ -5,11 +5,12 @@ The decision needs no collective: every process holds the same evaluation scores
 so all stop at the same step. The count survives a resume (TrainState), the stop saves a checkpoint at its step
 and ends the run normally (final weights, report, exit 0) with one line saying why, and `resume=auto` on a run
 that stopped early says so and trains nothing. The best checkpoint is kept with `keep_best_metric` (the same
-metric, typically).
+metric, typically). A NaN or infinite evaluation never counts as an improvement, and the stop says so.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .config import TrainConfig
@@ -34,14 +35,15 @@ def should_stop_early(cfg: TrainConfig, state: TrainState, scores: dict[str, Any
         return ""
     value, best = metric_of("early_stop_metric", name, scores), state.early_stop_best
     gain = (best - value if cfg.early_stop_mode == "min" else value - best) if best is not None else float("inf")
-    if gain > cfg.early_stop_min_delta:
+    if math.isfinite(value) and gain > cfg.early_stop_min_delta:  # NaN or inf is never an improvement
         state.early_stop_best, state.early_stop_best_step, state.early_stop_waited = value, state.step, 0
         return ""
     state.early_stop_waited += 1
     if state.early_stop_waited < cfg.early_stop_patience:
         return ""
     state.stopped_early = True
-    return (
-        f"early stop after step {state.step}: {name} has not improved on {best:.6g} (step"
-        f" {state.early_stop_best_step}) for {state.early_stop_waited} evaluation(s)"
-    )
+    waited = f"for {state.early_stop_waited} evaluation(s)" + ("" if math.isfinite(value) else f", the last {value}")
+    if best is None:
+        return f"early stop after step {state.step}: {name} has not been finite {waited}"
+    since = f"{best:.6g} (step {state.early_stop_best_step})"
+    return f"early stop after step {state.step}: {name} has not improved on {since} {waited}"

@@ -25,7 +25,7 @@ from .checkpoint import RunIdentity
 from .config import TrainConfig, config_to_dict, config_to_yaml, layout_to_yaml
 from .context_parallel import check_loss_counts_items, sequence_slices
 from .early_stopping import check_early_stop, should_stop_early
-from .evaluation import evaluate_run, evaluates_after
+from .evaluation import describe_nonfinite, evaluate_run, evaluates_after
 from .events import EventLog
 from .flops import to_meta
 from .layout import LayoutSettings
@@ -174,6 +174,7 @@ def _evaluate_baseline(run: Run, log: MetricsLog) -> None:
     """The evaluation before any training (step 0), logged; it checks keep_best_metric's name and saves nothing."""
     baseline, seconds = _timed(evaluate_run, run)
     log.write({"step": 0, **baseline, "eval/seconds": seconds, "samples_seen": 0})
+    log.note(describe_nonfinite(run.cfg, baseline, 0))
     _event(run, "eval", step=0, seconds=seconds)
     run.checkpointer.after_step(stop=False, scores=baseline)
 
@@ -188,6 +189,7 @@ def _evaluate_after(run: Run, log: MetricsLog, window: Window, step: int) -> dic
         scores, seconds = _timed(evaluate_run, run)
     window.excluded_s += seconds
     log.write({"step": step, **scores, "eval/seconds": seconds, "samples_seen": state.samples_seen})
+    log.note(describe_nonfinite(cfg, scores, step))
     _event(run, "eval", step=step, seconds=seconds)
     state.metrics.update(scores)
     return scores

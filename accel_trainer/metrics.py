@@ -72,7 +72,7 @@ class MetricsLog:
 
     def note(self, message: str) -> None:
         """Print a line of information about the run (main process only), around the progress bar."""
-        if not self.enabled:
+        if not self.enabled or not message:
             return
         if self._bar.disable:
             print(message, flush=True)

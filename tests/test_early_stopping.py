@@ -37,6 +37,19 @@ def test_an_improvement_resets_the_count_and_min_delta_decides_what_counts():
     assert run_rule([3.0, 2.99, 2.98], early_stop_patience=2, early_stop_min_delta=0.05)[-1].startswith("early stop")
 
 
+def test_a_nan_evaluation_is_never_an_improvement_and_the_stop_line_says_it_was_nan():
+    nan = float("nan")
+    lines = run_rule([2.0, nan, nan], early_stop_patience=2)
+    stop = "early stop after step 3: eval/loss has not improved on 2 (step 1) for 2 evaluation(s), the last nan"
+    assert lines[2] == stop
+    assert not any(run_rule([nan, 2.0, 1.0], early_stop_patience=2))  # a NaN first evaluation is no best to beat
+
+
+def test_a_metric_that_was_never_finite_stops_with_that_reason_not_on_nan():
+    lines = run_rule([float("nan"), float("inf")], early_stop_patience=2)
+    assert lines[1] == "early stop after step 2: eval/loss has not been finite for 2 evaluation(s), the last inf"
+
+
 def test_max_mode_for_accuracies():
     assert run_rule([0.5, 0.7, 0.6], early_stop_patience=1, early_stop_mode="max")[-1].startswith("early stop")
     assert not any(run_rule([0.5, 0.7, 0.8], early_stop_patience=1, early_stop_mode="max"))
