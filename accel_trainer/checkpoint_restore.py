@@ -7,11 +7,14 @@ stages (pipeline_state.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
@@ -19,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.optim import optimizer as optimizer_module
 
 from . import checkpoint_files as files
 from . import state_files
@@ -52,6 +56,40 @@ def restore(
         broadcast_object_list(problem)
     if problem[0]:
         raise CheckpointError(problem[0])
+    with step_hooks_silenced(trained.optimizer.optimizer):
+        return _restore_checked(accelerator, folder, trained, identity)
+
+
+@contextlib.contextmanager
+def step_hooks_silenced(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Keep the recipe's optimizer step hooks (its own and torch's global ones) out of a checkpoint load.
+
+    torch.distributed.checkpoint's `get_state_dict`/`set_state_dict` fill an optimizer that has no state yet
+    by running one `optimizer.step()` with zero gradients at lr 0 (`_init_optim_state`). A recipe's step hook
+    would see that phantom step on every resume, and a hook that drops some gradients (alternating updates)
+    leaves those parameters without state, so the load fails with a KeyError (docs/accelerate-traps.md; the
+    canary in tests/test_recipe_optimizer.py fails the day torch stops stepping).
+    """
+    hooks: list[dict[Any, Any]] = [
+        optimizer._optimizer_step_pre_hooks,
+        optimizer._optimizer_step_post_hooks,
+        optimizer_module._global_optimizer_pre_hooks,
+        optimizer_module._global_optimizer_post_hooks,
+    ]
+    saved = [dict(registry) for registry in hooks]
+    for registry in hooks:
+        registry.clear()
+    try:
+        yield
+    finally:
+        for registry, kept in zip(hooks, saved, strict=True):
+            registry.update(kept)
+
+
+def _restore_checked(
+    accelerator: Accelerator, folder: Path, trained: Trained, identity: RunIdentity
+) -> tuple[TrainState, dict[str, Any] | None]:
+    """`restore` once the folder is verified: load it if it fits this run, else a CheckpointError."""
     model_state: Any
     model_state, optimizer_state = get_state_dict(trained.model, trained.optimizer.optimizer)
     cfg = identity.cfg

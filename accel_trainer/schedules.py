@@ -75,11 +75,19 @@ def recipe_scheduler(recipe: Any, cfg: TrainConfig, optimizer: torch.optim.Optim
     when the recipe's own optimizer uses none of it, schedule fields when the recipe brings its scheduler.
 
     Raises:
-        RecipeError: `build_scheduler` returned something that is not an LR scheduler.
+        RecipeError: `build_scheduler` returned something that is not an LR scheduler of `optimizer`, or
+            returned None while `build_optimizer` had attached a scheduler (torch marks the param groups with
+            `initial_lr`), which the built-in schedule would silently override.
     """
     defaults = type(cfg)()
     changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)}
+    attached = any("initial_lr" in group for group in optimizer.param_groups)  # torch schedulers mark the groups
     custom = recipe.build_scheduler(cfg, optimizer)
+    if custom is None and attached:
+        raise RecipeError(
+            "build_optimizer attached an LR scheduler to its optimizer, which the built-in schedule would override:"
+            " return that scheduler from build_scheduler(cfg, optimizer) (keep it on self), and the loop steps it"
+        )
     if custom is None:
         group_lrs = [group["lr"] for group in optimizer.param_groups]
         decays = [group.get("weight_decay") for group in optimizer.param_groups]
@@ -100,6 +108,11 @@ def recipe_scheduler(recipe: Any, cfg: TrainConfig, optimizer: torch.optim.Optim
         raise RecipeError(
             f"build_scheduler returned {type(custom).__name__}, not a torch.optim.lr_scheduler.LRScheduler"
             " (return None to use the built-in schedule)"
+        )
+    if custom.optimizer is not optimizer:
+        raise RecipeError(
+            "build_scheduler returned a scheduler of another optimizer than the one it was given: build it on"
+            " build_scheduler's `optimizer` argument"
         )
     ignored = [name for name in _SCHEDULE_FIELDS if name in changed]
     if warn and ignored:

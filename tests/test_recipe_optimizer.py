@@ -124,3 +124,96 @@ def test_build_scheduler_must_return_a_scheduler(tmp_path):
 
     with pytest.raises(at.RecipeError, match="build_scheduler returned function, not a torch"):
         train("not_a_scheduler", tmp_path)
+
+
+@at.register_recipe("one_cycle_in_build_optimizer")
+class OneCycleInBuildOptimizer(TwoLearningRates):
+    """OneCycleLR built beside its optimizer, stepped from a step hook: what the built-in schedule overrode."""
+
+    def build_optimizer(self, cfg, model):
+        optimizer = super().build_optimizer(cfg, model)
+        self.schedule = one_cycle(optimizer, cfg.max_steps)
+        optimizer.register_step_post_hook(lambda *_: self.schedule.step())
+        return optimizer
+
+
+def test_a_scheduler_attached_in_build_optimizer_is_refused_in_one_line_not_overridden(tmp_path):
+    with pytest.raises(at.RecipeError, match=r"build_optimizer attached an LR scheduler .* return that scheduler"
+                       r" from build_scheduler\(cfg, optimizer\)") as error:  # fmt: skip
+        train("one_cycle_in_build_optimizer", tmp_path)
+    assert "\n" not in str(error.value)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # refused before any work
+
+
+def test_a_scheduler_built_in_build_optimizer_and_returned_by_build_scheduler_is_followed(tmp_path):
+    @at.register_recipe("one_cycle_kept_on_self")
+    class Kept(TwoLearningRates):
+        def build_optimizer(self, cfg, model):
+            optimizer = super().build_optimizer(cfg, model)
+            self.schedule = one_cycle(optimizer, cfg.max_steps)
+            return optimizer
+
+        def build_scheduler(self, cfg, optimizer):
+            return self.schedule
+
+    assert [r["lr/1"] for r in train("one_cycle_kept_on_self", tmp_path / "kept")] == [
+        r["lr/1"] for r in train("one_cycle", tmp_path / "returned")
+    ]
+
+
+def test_a_scheduler_of_another_optimizer_is_refused(tmp_path):
+    @at.register_recipe("scheduler_of_another_optimizer")
+    class Other(TwoLearningRates):
+        def build_scheduler(self, cfg, optimizer):
+            return one_cycle(super().build_optimizer(cfg, torch.nn.Sequential(*self.build_model(cfg))), 10)
+
+    with pytest.raises(at.RecipeError, match="build_scheduler returned a scheduler of another optimizer"):
+        train("scheduler_of_another_optimizer", tmp_path)
+
+
+@at.register_recipe("alternating_by_hook")
+class AlternatingByHook(TwoLearningRates):
+    """One optimizer whose pre-step hook drops one half's gradients on alternate steps (the two-phase workaround),
+    and records the learning rates every step it sees."""
+
+    def build_optimizer(self, cfg, model):
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        body, head = list(model[0].parameters()), list(model[2].parameters())
+        self.seen_lrs = []
+
+        def drop_off_phase(optimizer, args, kwargs):
+            self.seen_lrs.append(optimizer.param_groups[0]["lr"])
+            states = [optimizer.state.get(parameter, {}) for parameter in (body[0], head[0])]
+            taken = sum(int(state.get("step", 0)) for state in states)  # checkpointed, so a resume keeps the phase
+            for parameter in head if taken % 2 == 0 else body:
+                parameter.grad = None
+
+        optimizer.register_step_pre_hook(drop_off_phase)
+        return optimizer
+
+
+def test_a_resume_runs_no_step_hook_and_continues_a_hooked_optimizer_bitwise(tmp_path, monkeypatch):
+    full = tmp_path / "full"
+    train("alternating_by_hook", full, save_every_steps=5, keep_last=0)
+    built = []
+    build_optimizer = AlternatingByHook.build_optimizer
+    monkeypatch.setattr(AlternatingByHook, "build_optimizer",
+                        lambda self, cfg, model: built.append(self) or build_optimizer(self, cfg, model))  # fmt: skip
+    train("alternating_by_hook", tmp_path / "resumed", resume=str(full / "checkpoints" / "step_00000005"))
+
+    (recipe,) = built
+    assert recipe.seen_lrs == [0.01] * (STEPS - 5)  # no phantom step at lr 0 while loading the checkpoint
+    before, after = final_parameters(full), final_parameters(tmp_path / "resumed")
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_canary_torch_checkpoint_loading_steps_a_fresh_optimizer_and_fires_its_hooks():
+    """checkpoint_restore.step_hooks_silenced exists because of this; when it fails, torch stopped doing it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    seen = []
+    optimizer.register_step_pre_hook(lambda optimizer, *_: seen.append(optimizer.param_groups[0]["lr"]))
+    get_state_dict(model, optimizer)
+    assert seen == [0.0]
