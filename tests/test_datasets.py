@@ -138,3 +138,35 @@ def test_the_main_process_builds_the_datasets_before_the_others_so_a_datasets_ca
         (event, rank): float(clock) for event, rank, clock in (line.split() for line in log.read_text().splitlines())
     }
     assert events[("end", "0")] <= events[("begin", "1")]
+
+
+def test_collate_receives_examples_in_torch_format_as_the_contract_says(tmp_path):
+    """README's contract: for a `datasets` set, `collate` gets a list of dicts of tensors (numbers as 0-dim
+    tensors, strings as str), not the Python lists `datasets` returns without a format."""
+    import datasets
+
+    received = []
+
+    @at.register_recipe("collate_contract")
+    class CollateContract(at.Recipe):
+        def build_model(self, cfg):
+            return torch.nn.Linear(2, 1)
+
+        def build_datasets(self, cfg):
+            rows = {"x": [[1.0, 2.0]] * 8, "y": [3.0] * 8, "name": ["a"] * 8}
+            return datasets.Dataset.from_dict(rows), None
+
+        def collate(self, examples):
+            received.append(examples)
+            return torch.utils.data.default_collate([{k: v for k, v in e.items() if k != "name"} for e in examples])
+
+        def compute_loss(self, model, batch):
+            return (model(batch["x"]).squeeze(1) - batch["y"]).pow(2).mean()
+
+    at.train("collate_contract", output_dir=str(tmp_path), max_steps=1, global_batch_size=4, micro_batch_size=4,
+             show_progress_bar=False)  # fmt: skip
+    example = received[0][0]
+    assert isinstance(received[0], list) and len(received[0]) == 4
+    assert isinstance(example["x"], torch.Tensor) and example["x"].shape == (2,)
+    assert isinstance(example["y"], torch.Tensor) and example["y"].ndim == 0
+    assert example["name"] == "a"
