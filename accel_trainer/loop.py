@@ -233,13 +233,17 @@ def _timed(work: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
     return result, time.perf_counter() - started
 
 
-def _forward_backward(run: Run, batch: Any, step: int, cp: int) -> Any:
-    """One micro-batch's loss and gradients (a pipeline's schedule runs both, divided like backward's)."""
+def _forward_backward(run: Run, batch: Any, step: int, cp: int, index: int) -> Any:
+    """Micro-batch `index`'s loss and gradients (a pipeline's schedule runs both, divided like backward's)."""
     if run.pipeline is not None:
         note_where("the pipeline's forward and backward of step", step)
         return run.pipeline.train(batch)
     note_where("the forward of step", step)
-    output = read_loss_output(run.recipe.compute_loss(run.model, batch))
+    if run.model_items is None:
+        output = read_loss_output(run.recipe.compute_loss(run.model, batch))
+    else:  # the model may be given the step's item count
+        run.model_items.forward_of(index)
+        output = run.model_items.exact(read_loss_output(run.recipe.compute_loss(run.model, batch)))
     check_loss_counts_items(output.num_items, run.recipe, cp)
     note_where("the backward (and gradient reduction) of step", step)
     run.verbs.backward(output.loss)  # divided by the accumulation steps
@@ -257,9 +261,13 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> tuple[int, 
     accelerator, model, plan = run.accelerator, run.model, run.plan
     step_items: torch.Tensor | None = None
     step = run.checkpointer.state.step + 1
-    outputs = []
-    for _ in range(plan.accumulation_steps):
-        note_where("the data of step", step)  # where a hung or killed process says it was
+    outputs, waited = [], time.perf_counter()
+    note_where("the data of step", step)  # where a hung or killed process says it was
+    if run.model_items is not None:  # a transformers model's own loss: count the step's items first (hf_loss.py)
+        batches = run.model_items.fetch_step(batches, plan.accumulation_steps, accelerator, run.ranks.replicas)
+    window.data_wait_s += time.perf_counter() - waited
+    for index in range(plan.accumulation_steps):
+        note_where("the data of step", step)
         waited = time.perf_counter()
         epoch, batch = next(batches)
         window.data_wait_s += time.perf_counter() - waited
@@ -271,7 +279,7 @@ def _accumulate_gradients(run: Run, batches: Any, window: Window) -> tuple[int, 
         context = accelerator.accumulate(model) if accumulates else contextlib.nullcontext()
         cp = run.ranks.context_parallel  # > 1: this process sees a slice of each sequence (context_parallel.py)
         with context, sequence_slices(accelerator, run.recipe, batch, cp):
-            output = _forward_backward(run, batch, step, cp)
+            output = _forward_backward(run, batch, step, cp, index)
         outputs.append(output)
         if output.num_items is not None:
             num_items = output.num_items.to(accelerator.device, torch.float32)

@@ -28,6 +28,7 @@ from .errors import ConfigError, LayoutError
 from .events import EventLog
 from .final_weights import save_final
 from .flops import peak_for_mfu
+from .hf_loss import ModelItems, model_items
 from .layout import LayoutSettings
 from .mesh import DataRanks, data_ranks
 from .nonfinite_guard import NonfiniteGuard
@@ -75,6 +76,7 @@ class Run:
     guard: NonfiniteGuard | None = None  # skips non-finite steps (None: skip_nonfinite_steps=false)
     ema: WeightAverage | None = None  # the EMA of the weights (None: ema_decay=0)
     prefetch_gate: PrefetchGate = field(default_factory=PrefetchGate)  # held shut while evaluating
+    model_items: ModelItems | None = None  # passes a transformers model the step's item count (hf_loss.py)
 
     @property
     def evaluator(self) -> Any:
@@ -148,7 +150,14 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
                eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer, model), checkpointer,
                num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks,
                pipeline, compile_watch=CompileWatch(enabled=compiled, warn=accelerator.is_main_process),
-               guard=guard, ema=ema)  # fmt: skip
+               guard=guard, ema=ema, model_items=_model_items(accelerator, model, plan, ranks, pipeline))  # fmt: skip
+
+
+def _model_items(accelerator: Accelerator, model: Any, plan: BatchPlan, ranks: DataRanks, pipeline: Any) -> Any:
+    """Passing a transformers model the step's item count, where it computes its own loss (hf_loss.py)."""
+    countable = pipeline is None and ranks.context_parallel == 1
+    several = plan.accumulation_steps > 1 or ranks.size > 1
+    return model_items(accelerator.unwrap_model(model), countable, warn=several and accelerator.is_main_process)
 
 
 def _prepare(accelerator: Accelerator, pipeline: Pipeline | None, ranks: DataRanks, *objects: Any) -> tuple[Any, ...]:

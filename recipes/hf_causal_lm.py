@@ -7,7 +7,9 @@
 The data, collation and eval are the `gpt` recipe's (paragraphs of the Python standard library as bytes,
 padded at the end of each sequence); the model is `GPT2LMHeadModel`. What is specific to transformers:
 - `compute_loss` returns `at.token_cross_entropy(out.logits, targets)`: a sum over tokens with their count,
-  exact under accumulation on any layout (the model's own `out.loss` is a per-micro-batch mean, which is not).
+  exact under accumulation on any layout. With `own_loss=true` it returns the model's own `out.loss` from
+  `labels`, which the loop makes exact too by passing the step's token count as `num_items_in_batch`, as the
+  HF Trainer does (accel_trainer/hf_loss.py).
 - `wrap_classes = (GPT2Block,)`: FSDP shards each decoder block as a unit; `activation_checkpointing=true`
   uses the model's own `gradient_checkpointing_enable()` with `use_cache=False`.
 - `final/` is a `save_pretrained` folder, so `from_pretrained(<run>/final)` loads the trained model.
@@ -41,6 +43,9 @@ class HFCausalLMConfig(ByteGPT.Config):  # type: ignore[name-defined]
     d_model: int = 64
     n_head: int = 2
     block_size: int = 64
+    own_loss: bool = False
+    """Return the model's own `out.loss` from `labels` in the batch (the loop passes it num_items_in_batch, so it
+    is exact too) instead of at.token_cross_entropy on its logits."""
 
 
 @at.register_recipe("hf_causal_lm")
@@ -63,7 +68,17 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
 
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Padding is only at the end of a sequence, so causal attention never lets a real token see it.
+        if self.cfg.own_loss:
+            return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
         return at.token_cross_entropy(model(input_ids=batch["input_ids"]).logits, batch["targets"], IGNORE_INDEX)
+
+    def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """The GPT's batch; with own_loss also transformers' `labels`: the inputs, IGNORE_INDEX at padding (the
+        model shifts them itself, so the last byte of each sequence is not a target there)."""
+        batch = super().collate(examples)
+        if self.cfg.own_loss:
+            batch["labels"] = batch["input_ids"].masked_fill(batch["input_ids"] == PAD_ID, IGNORE_INDEX)
+        return batch
 
     def eval_metrics(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         logits = model(input_ids=batch["input_ids"]).logits.float()

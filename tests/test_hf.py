@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import final_parameters, slow, train_and_dump
+from conftest import final_parameters, read_metrics, slow, train_and_dump
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,3 +57,57 @@ def test_the_final_folder_loads_with_from_pretrained_and_gives_the_trained_logit
 
     with torch.no_grad():
         assert torch.equal(loaded(input_ids).logits, trained.eval()(input_ids).logits)
+
+
+@pytest.fixture(scope="module")
+def own_loss_big_batch(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_own_loss_big_batch")
+    train_and_dump("cpu", out, "hf_causal_lm", *HF, "own_loss=true", "micro_batch_size=16", world_size=1)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("layout", "world_size"), [("cpu", 1), ("cpu_ddp", 2)], ids=["accumulation", "ddp"])
+def test_the_models_own_loss_trains_to_the_weights_and_losses_of_one_big_batch(
+    layout, world_size, own_loss_big_batch, tmp_path
+):
+    """`return model(**batch).loss` is a mean over each micro-batch's tokens unless the model is given the step's
+    token count: the loop counts the labels of the step's micro-batches on every process first and passes it."""
+    records = train_and_dump(layout, tmp_path, "hf_causal_lm", *HF, "own_loss=true", "micro_batch_size=4",
+                             world_size=world_size)  # fmt: skip
+
+    expected, actual = final_parameters(own_loss_big_batch), final_parameters(tmp_path)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **TOLERANCE)
+    big = [r["loss"] for r in read_metrics(own_loss_big_batch) if "loss" in r]
+    assert [r["loss"] for r in records if "loss" in r] == pytest.approx(big, rel=1e-5)
+
+
+def test_labels_other_than_the_batchs_are_refused_and_a_batch_without_labels_is_warned_about(tmp_path):
+    import accel_trainer as at
+    from accel_trainer.errors import RecipeError
+
+    base = at.get_recipe("hf_causal_lm")
+    options = dict(max_steps=1, n_layer=1, n_head=2, d_model=16, block_size=16, global_batch_size=8,
+                   micro_batch_size=4, eval_every_steps=0, max_source_bytes=20000, show_progress_bar=False)  # fmt: skip
+
+    @at.register_recipe("hf_own_loss_other_labels")
+    class OtherLabels(base):
+        def compute_loss(self, model, batch):
+            labels = batch["labels"].clone()
+            labels[:, :4] = -100  # fewer targets than the batch's labels count
+            return model(input_ids=batch["input_ids"], labels=labels).loss
+
+    with pytest.raises(RecipeError, match=r"compute_loss passed the model labels with \d+ items, but the batch's"):
+        at.train("hf_own_loss_other_labels", output_dir=str(tmp_path / "other"), own_loss=True, **options)
+
+    @at.register_recipe("hf_own_loss_no_labels")
+    class NoLabels(base):
+        def collate(self, examples):
+            return {k: v for k, v in super().collate(examples).items() if k != "labels"}
+
+        def compute_loss(self, model, batch):  # labels made here: nothing to count before the forward
+            return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    with pytest.warns(UserWarning, match=r"the model computes its own loss from labels.* at.token_cross_entropy"):
+        at.train("hf_own_loss_no_labels", output_dir=str(tmp_path / "none"), own_loss=True, **options)
