@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 
 import pytest
 
 from accel_trainer import cli
 from accel_trainer.new_recipe import render
+from accel_trainer.registry import describe, get_recipe
 from conftest import BIN, REPO, read_metrics
 
 
 def test_recipes_mlp_is_the_template_new_writes():
-    assert (REPO / "recipes" / "mlp.py").read_text() == render("mlp")
+    assert (REPO / "recipes" / "mlp.py").read_text() == render("mlp", describe(get_recipe("mlp")))
+
+
+def test_a_new_recipe_describes_itself_so_list_does_not_show_the_templates_line_twice(tmp_path):
+    cli.main(["new", "my_digits", "--folder", str(tmp_path)])
+    module = ast.parse((tmp_path / "my_digits.py").read_text())
+    recipe_class = next(node for node in module.body if isinstance(node, ast.ClassDef) and node.name == "MyDigits")
+    description = (ast.get_docstring(recipe_class) or "").splitlines()[0]
+    assert description != describe(get_recipe("mlp"))
+    assert "my_digits" in description
 
 
 def test_new_writes_a_recipe_that_trains_to_the_templates_accuracy(tmp_path, capsys):
