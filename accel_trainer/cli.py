@@ -26,8 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="accel-trainer", description="Train registered recipes.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="print the registered recipes with a one-line description each")
-    train = commands.add_parser("train", help="train a recipe: accel-trainer train NAME [--config FILE] key=value ...")
-    train.add_argument("recipe")
+    _add_train_parser(commands)
     creator = commands.add_parser("new", help="write a new recipe file from the template (a small MLP on digits)")
     creator.add_argument("name", help="the recipe's name: lower-case letters, digits, underscores")
     creator.add_argument("--folder", default="recipes", help="where to write NAME.py (default: recipes)")
@@ -58,12 +57,7 @@ def main(argv: list[str] | None = None) -> None:
 def _run_command(known: argparse.Namespace) -> None:
     """Run a command other than `train`, importing only what it needs."""
     if known.command == "list":
-        from .registry import describe, registered_recipes
-
-        recipes = registered_recipes()
-        width = max((len(name) for name in recipes), default=0)
-        for name, recipe_cls in recipes.items():
-            print(f"{name:<{width}}  {describe(recipe_cls)}")
+        _print_recipes()
     elif known.command == "new":
         from .new_recipe import write_new_recipe
 
@@ -85,6 +79,45 @@ def _run_command(known: argparse.Namespace) -> None:
         from .export import export
 
         print(f"exported to {export(known.source, known.output)}")
+
+
+def _print_recipes(indent: str = "") -> None:
+    """Each registered recipe with its one-line description (imports the recipes, and so torch)."""
+    from .registry import describe, registered_recipes
+
+    recipes = registered_recipes()
+    width = max((len(name) for name in recipes), default=0)
+    for name, recipe_cls in recipes.items():
+        print(f"{indent}{name:<{width}}  {describe(recipe_cls)}")
+
+
+class _TrainHelp(argparse.Action):
+    """`accel-trainer train --help`: which recipes there are, and how to see one's config keys.
+
+    The keys differ per recipe, so they are `accel-trainer train RECIPE --help`'s to print (run.py); argparse's
+    own help of the `train` command only said that it takes a `recipe`.
+    """
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        parser.print_help()
+        print("\nrecipes (`accel-trainer list`):")
+        _print_recipes(indent="  ")
+        parser.exit()
+
+
+def _add_train_parser(commands: argparse._SubParsersAction) -> None:
+    train = commands.add_parser(
+        "train", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="train a recipe: accel-trainer train RECIPE [--config FILE] key=value ... (--help: the recipes)",
+        usage="accel-trainer train RECIPE [--config FILE.yaml] [key=value ...]",
+        description="Train a registered recipe, in this process or in each process of a launcher:\n"
+        "  accel-trainer train RECIPE key=value ...\n"
+        "  accelerate launch --config_file accelerate_configs/<layout>.yaml -m accel_trainer train RECIPE key=value"
+        " ...\n\nEach recipe has its own config keys: `accel-trainer train RECIPE --help` prints them, with their"
+        " defaults and\nwhat each does.",
+    )  # fmt: skip
+    train.add_argument("recipe", metavar="RECIPE", help="a registered recipe's name (listed below)")
+    train.add_argument("-h", "--help", nargs=0, action=_TrainHelp, help="show this help and the recipes, and exit")
 
 
 def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from accel_trainer import cli, run
-from accel_trainer.registry import describe, get_recipe
+from accel_trainer.registry import describe, get_recipe, registered_recipes
 
 
 def one_line_error(capsys) -> str:
@@ -41,6 +41,18 @@ def test_a_recipes_help_prints_every_config_field_with_its_docstring(capsys):
         assert f"  {field.name}=" in out
     assert "Dimension of the Gaussian latent code." in out  # a recipe field's docstring
     assert "Number of optimizer steps to train for." in out  # a framework field's docstring
+
+
+def test_train_help_without_a_recipe_lists_the_recipes_and_says_how_to_see_their_keys(capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["train", "--help"])
+    assert caught.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: accel-trainer train RECIPE [--config FILE.yaml] [key=value ...]")
+    for name, recipe_cls in registered_recipes().items():
+        assert any(line.split() and line.split()[0] == name and line.endswith(describe(recipe_cls))
+                   for line in out.splitlines()), name  # fmt: skip
+    assert "accel-trainer train RECIPE --help" in out
 
 
 def test_train_help_through_the_accel_trainer_command_is_the_recipes_help(capsys):
