@@ -18,11 +18,17 @@ import argparse
 import sys
 from pathlib import Path
 
+from .closed_stdout import exit_quietly_when_stdout_closes
 from .errors import UserError
 
 
 def main(argv: list[str] | None = None) -> None:
-    arguments = list(sys.argv[1:] if argv is None else argv)
+    """The `accel-trainer` command; a closed stdout (`accel-trainer list | head -3`) ends it quietly."""
+    with exit_quietly_when_stdout_closes():
+        _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(arguments: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="accel-trainer", description="Train registered recipes.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="print the registered recipes with a one-line description each")

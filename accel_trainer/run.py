@@ -22,6 +22,7 @@ from accelerate.utils import broadcast_object_list
 from torch.distributed import DistBackendError
 
 from . import run_folder
+from .closed_stdout import stdout_is_closed
 from .config import config_warnings, resolve_config, resolve_settings
 from .distributed import build_accelerator
 from .errors import UserError, describe_crash
@@ -103,9 +104,10 @@ def _train_here(recipe_name: str, config_file: str | Path | None, overrides: dic
 def main(recipe_name: str, argv: list[str] | None = None) -> None:
     """Command-line entry for a recipe script: `[--config FILE] [--help] key=value ...`.
 
-    Errors the user can fix are printed as one line (exit status 2); a crash in recipe code shows the
-    recipe's frames only, once (errors.describe_crash; exit status 1). A run stopped by SIGTERM, SIGINT or
-    SIGUSR1 saves a checkpoint and exits with status 75 (`EXIT_PREEMPTED`). A multi-process run ends with
+    Errors the user can fix are printed as one line (exit status 2); a crash in recipe code shows the recipe's
+    frames only, once (errors.describe_crash; exit status 1); a closed stdout (`| head`) ends it without a word
+    (closed_stdout.py; status 1). A run stopped by SIGTERM, SIGINT or SIGUSR1 saves a checkpoint and exits
+    with status 75 (`EXIT_PREEMPTED`). A multi-process run ends with
     `os._exit(status)` once everything is flushed, errors included: about 1 in 20 clean 2-process gloo runs
     otherwise aborted at interpreter exit (docs/accelerate-traps.md), and so did 1 in 6 FSDP runs stopped by
     the non-finite guard ("terminate called without an active exception", SIGABRT instead of exit 2).
@@ -120,7 +122,7 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
         config_file = _pop_config_flag(arguments)
         result = _train_here(recipe_name, config_file, parse_overrides(arguments))  # the launcher set the layout
         if is_rank_zero:
-            print(f"run folder: {result.run_dir}")
+            print(f"run folder: {result.run_dir}", flush=True)  # flushed where a closed stdout is caught
         status = 0
     except UserError as error:  # one write: the lines of two processes must not run into each other
         sys.stderr.write(f"accel-trainer: error: {error}\n")
@@ -133,7 +135,9 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
         if os.environ.get("ACCEL_TRAINER_FULL_TRACEBACK"):
             raise
         rank = os.environ.get("RANK", "0")
-        if _is_lost_peer(error):
+        if stdout_is_closed(error):  # `| head` has read what it wanted: stop without a word
+            pass
+        elif _is_lost_peer(error):
             print(f"accel-trainer: rank {rank}: lost another process during {where()}: it stopped (an error or a"
                   " signal), died, or did not answer within collective_timeout_s; its own line says which",
                   file=sys.stderr)  # fmt: skip
@@ -178,7 +182,7 @@ def _print_help(recipe_name: str) -> None:
     print("usage: [--config FILE.yaml] key=value ...\n\nconfig fields (what to train, the same on every layout):")
     print(describe_fields(recipe_cls.Config))
     print("\nlayout settings (how this hardware runs it; also read from <accelerate config>.settings.yaml):")
-    print(describe_fields(LayoutSettings))
+    print(describe_fields(LayoutSettings), flush=True)  # flushed where a closed stdout is caught
 
 
 def _pop_config_flag(arguments: list[str]) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -147,3 +148,21 @@ def test_every_public_name_of_the_package_is_found_where_it_is_defined():
     assert sorted(at.__all__) == sorted(at._HOMES)
     for name in at.__all__:
         assert getattr(at, name).__module__ == f"accel_trainer.{at._HOMES[name]}"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "status"),  # 1 as in the Python docs' recipe for SIGPIPE; argparse's own --help says 0
+    [(["--help"], 0), (["list"], 1), (["train", "vae", "--help"], 1)],
+)
+def test_a_closed_stdout_ends_a_command_quietly_like_a_unix_tool(arguments, status):
+    # `accel-trainer train vae --help | head` once ended in a BrokenPipeError traceback. A pipe whose reader is
+    # already gone is what `head` leaves once it has read its lines.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "accel_trainer", *arguments], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == status
