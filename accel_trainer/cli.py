@@ -20,10 +20,12 @@ from pathlib import Path
 
 from .closed_stdout import exit_quietly_when_stdout_closes
 from .errors import UserError
+from .warning_lines import show_our_warnings_as_one_line
 
 
 def main(argv: list[str] | None = None) -> None:
     """The `accel-trainer` command; a closed stdout (`accel-trainer list | head -3`) ends it quietly."""
+    show_our_warnings_as_one_line()
     with exit_quietly_when_stdout_closes():
         _main(list(sys.argv[1:] if argv is None else argv))
 

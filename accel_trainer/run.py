@@ -34,6 +34,7 @@ from .processes import launch_processes
 from .registry import describe, get_recipe
 from .trackers import check_trackers
 from .typed_fields import describe_fields, parse_overrides
+from .warning_lines import show_our_warnings_as_one_line
 
 
 @dataclass
@@ -63,6 +64,7 @@ def train(
     Raises:
         UserError: for an unknown recipe, a bad config value or a layout that is not what it claims.
     """
+    show_our_warnings_as_one_line()
     if num_processes is not None and num_processes != (launched_world_size() or 1):
         resolve_config(get_recipe(recipe_name).Config, config_file, overrides)  # fail here, before any process
         return launch_processes(recipe_name, num_processes, config_file, overrides)
@@ -114,7 +116,7 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
     is_rank_zero = int(os.environ.get("RANK", "0")) == 0
-    _show_our_warnings_as_one_line()
+    show_our_warnings_as_one_line()
     try:
         if "--help" in arguments or "-h" in arguments:
             _print_help(recipe_name)
@@ -159,21 +161,6 @@ def _is_lost_peer(error: BaseException) -> bool:
     return isinstance(error, DistBackendError) or any(
         sign in text for sign in ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer")
     )
-
-
-def _show_our_warnings_as_one_line() -> None:
-    """Print accel-trainer's own warnings as their one-line message, without Python's file and source line."""
-    default = warnings.formatwarning
-    if getattr(default, "accel_trainer", False):  # installed by an earlier main() in this process
-        return
-
-    def format_warning(message: Any, category: Any, filename: str, lineno: int, line: str | None = None) -> str:
-        if str(message).startswith("accel-trainer:"):
-            return f"{message}\n"
-        return default(message, category, filename, lineno, line)
-
-    format_warning.accel_trainer = True  # type: ignore[attr-defined]
-    warnings.formatwarning = format_warning  # type: ignore[assignment]
 
 
 def _print_help(recipe_name: str) -> None:

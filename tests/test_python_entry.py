@@ -107,6 +107,29 @@ def test_a_failure_on_n_processes_is_raised_as_itself_once(tmp_path):
     assert "ChildFailedError" not in result.stderr
 
 
+WARNS = textwrap.dedent(
+    """
+    import sys, warnings
+    import accel_trainer as at
+
+    at.train("mlp", max_steps=2, warmup_steps=5, eval_every_steps=0, show_progress_bar=False, output_dir=sys.argv[1])
+    warnings.warn("a warning of the user's own")
+    """
+)
+
+
+def test_warnings_of_at_train_print_as_one_line_and_the_users_own_as_python_prints_them(tmp_path):
+    result = subprocess.run([sys.executable, "-c", WARNS, str(tmp_path / "run")], env=clean_env(), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    ours = "accel-trainer: warmup_steps=5 is beyond max_steps=2: the learning rate never reaches its peak"
+    assert ours in lines
+    assert not [line for line in lines if "Warning: accel-trainer" in line or "warnings.warn(" in line]
+    assert "<string>:6: UserWarning: a warning of the user's own" in lines
+
+
 def test_a_recipe_redefined_in_a_notebook_replaces_the_old_one(monkeypatch):
     notebook = types.ModuleType("__main__")  # like a Jupyter kernel's: no __file__
     monkeypatch.setitem(sys.modules, "__main__", notebook)
