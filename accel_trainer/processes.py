@@ -6,17 +6,22 @@ main worker writes its `TrainResult` to a file the caller reads back. A worker t
 exception instead and exits quietly, and the caller raises it again: the same type and message as on one
 process (a `RecipeError`, a `KeyError` from recipe code), with the recipe's frames printed once, not the
 launcher's 40 lines of `ChildFailedError`.
+
+notebook_launcher's own line, "Launching training on 2 CUDAs.", names CUDA whenever no other accelerator
+is installed, a CPU-only machine included; it is replaced by a line of ours that says what the workers use.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import logging
 import os
 import socket
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +54,39 @@ def launch_processes(
         level = elastic_log.level
         elastic_log.setLevel(logging.CRITICAL)  # its report of a failed worker is the failure we raise below
         try:
-            notebook_launcher(_worker, args=(recipe_name, config_file, overrides, scratch),
-                              num_processes=num_processes, use_port=str(free_port()))  # fmt: skip
+            with _our_launch_line(num_processes):
+                notebook_launcher(_worker, args=(recipe_name, config_file, overrides, scratch),
+                                  num_processes=num_processes, use_port=str(free_port()))  # fmt: skip
         except Exception as launch_error:  # noqa: BLE001 - replaced by the worker's own exception
             raise _worker_error(Path(scratch), num_processes) from launch_error
         finally:
             elastic_log.setLevel(level)
         result = json.loads((Path(scratch) / "result.json").read_text())
     return TrainResult(metrics=result["metrics"], run_dir=Path(result["run_dir"]))
+
+
+@contextlib.contextmanager
+def _our_launch_line(num_processes: int) -> Iterator[None]:
+    """Say what the workers will run on, and silence notebook_launcher's line while it launches them."""
+    import torch
+    from accelerate import launchers
+
+    # device_count asks NVML and so leaves CUDA uninitialized in this process, as forking its workers needs
+    # (torch.cuda.is_available would initialize it); ACCELERATE_USE_CPU is how launch_fixes.wants_cpu decides.
+    on_cpu = torch.cuda.device_count() == 0 or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1")
+    # flushed: a forked worker would print what is left in this process's buffer once more
+    print(f"accel-trainer: launching {num_processes} {'CPU processes (gloo)' if on_cpu else 'GPU processes (nccl)'}",
+          flush=True)  # fmt: skip
+
+    def print_but_the_launch_line(*args: Any, **kwargs: Any) -> None:
+        if not (args and str(args[0]).startswith("Launching training on")):
+            builtins.print(*args, **kwargs)
+
+    launchers.print = print_but_the_launch_line  # type: ignore[attr-defined]  # found before the builtin
+    try:
+        yield
+    finally:
+        del launchers.print  # type: ignore[attr-defined]
 
 
 def _worker(recipe_name: str, config_file: Any, overrides: dict[str, Any], scratch: str) -> None:

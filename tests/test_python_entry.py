@@ -14,6 +14,7 @@ import textwrap
 import types
 
 import pytest
+import torch
 
 import accel_trainer as at
 from accel_trainer.typed_fields import describe_fields
@@ -59,11 +60,15 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.multiprocess
-def test_num_processes_from_python_trains_on_two_processes_like_one(tmp_path):
+def test_num_processes_from_python_says_what_it_launches_and_trains_two_processes_like_one(tmp_path):
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=clean_env(), cwd=REPO,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
 
     assert result.returncode == 0, result.stderr
+    # accelerate's own line said "Launching training on 2 CUDAs." on a CPU-only machine
+    assert "Launching training on" not in result.stdout
+    said = "2 GPU processes (nccl)" if torch.cuda.device_count() else "2 CPU processes (gloo)"
+    assert result.stdout.splitlines().count(f"accel-trainer: launching {said}") == 1
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("world", "run", "max")))
     assert lines["world_size"] == "2 1"
     assert lines["run_dir"] == str(tmp_path / "two")
