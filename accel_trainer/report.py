@@ -19,6 +19,7 @@ import yaml
 from .errors import UserError
 from .events import read_events, time_breakdown
 from .metrics import format_metric
+from .number_format import readable
 
 _X_KEYS = {"step": "step", "samples": "samples_seen", "items": "items_seen"}
 _EVAL_PREFIXES = ("eval/", "eval_ema/")  # the weights' evaluations, and their EMA's (evaluate_ema)
@@ -104,8 +105,9 @@ def _summary(training: list[dict], evaluations: list[dict], config: dict) -> str
                                                                               training, strict=False))  # fmt: skip
     rows.append(f"- optimizer steps take {trained_s:.1f} s in all (step_time_s of the logged windows)")
     if last:
-        rows.append(f"- throughput (last window): {last.get('items_per_s', 0):.4g} items/s,"
-                    f" {last.get('samples_per_s', 0):.4g} samples/s, {last.get('tflops', 0):.3g} TFLOP/s per device"
+        rows.append(f"- throughput (last window): {readable(last.get('items_per_s', 0.0))} items/s,"
+                    f" {readable(last.get('samples_per_s', 0.0))} samples/s,"
+                    f" {last.get('tflops', 0):.3g} TFLOP/s per device"
                     + (f", MFU {last['mfu']:.3g}" if "mfu" in last else ""))  # fmt: skip
         memory = [f"{k} {last[k]:.3g}" for k in ("mem_allocated_gb", "mem_reserved_gb", "host_rss_gb") if k in last]
         rows.append("- memory (peak of the last window): " + ", ".join(memory))
@@ -173,7 +175,7 @@ def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str
 
 
 def _short(value: Any) -> str:
-    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+    return "-" if value is None else readable(value) if isinstance(value, float) else str(value)
 
 
 def write_report_or_warn(run_dir: Path) -> None:

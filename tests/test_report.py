@@ -9,6 +9,7 @@ import pytest
 import accel_trainer as at
 from accel_trainer.cli import main as cli
 from accel_trainer.events import time_breakdown
+from accel_trainer.number_format import readable
 from accel_trainer.report import _summary
 
 QUICK = {"max_steps": 6, "log_every_steps": 2, "eval_every_steps": 3, "show_progress_bar": False}
@@ -42,6 +43,23 @@ def test_the_summary_gives_each_eval_metrics_range_and_the_best_in_keep_best_mod
     assert "- best eval/accuracy (keep_best_mode=max): 0.9 at step 2" in summary
     assert "- optimizer steps take 1.5 s in all" in summary  # 2 steps x 0.5 s + 2 steps x 0.25 s
     assert "best" not in _summary(training, evaluations, {"max_steps": 4})
+
+
+def test_throughput_reads_as_a_whole_number_with_thousands_separators_not_in_exponent_form():
+    training = [{"step": 2, "items_per_s": 50440.3, "samples_per_s": 1234.56, "tflops": 0.00161}]
+
+    summary = _summary(training, [], {"max_steps": 2})
+
+    assert "- throughput (last window): 50,440 items/s, 1235 samples/s, 0.00161 TFLOP/s per device" in summary
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [(50440.3, "50,440"), (9999.5, "10,000"), (9999.4, "9999"), (-1.5e6, "-1,500,000"), (0.00075, "0.00075"),
+     (3e-05, "3e-05"), (2.27912, "2.279"), (1e15, "1e+15"), (float("nan"), "nan"), (float("inf"), "inf")],
+)  # fmt: skip
+def test_a_number_reads_with_4_significant_digits_and_whole_with_separators_from_10000_up(value, shown):
+    assert readable(value) == shown
 
 
 def test_report_redraws_from_the_run_folder(two_runs, capsys):
