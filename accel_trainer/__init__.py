@@ -20,6 +20,7 @@ and datasets, which took 3 of the 3.3 s `accel-trainer --help` used to take.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -70,10 +71,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use; later uses find the name in this module's globals."""
+    """Import a public name's module on first use; later uses find the name in this module's globals. A
+    submodule (`at.registry`, `at.typed_fields`) is imported on first use too, as an eager import made it an
+    attribute before."""
     home = _HOMES.get(name)
     if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        if importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return importlib.import_module(f".{name}", __name__)
     value = getattr(importlib.import_module(f".{home}", __name__), name)
     globals()[name] = value
     return value

@@ -166,3 +166,14 @@ def test_a_closed_stdout_ends_a_command_quietly_like_a_unix_tool(arguments, stat
         os.close(write_end)
     assert result.stderr == ""
     assert result.returncode == status
+
+
+def test_a_submodule_is_an_attribute_of_the_package_without_importing_it_first():
+    # as when the package imported everything eagerly: test workers call at.registry.discover_recipes()
+    script = "import accel_trainer as at\nprint(at.registry.discover_recipes.__name__, at.typed_fields.__name__)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["discover_recipes", "accel_trainer.typed_fields"], result.stderr
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
+        import accel_trainer
+
+        accel_trainer.no_such_thing  # noqa: B018 - the lookup is the test
