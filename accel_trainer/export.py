@@ -38,9 +38,10 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
     target = Path(output) if output else folder.parent.parent / "export" / folder.name
     try:  # a manifest proves integrity, not content: whoever wrote the folder may have listed no files
         weights = _model_state(folder)
-        for _, *others in json.loads((folder / checkpoint_checks.TRAIN_STATE).read_text()).get("tied_parameters", []):
-            for name in others:  # one name per tied tensor, as final/model.safetensors holds them
-                weights.pop(name, None)
+        for names in json.loads((folder / checkpoint_checks.TRAIN_STATE).read_text()).get("tied_parameters", []):
+            held = [weights[name] for name in names if name in weights]
+            for name in names if held else []:  # every name of a tied tensor, as final/ holds them (copies)
+                weights.setdefault(name, held[0])
         target.mkdir(parents=True, exist_ok=True)
         save_file(state_files.writable(weights), str(target / "model.safetensors"))
         shutil.copyfile(folder / "config.yaml", target / "config.yaml")

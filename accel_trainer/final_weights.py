@@ -1,4 +1,13 @@
-"""The run's final weights: `final/model.safetensors` (or a transformers folder) and the recipe's artifacts."""
+"""The run's final weights: `final/model.safetensors` (or a transformers folder) and the recipe's artifacts.
+
+The file is a plain state dict with every name of the model's own: a tied weight (an LM head and its token
+embedding) is stored under each of its names, as in checkpoints. safetensors cannot alias two names to one
+tensor, and both `save_model` and transformers' `save_pretrained` keep only one name, so
+`model.load_state_dict(load_file("final/model.safetensors"))` on a freshly built model failed on the other
+(strict). The price is one more copy of each tied tensor on disk; `from_pretrained` loads the file and ties
+the weights again. (safetensors' `load_model` refuses the second name as unexpected: load with
+`load_state_dict`.)
+"""
 
 from __future__ import annotations
 
@@ -11,7 +20,7 @@ from accelerate.utils import gather_object
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from . import checkpoint_files
+from . import checkpoint_files, state_files
 from .batchnorm import average_running_stats
 from .config import TrainConfig, config_to_yaml
 from .recipe import Recipe
@@ -29,9 +38,9 @@ def save_final(
     `from_pretrained(run_dir / "final")` loads it.
 
     The weights are loaded into a freshly built CPU model, which works the same whether the trained model is
-    plain, DDP-wrapped or sharded, and which safetensors can save with tied weights.
+    plain, DDP-wrapped or sharded; its state dict is written with every name, tied ones as copies.
     """
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     average_running_stats(accelerator, model)
     state: Any
@@ -49,10 +58,11 @@ def save_final(
         final_dir.mkdir(parents=True, exist_ok=True)
         exported = recipe.build_model(cfg)
         exported.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
+        weights = state_files.writable(exported.state_dict())  # tied names as copies: each one is in the file
         if hasattr(exported, "save_pretrained"):  # a transformers model: a folder from_pretrained loads
-            exported.save_pretrained(final_dir)  # type: ignore[operator]
+            exported.save_pretrained(final_dir, state_dict=weights)  # type: ignore[operator]
         else:
-            save_model(exported, str(final_dir / "model.safetensors"))
+            save_file(weights, str(final_dir / "model.safetensors"), metadata={"format": "pt"})
         (final_dir / "config.yaml").write_text(config_to_yaml(cfg))
         checkpoint_files.follow_umask(*(path for path in final_dir.iterdir() if path.is_file()))
         if not ema:

@@ -1,7 +1,7 @@
 """Whether a model is spread over processes, and which of its state's tensors are one (tied weights).
 
 Both decide how the model's state is written: a sharded model's checkpoint is a collective DCP save and its
-full weights a collective gather; tied names are written once in `final/model.safetensors` and in exports.
+full weights a collective gather; tied names are recorded, so that a restore and an export know them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def local_part(tensor: Any) -> Any:
 
 
 def tied_names(model_state: dict[str, Any]) -> list[list[str]]:
-    """Groups of state names that share one tensor (tied weights: an LM head and its embedding), so that an
-    export can keep one name of each, as `final/model.safetensors` does (safetensors keeps the first sorted)."""
+    """Groups of state names that share one tensor (tied weights: an LM head and its embedding), recorded in
+    each checkpoint, so that an export writes each name, as `final/model.safetensors` does."""
     groups: dict[tuple[int, int], list[str]] = {}
     for name, value in model_state.items():
         local = local_part(value)
