@@ -15,6 +15,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .number_format import readable
 from .trackers import Trackers
 
 STATUS_EVERY_S = 30.0
@@ -62,7 +63,7 @@ class MetricsLog:
         if self.trackers is not None:
             self.trackers.log(record)
         if "loss" in record and not self._bar.disable:  # the bar carries the latest figures between log lines
-            self._bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "lr", "items_per_s") if k in record},
+            self._bar.set_postfix({k: readable(record[k]) for k in ("loss", "lr", "items_per_s") if k in record},
                                   refresh=False)  # fmt: skip
         message = console_line(record)
         if self._bar.disable:
@@ -147,7 +148,7 @@ def _duration(seconds: float) -> str:
 
 
 def format_metric(key: str, value: Any) -> str:
-    """`key value` as the console shows it (4 significant digits for floats)."""
+    """`key value` as the console shows it (number_format.readable: 4 significant digits, or whole from 10,000)."""
     if isinstance(value, float):
-        return f"{key} {value:.4g}"
+        return f"{key} {readable(value)}"
     return f"{key} {value}"

@@ -97,8 +97,8 @@ def _summary(training: list[dict], evaluations: list[dict], config: dict) -> str
         rows.append("- final evaluation: " + " | ".join(format_metric(k, v) for k, v in final.items()
                                                      if k.startswith(_EVAL_PREFIXES)))  # fmt: skip
         names = sorted({k for e in evaluations for k in e if k.startswith(_EVAL_PREFIXES) and k != "eval/seconds"})
-        spans = [f"{k} {min(e[k] for e in evaluations if k in e):.4g} .. {max(e[k] for e in evaluations if k in e):.4g}"
-                 for k in names]  # fmt: skip
+        values = {k: [e[k] for e in evaluations if k in e] for k in names}
+        spans = [f"{k} {readable(min(values[k]))} .. {readable(max(values[k]))}" for k in names]
         rows.append("- eval values over the run (lowest .. highest): " + ", ".join(spans))
         rows += _best(evaluations, config)
     trained_s = sum(r.get("step_time_s", 0) * (r["step"] - p) for p, r in zip([0] + [t["step"] for t in training],
@@ -121,7 +121,7 @@ def _best(evaluations: list[dict], config: dict) -> list[str]:
     if not scored:
         return []
     best = (min if mode == "min" else max)(scored, key=lambda e: e[name])
-    return [f"- best {name} (keep_best_mode={mode}): {best[name]:.4g} at step {best.get('step', '?')}"]
+    return [f"- best {name} (keep_best_mode={mode}): {readable(best[name])} at step {best.get('step', '?')}"]
 
 
 def _goodput(run_dir: Path) -> str:

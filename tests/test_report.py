@@ -9,6 +9,7 @@ import pytest
 import accel_trainer as at
 from accel_trainer.cli import main as cli
 from accel_trainer.events import time_breakdown
+from accel_trainer.metrics import console_line
 from accel_trainer.number_format import readable
 from accel_trainer.report import _summary
 
@@ -51,6 +52,12 @@ def test_throughput_reads_as_a_whole_number_with_thousands_separators_not_in_exp
     summary = _summary(training, [], {"max_steps": 2})
 
     assert "- throughput (last window): 50,440 items/s, 1235 samples/s, 0.00161 TFLOP/s per device" in summary
+
+
+def test_the_console_line_shows_throughput_as_a_whole_number_with_thousands_separators():
+    record = {"step": 3, "loss": 2.27912, "lr": 0.00075, "items_per_s": 50440.3}
+
+    assert console_line(record) == "step 3 | loss 2.279 | lr 0.00075 | items_per_s 50,440"
 
 
 @pytest.mark.parametrize(
