@@ -52,6 +52,7 @@ from .checkpoint_files import CheckpointError
 from .config import TrainConfig, config_to_dict, config_to_yaml
 from .ema import WeightAverage
 from .layout import LayoutSettings, layout_to_dict
+from .optimizers import Optimizers
 from .pipeline_state import merge_optimizer_skeletons, whole_model_state
 from .rng_states import capture_rng_states, rng_file_name
 from .sharding import is_sharded, tied_names
@@ -70,8 +71,7 @@ class Trained:
     """The prepared objects whose state a checkpoint holds."""
 
     model: torch.nn.Module
-    optimizer: Any  # accelerate's AcceleratedOptimizer
-    scheduler: Any
+    optimizers: Optimizers  # each with its schedule
     whole: torch.nn.Module | None = None  # on a pipeline layout, the model whose stages `model` holds a part of
     ema: WeightAverage | None = None  # the EMA of the weights, with ema_decay
 
@@ -107,7 +107,7 @@ def save(
     problem = _agree(accelerator, _attempt(lambda: _prepare_folder(accelerator, temporary, writer)))
     if problem is None:
         model_state: Any
-        model_state, optimizer_state = get_state_dict(trained.model, trained.optimizer.optimizer)
+        model_state, optimizer_state = get_state_dict(trained.model, trained.optimizers.torch_optimizers())
         heavy_writes: list[Callable[[], None]] = []
 
         def write_local_files() -> None:
@@ -116,7 +116,7 @@ def save(
                                                ema=trained.ema.average if trained.ema else {}))  # fmt: skip
             state_files.save(capture_rng_states(), temporary / rng_file_name(accelerator.process_index))
             if accelerator.is_main_process:
-                _write_small_files(accelerator, temporary, state, trained.scheduler, identity,
+                _write_small_files(accelerator, temporary, state, trained.optimizers, identity,
                                    *trained.shapes_and_ties(model_state))  # fmt: skip
 
         problem = _agree(accelerator, _attempt(write_local_files))
@@ -217,11 +217,11 @@ def _agree(accelerator: Accelerator, problem: str | None) -> str | None:
 
 
 def _write_small_files(
-    accelerator: Accelerator, temporary: Path, state: TrainState, scheduler: Any, identity: RunIdentity,
+    accelerator: Accelerator, temporary: Path, state: TrainState, optimizers: Optimizers, identity: RunIdentity,
     model_state: dict[str, Any], tied: list[list[str]],
 ) -> None:  # fmt: skip
     scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
-    state_files.save({"scheduler": scheduler.state_dict(), "scaler": scaler}, temporary / TRAINER)
+    state_files.save({**optimizers.scheduler_states(), "scaler": scaler}, temporary / TRAINER)
     recorded = {
         "format": FORMAT,
         **state.to_dict(),

@@ -60,10 +60,13 @@ def table_peak_tflops(device: torch.device, dtype: str) -> float | None:
     return None
 
 
-def flops_per_sample(recipe: Recipe, cfg: TrainConfig, batch: Any, num_parameters: int) -> tuple[float, str]:
+def flops_per_sample(
+    recipe: Recipe, cfg: TrainConfig, batch: Any, num_parameters: int, phases: tuple[str | None, ...] = (None,)
+) -> tuple[float, str]:
     """Model FLOPs of one training sample (forward + backward) and where the figure comes from.
 
-    `batch` is a micro-batch, or its meta-device copy: only shapes and dtypes are read.
+    `batch` is a micro-batch, or its meta-device copy: only shapes and dtypes are read. `phases`: the
+    alternating optimizers' phases, each a forward and backward of its own (None: one loss, the usual case).
     """
     declared = getattr(recipe, "flops_per_sample", None)
     if declared:
@@ -71,7 +74,7 @@ def flops_per_sample(recipe: Recipe, cfg: TrainConfig, batch: Any, num_parameter
     samples = _batch_size(batch) or int(cfg.micro_batch_size)  # the run's config: auto is resolved
     try:
         with rng_untouched():
-            total = _count_on_meta(recipe, cfg, batch)
+            total = _count_on_meta(recipe, cfg, batch, phases)
     except Exception as error:  # noqa: BLE001 - a model that cannot be built or run on meta
         return 6.0 * num_parameters, f"a 6N estimate: counting failed with {type(error).__name__}"
     if total <= 0:
@@ -84,13 +87,15 @@ def to_meta(batch: Any) -> Any:
     return tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t, batch)
 
 
-def _count_on_meta(recipe: Recipe, cfg: TrainConfig, batch: Any) -> int:
+def _count_on_meta(recipe: Recipe, cfg: TrainConfig, batch: Any, phases: tuple[str | None, ...]) -> int:
     with torch.device("meta"):
         model = recipe.build_model(cfg)
     model.train()
     with FlopCounterMode(display=False) as counter:
-        output = read_loss_output(recipe.compute_loss(model, to_meta(batch)))
-        output.loss.backward()
+        for phase in phases:  # a step of alternating optimizers is a forward and backward per phase
+            extra = {} if phase is None else {"phase": phase}
+            output = read_loss_output(recipe.compute_loss(model, to_meta(batch), **extra))
+            output.loss.backward()
     return counter.get_total_flops()
 
 

@@ -23,13 +23,10 @@ from accelerate import Accelerator
 
 from .checkpoint import RunIdentity
 from .config import TrainConfig, config_to_dict, config_to_yaml, layout_to_yaml
-from .context_parallel import check_loss_counts_items, sequence_slices
 from .early_stopping import check_early_stop, should_stop_early
 from .evaluation import describe_nonfinite, evaluate_run, evaluates_after
 from .events import EventLog
-from .flops import to_meta
 from .layout import LayoutSettings
-from .losses import LossOutput, read_loss_output
 from .mesh import tensor_parallel_size
 from .metrics import MetricsLog, drop_records_after, format_metric
 from .preemption import Preempted, PreemptionWatcher, note_where
@@ -38,9 +35,9 @@ from .profiling import StepProfiler, dump_out_of_memory, parse_steps
 from .recipe import Recipe
 from .report import write_report_or_warn
 from .run_info import header, parameters_held, write_run_info
-from .sharding import local_part
 from .step_log import Window, count_flops_once, write_log_record
 from .trackers import Trackers
+from .training_step import train_step
 
 
 def train_loop(
@@ -120,10 +117,8 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
     model.train()
     for step in range(state.step + 1, cfg.max_steps + 1):
         profiler.before_step(step)
-        epoch, outputs = _accumulate_gradients(run, batches, window)
-        state.epoch, state.step, state.samples_seen = epoch + 1, step, step * cfg.global_batch_size
         is_log_step = _logs_after(cfg, step)
-        lrs, grad_norm = _optimizer_step(run, is_log_step, outputs)
+        outputs, figures = train_step(run, batches, window, step, is_log_step)
         if run.guard is None or not state.nonfinite_in_a_row:  # a skipped step's losses stay out of the logged mean
             window.add_step(outputs, run.plan.micro_batch_size)
         profiler.after_step(step)
@@ -132,8 +127,9 @@ def _train_steps(run: Run, batches: Any, log: MetricsLog, preemption: Preemption
 
         gives_up = run.guard is not None and run.guard.gives_up(state)
         if is_log_step or gives_up:  # a stop on non-finite steps records the steps since the last record
-            lrs = lrs or [group["lr"] for group in run.optimizer.param_groups]  # unchanged by the skipped steps
-            write_log_record(run, log, window, lrs, grad_norm)
+            if not is_log_step:  # the LRs, unchanged by the skipped steps
+                figures = {**run.optimizers.current_lrs(), **figures}
+            write_log_record(run, log, window, figures)
             window = Window.empty(accelerator.device)
         scores = _evaluate_after(run, log, window, step) if has_eval else None
         early_stop = should_stop_early(cfg, state, scores)
@@ -195,32 +191,6 @@ def _evaluate_after(run: Run, log: MetricsLog, window: Window, step: int) -> dic
     return scores
 
 
-def _optimizer_step(run: Run, is_log_step: bool, outputs: list[LossOutput]) -> tuple[list[float], Any]:
-    """Clip, step, schedule, zero the gradients, update the EMA; the LRs of this step and its gradient norm (on
-    log steps). A step the non-finite guard rejects does none of it but drop the gradients."""
-    cfg, state = run.cfg, run.checkpointer.state
-    note_where("the gradient norm and optimizer step of step", state.step)
-    grad_norm = None
-    if cfg.max_grad_norm > 0 or is_log_step or run.guard is not None:
-        max_norm = cfg.max_grad_norm or float("inf")
-        if run.pipeline is not None:  # one norm over all stages
-            grad_norm = run.pipeline.clip_grad_norm(max_norm)
-        else:
-            grad_norm = run.verbs.clip_grad_norm(max_norm)
-    lrs = [group["lr"] for group in run.optimizer.param_groups] if is_log_step else []  # the LRs of this step
-    if run.guard is not None and not run.guard.step_is_finite(state, outputs, grad_norm):
-        run.verbs.zero_grad()  # a skipped step (counted in state): only its gradients go
-        return lrs, grad_norm
-    if run.verbs.optimizer_step():
-        run.scheduler.step()  # the schedule follows the optimizer steps actually taken
-        if run.ema is not None:
-            run.ema.update()
-    else:  # fp16: the gradient scaler found inf/NaN gradients
-        state.skipped_steps += 1
-    run.verbs.zero_grad()
-    return lrs, grad_norm
-
-
 def _event(run: Run, event: str, **fields: Any) -> None:
     if run.events is not None:
         run.events.write(event, **fields)
@@ -231,70 +201,3 @@ def _timed(work: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
     started = time.perf_counter()
     result = work(*args, **kwargs)
     return result, time.perf_counter() - started
-
-
-def _forward_backward(run: Run, batch: Any, step: int, cp: int, index: int) -> Any:
-    """Micro-batch `index`'s loss and gradients (a pipeline's schedule runs both, divided like backward's)."""
-    if run.pipeline is not None:
-        note_where("the pipeline's forward and backward of step", step)
-        return run.pipeline.train(batch)
-    note_where("the forward of step", step)
-    if run.model_items is None:
-        output = read_loss_output(run.recipe.compute_loss(run.model, batch))
-    else:  # the model may be given the step's item count
-        run.model_items.forward_of(index)
-        output = run.model_items.exact(read_loss_output(run.recipe.compute_loss(run.model, batch)))
-    check_loss_counts_items(output.num_items, run.recipe, cp)
-    note_where("the backward (and gradient reduction) of step", step)
-    run.verbs.backward(output.loss)  # divided by the accumulation steps
-    return output
-
-
-def _accumulate_gradients(run: Run, batches: Any, window: Window) -> tuple[int, list[LossOutput]]:
-    """Run the micro-batches of one optimizer step; gradients are synchronised on the last one only.
-
-    A loss returned with `num_items` is back-propagated as a sum and its gradients are divided by the item
-    count of the whole step over all micro-batches and processes, which makes a token loss exact on any
-    layout (the gradient-accumulation bug class of transformers #34191). Returns the epoch and the step's loss
-    outputs, which the window logs once the step is known to be finite.
-    """
-    accelerator, model, plan = run.accelerator, run.model, run.plan
-    step_items: torch.Tensor | None = None
-    step = run.checkpointer.state.step + 1
-    outputs, waited = [], time.perf_counter()
-    note_where("the data of step", step)  # where a hung or killed process says it was
-    if run.model_items is not None:  # a transformers model's own loss: count the step's items first (hf_loss.py)
-        batches = run.model_items.fetch_step(batches, plan.accumulation_steps, accelerator, run.ranks.replicas)
-    window.data_wait_s += time.perf_counter() - waited
-    for index in range(plan.accumulation_steps):
-        note_where("the data of step", step)
-        waited = time.perf_counter()
-        epoch, batch = next(batches)
-        window.data_wait_s += time.perf_counter() - waited
-        if run.first_batch is None:
-            run.first_batch = to_meta(batch)
-        # With one micro-batch per step there is nothing to accumulate and no synchronisation to skip; a
-        # pipeline's schedule skips it itself (torch's schedules know FSDP stages).
-        accumulates = plan.accumulation_steps > 1 and run.pipeline is None
-        context = accelerator.accumulate(model) if accumulates else contextlib.nullcontext()
-        cp = run.ranks.context_parallel  # > 1: this process sees a slice of each sequence (context_parallel.py)
-        with context, sequence_slices(accelerator, run.recipe, batch, cp):
-            output = _forward_backward(run, batch, step, cp, index)
-        outputs.append(output)
-        if output.num_items is not None:
-            num_items = output.num_items.to(accelerator.device, torch.float32)
-            step_items = num_items if step_items is None else step_items + num_items
-    if run.pipeline is not None:
-        run.pipeline.sum_tied_gradients()
-    if step_items is not None:
-        # accelerate scaled each sum by 1/accumulation_steps and the gradient all-reduce averaged over
-        # processes (over dp x cp: context-parallel processes hold slices); undo both and divide by the true
-        # item count of the step instead.
-        total_items = accelerator.reduce(step_items, reduction="sum") / run.ranks.replicas  # TP, PP: copies
-        scale = plan.accumulation_steps * plan.num_processes * run.ranks.context_parallel / total_items
-        for parameter in model.parameters():
-            if parameter.grad is not None:
-                local = local_part(parameter.grad)
-                local.mul_(scale.to(local.dtype))  # an FSDP2 shard is scaled in place like a whole gradient
-    window.num_steps += 1
-    return epoch, outputs

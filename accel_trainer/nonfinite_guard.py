@@ -49,9 +49,12 @@ class NonfiniteGuard:
         ]  # fmt: skip
         self.good_statistics = [buffer.clone() for buffer in self.statistics]
 
-    def step_is_finite(self, state: TrainState, outputs: list[LossOutput], grad_norm: torch.Tensor | None) -> bool:
+    def step_is_finite(
+        self, state: TrainState, outputs: list[LossOutput], grad_norm: torch.Tensor | None, count: bool = True
+    ) -> bool:
         """Whether to take this step: its losses and gradient norm are finite on every process. Counts a step that
-        is not in `state` (nonfinite_steps, and nonfinite_in_a_row, which a resume continues)."""
+        is not in `state` (nonfinite_steps, and nonfinite_in_a_row, which a resume continues); with `count`
+        false (one phase of an alternating step) the caller counts the whole step afterwards (`count`)."""
         # One sum is finite exactly when all its terms are (NaN and Inf propagate): a few small ops a step.
         total = outputs[0].loss.detach().float()
         for output in outputs[1:]:
@@ -60,16 +63,21 @@ class NonfiniteGuard:
             total = total + grad_norm.detach().to(total.device)
         if self.accelerator.num_processes > 1:  # the loss is this process's: the sum over processes tells all
             total = self.accelerator.reduce(total, reduction="sum")
-        if math.isfinite(total.item()):  # the step's one read-back; faster than torch.isfinite on a scalar
+        finite = math.isfinite(total.item())  # the step's one read-back; faster than torch.isfinite on a scalar
+        if self.statistics:  # keep a finite step's statistics; put back those a non-finite one moved
+            kept, moved = self.good_statistics, self.statistics
+            torch._foreach_copy_(*((kept, moved) if finite else (moved, kept)))
+        if count:
+            self.count(state, finite)
+        return finite
+
+    def count(self, state: TrainState, finite: bool) -> None:
+        """Count a step, finite or not, in `state`."""
+        if finite:
             state.nonfinite_in_a_row = 0
-            if self.statistics:
-                torch._foreach_copy_(self.good_statistics, self.statistics)
-            return True
-        if self.statistics:
-            torch._foreach_copy_(self.statistics, self.good_statistics)
-        state.nonfinite_steps += 1
-        state.nonfinite_in_a_row += 1
-        return False
+        else:
+            state.nonfinite_steps += 1
+            state.nonfinite_in_a_row += 1
 
     def resume(self, state: TrainState) -> None:
         """A resumed run continues a streak cut short by a preemption; one that the guard itself stopped starts a

@@ -6,6 +6,7 @@ the per-process seed after `accelerator.prepare`) and hands the loop a `Run`.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,8 +31,9 @@ from .final_weights import save_final
 from .flops import peak_for_mfu
 from .hf_loss import ModelItems, model_items
 from .layout import LayoutSettings
-from .mesh import DataRanks, data_ranks
+from .mesh import DataRanks, data_ranks, mesh_shape
 from .nonfinite_guard import NonfiniteGuard
+from .optimizers import Optimizers, check_layout_for_several, read_optimizers
 from .pipeline import Pipeline
 from .prefetch import PrefetchGate, check_prefetching
 from .recipe import Recipe
@@ -55,14 +57,12 @@ class Run:
     run_dir: Path
     plan: BatchPlan
     model: Any
-    optimizer: Any
-    scheduler: Any
+    optimizers: Optimizers  # one phase per optimizer (optimizers.py), each with its schedule and step verbs
     train_set: Any
     train_loader: Any  # None for a stream (streams.py)
     eval_set: Any
     eval_loader: Any  # None for a stream, or without an eval set
     steps_per_epoch: int | None  # None for a stream: its epochs end where it does
-    verbs: StepVerbs
     checkpointer: Checkpointer
     num_parameters: int
     model_summary: str
@@ -111,6 +111,7 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     cfg, layout = identity.cfg, identity.layout
     set_seed(cfg.seed)  # the same initial weights on every process and layout
     ranks = data_ranks(accelerator)
+    check_layout_for_several(recipe.alternate_optimizers, cfg, uses_mesh=_uses_mesh(accelerator, layout))
     if cfg.micro_batch_size == "auto":
         check_auto_layout(accelerator, layout, ranks)
     plan = plan_batches(cfg.global_batch_size, _fixed_micro_batch_size(cfg), ranks.size)  # before any work
@@ -131,26 +132,41 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     if layout.pp_size > 1:  # the stages of this process; the optimizer and checkpoints see only their weights
         pipeline = _pipeline(recipe, model.to(accelerator.device), train_set, plan, layout, accelerator)
         model = pipeline.view
-    optimizer = recipe.build_optimizer(cfg, model)
-    # deliberately not prepared: see schedules.py
-    scheduler = recipe_scheduler(recipe, cfg, optimizer, warn=accelerator.is_main_process)
+    optimizers = _optimizers(recipe, cfg, model, accelerator, layout)  # their schedules are not prepared
     train_loader, eval_loader = _loaders(recipe, cfg, train_set, eval_set, plan, ranks, accelerator)
-    model, optimizer, train_loader, eval_loader = _prepare(accelerator, pipeline, ranks, model, optimizer,
-                                                          train_loader, eval_loader)  # fmt: skip
+    model, *prepared, train_loader, eval_loader = _prepare(accelerator, pipeline, ranks, model,
+                                                          *(p.optimizer for p in optimizers.phases), train_loader,
+                                                          eval_loader)  # fmt: skip
+    optimizers = optimizers.with_verbs(functools.partial(StepVerbs, accelerator), prepared, model)
     set_seed(cfg.seed + ranks.rank)  # independent dropout per data-parallel rank, shared by its TP ranks
     steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
     ema = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay else None
     guard = NonfiniteGuard(cfg, accelerator, model) if cfg.skip_nonfinite_steps else None
-    trained = Trained(model, optimizer, scheduler, whole=pipeline.model if pipeline is not None else None, ema=ema)
+    trained = Trained(model, optimizers, whole=pipeline.model if pipeline is not None else None, ema=ema)
     checkpointer = Checkpointer(accelerator, run_dir, trained, identity, has_eval=eval_set is not None)
     compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
     if compiled:
         allow_recompiles_per_region(model)
-    return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizer, scheduler, train_set, train_loader,
-               eval_set, eval_loader, steps_per_epoch, StepVerbs(accelerator, optimizer, model), checkpointer,
+    return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizers, train_set, train_loader,
+               eval_set, eval_loader, steps_per_epoch, checkpointer,
                num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks,
                pipeline, compile_watch=CompileWatch(enabled=compiled, warn=accelerator.is_main_process),
                guard=guard, ema=ema, model_items=_model_items(accelerator, model, plan, ranks, pipeline))  # fmt: skip
+
+
+def _optimizers(recipe: Recipe, cfg: TrainConfig, model: Any, accelerator: Accelerator,
+                layout: LayoutSettings) -> Optimizers:  # fmt: skip
+    """The recipe's optimizer(s), each with its schedule (optimizers.py), or a one-line refusal."""
+    schedule = functools.partial(recipe_scheduler, recipe, cfg, warn=accelerator.is_main_process)
+    optimizers = read_optimizers(recipe.build_optimizer(cfg, model), recipe, model, lambda opt: schedule(opt))
+    check_layout_for_several(optimizers.several, cfg, uses_mesh=_uses_mesh(accelerator, layout))
+    if optimizers.alternate and accelerator.ddp_handler is not None:  # a phase may leave parameters out
+        accelerator.ddp_handler.find_unused_parameters = True
+    return optimizers
+
+
+def _uses_mesh(accelerator: Accelerator, layout: LayoutSettings) -> bool:
+    return mesh_shape(layout, accelerator.num_processes, accelerator.is_fsdp2, accelerator.device.type).needs_mesh
 
 
 def _model_items(accelerator: Accelerator, model: Any, plan: BatchPlan, ranks: DataRanks, pipeline: Any) -> Any:
@@ -161,9 +177,10 @@ def _model_items(accelerator: Accelerator, model: Any, plan: BatchPlan, ranks: D
 
 
 def _prepare(accelerator: Accelerator, pipeline: Pipeline | None, ranks: DataRanks, *objects: Any) -> tuple[Any, ...]:
-    """`accelerator.prepare` the model, optimizer and loaders; a None loader (a stream, no eval set) stays None."""
-    model, optimizer, train_loader, eval_loader = objects
+    """`accelerator.prepare` the model, optimizers and loaders; a None loader (a stream, no eval set) stays None."""
+    model, *optimizers, train_loader, eval_loader = objects
     if pipeline is not None:  # not wrapped (there is no gradient to average); loaders for the data ranks
+        (optimizer,) = optimizers  # several are refused on a pipeline layout (optimizers.py)
         optimizer = accelerator.prepare_optimizer(optimizer)  # alone: prepare() refuses that under FSDP2
         if train_loader is not None:
             train_loader = launch_fixes.prepare_loader_for_data_ranks(accelerator, train_loader, ranks.rank,
@@ -171,7 +188,7 @@ def _prepare(accelerator: Accelerator, pipeline: Pipeline | None, ranks: DataRan
         return model, optimizer, train_loader, eval_loader
     # On the CPU a batch is already where it belongs: no device placement (a send_to_device walk per step).
     placement = False if accelerator.device.type == "cpu" else None
-    return tuple(accelerator.prepare(*objects, device_placement=[None, None, placement, placement]))
+    return tuple(accelerator.prepare(*objects, device_placement=[None] * (1 + len(optimizers)) + [placement] * 2))
 
 
 def _loaders(recipe: Recipe, cfg: TrainConfig, train_set: Any, eval_set: Any, plan: BatchPlan, ranks: DataRanks,

@@ -8,7 +8,9 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
                                    map-style Dataset or IterableDataset
     compute_loss(model, batch)  -> a mean loss, or {"loss": sum, "num_items": n, "<term>": t} (losses.py)
     build_optimizer(cfg, model) -> optional; AdamW with decoupled weight decay by default; each param
-                                   group's own lr is its peak, which the schedule multiplies
+                                   group's own lr is its peak, which the schedule multiplies; or several
+                                   optimizers by name, stepped together or in alternating phases
+                                   (`alternate_optimizers`, optimizers.py)
     build_scheduler(cfg, optimizer) -> optional; any torch LR scheduler, stepped once per optimizer step
     eval_metrics(model, batch)  -> optional; per-sample metric tensors, batch means or (sums, num_items)
     collate(examples)           -> optional; how a list of examples becomes a batch
@@ -31,6 +33,7 @@ import torch
 from torch.utils.data import default_collate
 
 from .config import TrainConfig
+from .errors import RecipeError
 from .losses import read_loss_output
 
 Batch = Any  # what collate returns: a dict of tensors by default, or tuples or tensors
@@ -51,6 +54,10 @@ class Recipe:
     pipeline_split: ClassVar[tuple[str, ...]] = ()
     """Names of the modules that begin a new pipeline stage (pp_size - 1 of them, e.g. ("blocks.2",)); empty
     spreads the wrap_classes blocks evenly over the stages (pipeline_split.py)."""
+    alternate_optimizers: ClassVar[bool] = False
+    """With several optimizers from build_optimizer (a mapping by name): True runs each step as one phase per
+    optimizer, in order, calling `compute_loss(model, batch, phase=name)` and stepping that optimizer alone (a
+    GAN); False steps them all on the one loss (optimizers.py)."""
     sequence_dims: ClassVar[dict[str, int]] = {}
     """Batch keys to their sequence dimension (e.g. {"input_ids": 1, "targets": 1, "positions": 1}): every
     tensor the model or the loss reads along the sequence, which context parallelism slices (GPU layouts with
@@ -85,8 +92,11 @@ class Recipe:
         """
         raise NotImplementedError(f"{type(self).__name__} must define compute_loss(self, model, batch)")
 
-    def build_optimizer(self, cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+    def build_optimizer(self, cfg: Any, model: torch.nn.Module) -> Any:
         """AdamW, with weight decay on matrices and embeddings only (biases and norm gains are not decayed).
+
+        A recipe may return any torch optimizer, or several by name over disjoint parameters, e.g.
+        `{"discriminator": Adam(...), "generator": Adam(...)}` (see `alternate_optimizers`).
 
         torch's fused AdamW kernel where it applies (floating-point parameters on the CPU or CUDA): one kernel
         per parameter group instead of about ten Python-dispatched ops per parameter, 4x faster per step on a
@@ -121,6 +131,11 @@ class Recipe:
         processes) and combines the sums over all processes. The default reports `loss` from `compute_loss`:
         its batch mean, or its sum over its `num_items`.
         """
+        if self.alternate_optimizers:
+            raise RecipeError(
+                f"{type(self).__name__} alternates optimizers, so it has no single loss to evaluate: define"
+                " eval_metrics(model, batch), or return None as the eval set"
+            )
         output = read_loss_output(self.compute_loss(model, batch))
         loss = output.loss.detach()
         return {"loss": loss if output.num_items is None else (loss, output.num_items)}

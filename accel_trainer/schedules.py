@@ -83,11 +83,7 @@ def recipe_scheduler(recipe: Any, cfg: TrainConfig, optimizer: torch.optim.Optim
     changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(defaults, f.name)}
     attached = any("initial_lr" in group for group in optimizer.param_groups)  # torch schedulers mark the groups
     custom = recipe.build_scheduler(cfg, optimizer)
-    if custom is None and attached:
-        raise RecipeError(
-            "build_optimizer attached an LR scheduler to its optimizer, which the built-in schedule would override:"
-            " return that scheduler from build_scheduler(cfg, optimizer) (keep it on self), and the loop steps it"
-        )
+    _check_attached(attached, custom, optimizer)
     if custom is None:
         group_lrs = [group["lr"] for group in optimizer.param_groups]
         decays = [group.get("weight_decay") for group in optimizer.param_groups]
@@ -109,11 +105,6 @@ def recipe_scheduler(recipe: Any, cfg: TrainConfig, optimizer: torch.optim.Optim
             f"build_scheduler returned {type(custom).__name__}, not a torch.optim.lr_scheduler.LRScheduler"
             " (return None to use the built-in schedule)"
         )
-    if custom.optimizer is not optimizer:
-        raise RecipeError(
-            "build_scheduler returned a scheduler of another optimizer than the one it was given: build it on"
-            " build_scheduler's `optimizer` argument"
-        )
     ignored = [name for name in _SCHEDULE_FIELDS if name in changed]
     if warn and ignored:
         warnings.warn(
@@ -121,3 +112,18 @@ def recipe_scheduler(recipe: Any, cfg: TrainConfig, optimizer: torch.optim.Optim
             stacklevel=2,
         )
     return custom
+
+
+def _check_attached(attached: bool, custom: Any, optimizer: torch.optim.Optimizer) -> None:
+    """A scheduler built in build_optimizer must be the one build_scheduler returns, and that one must step the
+    optimizer it was given (see recipe_scheduler)."""
+    if custom is None and attached:
+        raise RecipeError(
+            "build_optimizer attached an LR scheduler to its optimizer, which the built-in schedule would override:"
+            " return that scheduler from build_scheduler(cfg, optimizer) (keep it on self), and the loop steps it"
+        )
+    if isinstance(custom, torch.optim.lr_scheduler.LRScheduler) and custom.optimizer is not optimizer:
+        raise RecipeError(
+            "build_scheduler returned a scheduler of another optimizer than the one it was given: build it on"
+            " build_scheduler's `optimizer` argument"
+        )

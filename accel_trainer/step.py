@@ -39,10 +39,14 @@ _PLAIN_LAYOUTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType
 class StepVerbs:
     """backward, clip, step and zero_grad for one prepared optimizer on the current layout."""
 
-    def __init__(self, accelerator: Accelerator, optimizer: AcceleratedOptimizer, model: torch.nn.Module) -> None:
+    def __init__(
+        self, accelerator: Accelerator, optimizer: AcceleratedOptimizer, parameters: list[torch.Tensor]
+    ) -> None:
+        """`parameters`: what `clip_grad_norm` measures and clips (the prepared model's, or one alternating phase's
+        optimizer's): they stay the same objects all run."""
         self.accelerator = accelerator
         self.optimizer = optimizer
-        self.parameters = list(model.parameters())  # the prepared model's: they stay the same objects all run
+        self.parameters = parameters
         # Decided once: neither the layout nor the presence of a scaler changes during a run.
         self.direct = accelerator.scaler is None and accelerator.distributed_type in _PLAIN_LAYOUTS
         self.one_group = self.direct and _one_foreach_group(self.parameters)

@@ -88,8 +88,8 @@ _PER_PROCESS = ("elapsed", "data_wait", "host_rss_gb", "mem_allocated_gb", "mem_
 
 
 def log_record(
-    accelerator: Accelerator, cfg: TrainConfig, window: Window, step: int, epoch: int, lrs: list[float],
-    grad_norm: Any, speed: Speed,
+    accelerator: Accelerator, cfg: TrainConfig, window: Window, step: int, epoch: int, figures: dict[str, Any],
+    speed: Speed,
 ) -> tuple[dict[str, Any], float]:  # fmt: skip
     """Read the window back (the only host synchronisation of a training step) and build a log record.
 
@@ -115,9 +115,7 @@ def log_record(
         "epoch": epoch,
         "loss": loss_sum / num_items if num_items else None,  # None: every step of the window was non-finite
         **{name: total / num_items if num_items else None for name, total in terms.items()},
-        "lr": lrs[0],
-        **{f"lr/{index}": lr for index, lr in enumerate(lrs[1:], start=1)},
-        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        **_optimizer_figures(figures),
         "samples_per_s": samples_per_s,
         "items_per_s": num_items / elapsed,
         "step_time_s": elapsed / window.num_steps,
@@ -139,6 +137,16 @@ def log_record(
     return record, num_items - window.items_banked
 
 
+def _optimizer_figures(figures: dict[str, Any]) -> dict[str, Any]:
+    """The step's LRs and gradient norms as numbers, `lr` (the first optimizer's first group) and `grad_norm`
+    first, whatever the optimizers (training_step.py)."""
+    values = {key: float(value) if value is not None else None for key, value in figures.items()}
+    lr = values.pop("lr", next((value for key, value in values.items() if key.startswith("lr")), None))
+    lrs = {key: value for key, value in values.items() if key.startswith("lr")}
+    rest = {key: value for key, value in values.items() if key not in lrs and key != "grad_norm"}
+    return {"lr": lr, **lrs, "grad_norm": values.get("grad_norm"), **rest}
+
+
 def _memory_gb(device: torch.device) -> list[float]:
     """This process's peak host memory, and the device's peak allocated and reserved memory since the reset."""
     host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
@@ -147,11 +155,10 @@ def _memory_gb(device: torch.device) -> list[float]:
     return [host, torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30]
 
 
-def write_log_record(run: Run, log: MetricsLog, window: Window, lrs: list[float], grad_norm: Any) -> None:
-    """Read the window back into a record, log it, and keep it as the latest."""
+def write_log_record(run: Run, log: MetricsLog, window: Window, figures: dict[str, Any]) -> None:
+    """Read the window back into a record with the step's LRs and gradient norms, log it, keep it as the latest."""
     state = run.checkpointer.state
-    record, new_items = log_record(run.accelerator, run.cfg, window, state.step, state.epoch, lrs, grad_norm,
-                                   run.speed)  # fmt: skip
+    record, new_items = log_record(run.accelerator, run.cfg, window, state.step, state.epoch, figures, run.speed)
     state.items_seen += new_items
     record.update(skipped_steps=state.skipped_steps, nonfinite_steps=state.nonfinite_steps,
                   samples_seen=state.samples_seen, items_seen=state.items_seen,
@@ -167,7 +174,8 @@ def count_flops_once(run: Run, log: MetricsLog, window: Window) -> None:
     if run.speed.flops_per_sample is not None or run.first_batch is None:
         return
     started = time.perf_counter()
-    flops, source = flops_per_sample(run.recipe, run.cfg, run.first_batch, run.num_parameters)
+    phases = tuple(p.name for p in run.optimizers.phases) if run.optimizers.alternate else (None,)
+    flops, source = flops_per_sample(run.recipe, run.cfg, run.first_batch, run.num_parameters, phases)
     run.speed.flops_per_sample = flops
     log.note(f"accel-trainer: {flops:.4g} FLOPs per training sample ({source})")
     window.excluded_s += time.perf_counter() - started

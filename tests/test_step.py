@@ -63,7 +63,7 @@ def test_canary_accelerated_optimizer_step_searches_installed_packages_on_every_
 
 def test_direct_verbs_do_no_package_search_or_signature_inspection(monkeypatch, prepared):
     accelerator, model, optimizer = prepared
-    verbs = StepVerbs(accelerator, optimizer, model)
+    verbs = StepVerbs(accelerator, optimizer, list(model.parameters()))
     searches = _count_calls(monkeypatch, importlib.util, "find_spec")
     inspections = _count_calls(monkeypatch, inspect, "signature")
     before = model[0].weight.detach().clone()
@@ -79,13 +79,13 @@ def test_direct_verbs_do_no_package_search_or_signature_inspection(monkeypatch, 
 def test_direct_verbs_train_bit_identically_to_accelerates_verbs(prepared):
     accelerator, model, optimizer = prepared
     initial = {name: value.clone() for name, value in model.state_dict().items()}
-    direct = StepVerbs(accelerator, optimizer, model)
+    direct = StepVerbs(accelerator, optimizer, list(model.parameters()))
     direct_norms = _train_two_steps(direct, model)
     direct_weights = {name: value.clone() for name, value in model.state_dict().items()}
 
     model.load_state_dict(initial)
     optimizer.optimizer.state.clear()
-    through_accelerate = StepVerbs(accelerator, optimizer, model)
+    through_accelerate = StepVerbs(accelerator, optimizer, list(model.parameters()))
     through_accelerate.direct = False
     accelerate_norms = _train_two_steps(through_accelerate, model)
 
@@ -139,7 +139,7 @@ def test_without_clipping_the_direct_verbs_only_measure_even_a_non_finite_norm(p
     model[0].weight.grad[0, 0] = float("inf")
     before = [parameter.grad.clone() for parameter in model.parameters()]
 
-    verbs = StepVerbs(accelerator, optimizer, model)
+    verbs = StepVerbs(accelerator, optimizer, list(model.parameters()))
     norm = verbs.clip_grad_norm(float("inf"))
 
     assert verbs.one_group is not mixed_dtypes and norm.isinf()
@@ -154,8 +154,8 @@ def test_clipping_one_group_of_no_gradients_is_torchs_zero_norm():
 def test_parameters_of_two_dtypes_are_clipped_by_torch_itself(prepared):
     accelerator, _, optimizer = prepared
     mixed = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1).double())
-    assert not StepVerbs(accelerator, optimizer, mixed).one_group
-    assert StepVerbs(accelerator, optimizer, torch.nn.Linear(2, 1)).one_group
+    assert not StepVerbs(accelerator, optimizer, list(mixed.parameters())).one_group
+    assert StepVerbs(accelerator, optimizer, list(torch.nn.Linear(2, 1).parameters())).one_group
 
 
 def test_canary_torchs_clip_grad_norm_groups_the_gradients_on_every_call(monkeypatch):
@@ -176,7 +176,7 @@ def test_accelerates_verbs_are_kept_for_a_gradient_scaler_and_for_sharded_gradie
     distributed_type, has_scaler, direct
 ):
     accelerator = SimpleNamespace(scaler=object() if has_scaler else None, distributed_type=distributed_type)
-    assert StepVerbs(accelerator, None, torch.nn.Linear(2, 1)).direct is direct  # type: ignore[arg-type]
+    assert StepVerbs(accelerator, None, list(torch.nn.Linear(2, 1).parameters())).direct is direct  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("distributed_type", [DistributedType.DEEPSPEED, DistributedType.XLA,

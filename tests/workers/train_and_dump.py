@@ -78,9 +78,11 @@ for name, parameter in trained.named_parameters():
     else:
         local_elements += parameter.numel()
         parameters[name.replace("_checkpoint_wrapped_module.", "")] = parameter.detach().contiguous()
-optimizer_steps = {int(s["step"]) for s in built_optimizers[0].state.values()}  # AdamW's own count
+built = built_optimizers[0]
+optimizers = list(built.values()) if isinstance(built, dict) else [built]  # several by name, or one
+optimizer_steps = {int(s["step"]) for o in optimizers for s in o.state.values()}  # AdamW's own count
 optimizer_elements = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()  # what this rank trains
-                         for group in built_optimizers[0].param_groups for p in group["params"])  # fmt: skip
+                         for o in optimizers for group in o.param_groups for p in group["params"])  # fmt: skip
 buffers = {}  # cloned: two names of one tensor (a shared mask) are two tensors in safetensors
 for name, buffer in trained.named_buffers():
     if not buffer.is_meta:
