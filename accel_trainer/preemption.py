@@ -6,18 +6,29 @@ agree on the step to stop at even when only one of them was signalled or the sig
 evaluation; the loop then saves and raises `Preempted`, and the command-line entry exits with
 `EXIT_PREEMPTED` (75, EX_TEMPFAIL: "try again later"; the same command with `resume=auto` continues).
 The flags are combined over a CPU (gloo) side group so that checking costs no device synchronisation.
-A second signal restores the default handler's behaviour (a second Ctrl-C interrupts at once).
+
+The handlers are installed before anything else a run does (`catch_stop_signals`, from run.main, the
+workers of processes.py and `at.train`), so a signal during the set-up (the rendezvous, loading data,
+restoring a checkpoint) is kept for the first step boundary instead of killing one process mid-rendezvous.
+A signal often comes twice: a scheduler signals every process and the launcher (torchrun, accelerate
+launch, notebook_launcher's elastic agent) forwards its own copy a millisecond later, and a terminal's Ctrl-C
+reaches the forked workers of `at.train(num_processes=N)` both directly and through the launcher. So a repeat
+within REPEAT_WINDOW_S of the first signal is a copy and ignored; a later one is a person's second Ctrl-C and
+gets the default action at once (KeyboardInterrupt, or death by the signal): never the handler that was
+there before, which in a forked worker is torch's launcher handler and turned the copy into an error.
 `max_time` (e.g. 2h30m) is a wall-clock budget counted from the start of the run: once spent, the run stops
 the same way, so a scheduler's job can end cleanly before its allocation does and the next job continue.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
-import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -30,7 +41,11 @@ EXIT_PREEMPTED = 75
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
 _SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+REPEAT_WINDOW_S = 1.0
+"""A stop signal this soon after the first is a copy (a launcher forwards within milliseconds), not a second press."""
+_DEFAULT_ACTIONS: dict[int, Any] = {signal.SIGINT: signal.default_int_handler}  # the others: SIG_DFL
 _where: list[Any] = ["setting up", None]  # (phase, step): formatted only when a report needs it
+_received: list[Any] = ["", 0.0]  # the first stop signal's name ("" until one comes) and its time.monotonic()
 
 
 def parse_duration(text: str) -> float:
@@ -55,6 +70,54 @@ def where() -> str:
     """What the process was doing: "the forward of step 12"."""
     phase, step = _where
     return phase if step is None else f"{phase} {step}"
+
+
+def catch_stop_signals() -> dict[int, Any]:
+    """Install the stop handlers, forgetting an earlier run's signal; the handlers they replaced, to give back.
+
+    Nothing is installed off the main thread (Python allows handlers only there) or where they already are
+    (a run inside a run's entry point): then the result is empty.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(SIGNALS[0]) == _handle:
+        return {}
+    _received[0] = ""
+    return {sig: signal.signal(sig, _handle) for sig in SIGNALS}
+
+
+@contextlib.contextmanager
+def stop_signals_caught() -> Iterator[None]:
+    """The stop handlers for the duration of a block (an `at.train` in a notebook gets its own back after)."""
+    previous = catch_stop_signals()
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def received_signal() -> str:
+    """The name of the first stop signal this process received since its handlers were installed, or ""."""
+    return str(_received[0])
+
+
+def _handle(signum: int, frame: Any) -> None:
+    """Record the first stop signal; ignore its copies; give a later one (a second press) its default action."""
+    now = time.monotonic()
+    if not _received[0]:
+        _received[0], _received[1] = signal.Signals(signum).name, now
+        # Said at once, so a process stuck in its step (a hang) is still seen and says where it was; one raw
+        # write: print() here could raise into the step (BrokenPipeError when `| tee` died of the same Ctrl-C,
+        # a reentrant call on a stream the step was writing to).
+        _say(f"{signal.Signals(signum).name} received during {where()}")
+    elif now - _received[1] >= REPEAT_WINDOW_S:
+        _say(f"a second {signal.Signals(signum).name}: stopping at once, without a checkpoint")
+        signal.signal(signum, _DEFAULT_ACTIONS.get(signum, signal.SIG_DFL))
+        signal.raise_signal(signum)
+
+
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError):  # a closed or broken stderr: nothing to tell, nothing to raise
+        os.write(2, f"accel-trainer: rank {os.environ.get('RANK', '0')}: {text}\n".encode())
 
 
 class Preempted(Exception):
@@ -83,7 +146,11 @@ def _cpu_group(timeout_s: float) -> Any:
 
 
 class PreemptionWatcher:
-    """Installs the signal handlers for the duration of a run (a context manager)."""
+    """Decides, with the other processes, when to stop: a context manager around the step loop.
+
+    The handlers are normally installed already (`catch_stop_signals` at the start of the run), and a signal
+    that came during the set-up is then seen at the first check; otherwise they are installed here.
+    """
 
     def __init__(self, num_processes: int, timeout_s: float, max_time: str = "", started: float | None = None):
         self.signal_name = ""
@@ -93,24 +160,18 @@ class PreemptionWatcher:
         self._deadline = (started or time.time()) + parse_duration(max_time) if max_time else None
 
     def __enter__(self) -> PreemptionWatcher:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        self._previous = catch_stop_signals()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signal_name = signal.Signals(signum).name
-        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        # Said at once: a process stuck in its step (a hang) is still seen, and says where it was.
-        print(f"accel-trainer: rank {rank}: {self.signal_name} received during {where()}", file=sys.stderr, flush=True)
-
     def should_stop(self) -> bool:
         """Whether any process was signalled or ran out of max_time; a collective: every process calls it after
         every step."""
+        if not self.signal_name:
+            self.signal_name = received_signal()
         if self._deadline is not None and not self.signal_name and time.time() >= self._deadline:
             self.signal_name = f"max_time={self._max_time}"
         if self._group is None:

@@ -9,6 +9,14 @@ launcher's 40 lines of `ChildFailedError`.
 
 notebook_launcher's own line, "Launching training on 2 CUDAs.", names CUDA whenever no other accelerator
 is installed, a CPU-only machine included; it is replaced by a line of ours that says what the workers use.
+
+Signals: the workers are forked into the caller's process group, so a terminal's Ctrl-C reaches each of them
+directly and again through the launcher, which forwards it a millisecond later. Each worker installs the
+stop handlers first thing (preemption.py), replacing the launcher's handler it inherited, which turned the
+copy into an error; the run saves, and the caller gets `Preempted` back. The launcher kills workers that
+have not ended TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds after a signal (30 by default): 120 here, unless set,
+so that a stop's last step and save fit. A second Ctrl-C (after preemption.REPEAT_WINDOW_S) quits at once:
+the caller gets KeyboardInterrupt.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -26,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError, describe_crash
+
+SHUTDOWN_TIMEOUT_S = 120
+"""Seconds the launcher waits for its workers after a signal before SIGKILL (torch's default: 30)."""
 
 
 def launch_processes(
@@ -54,10 +66,12 @@ def launch_processes(
         level = elastic_log.level
         elastic_log.setLevel(logging.CRITICAL)  # its report of a failed worker is the failure we raise below
         try:
-            with _our_launch_line(num_processes):
+            with _our_launch_line(num_processes), _shutdown_timeout(SHUTDOWN_TIMEOUT_S):
                 notebook_launcher(_worker, args=(recipe_name, config_file, overrides, scratch),
                                   num_processes=num_processes, use_port=str(free_port()))  # fmt: skip
         except Exception as launch_error:  # noqa: BLE001 - replaced by the worker's own exception
+            if _is_signal(launch_error, signal.SIGINT) and not list(Path(scratch).glob("error_rank*.json")):
+                raise KeyboardInterrupt from launch_error  # a second Ctrl-C: the workers quit without a word
             raise _worker_error(Path(scratch), num_processes) from launch_error
         finally:
             elastic_log.setLevel(level)
@@ -90,18 +104,22 @@ def _our_launch_line(num_processes: int) -> Iterator[None]:
 
 
 def _worker(recipe_name: str, config_file: Any, overrides: dict[str, Any], scratch: str) -> None:
+    from .preemption import Preempted, catch_stop_signals
+
+    catch_stop_signals()  # first: the handlers inherited from the launcher turn its forwarded copy into an error
     from .run import train
 
     rank = int(os.environ.get("RANK", "0"))
     try:
         result = train(recipe_name, config_file=config_file, **overrides)
     except Exception as error:  # noqa: BLE001 - handed to the caller, which raises it again
-        report = describe_crash(error) if not isinstance(error, UserError) else ""
+        report = describe_crash(error) if not isinstance(error, (UserError, Preempted)) else ""
         error_file = Path(scratch) / f"error_rank{rank}.json"
-        plain = all(isinstance(arg, (str, int, float)) for arg in error.args)
+        args = [str(arg) if isinstance(arg, Path) else arg for arg in error.args]  # a Preempted's checkpoint
+        plain = all(isinstance(arg, (str, int, float, type(None))) for arg in args)
         error_file.write_text(json.dumps({"module": type(error).__module__, "type": type(error).__name__,
-                                          "args": list(error.args) if plain else [str(error)],
-                                          "message": str(error), "report": report}))  # fmt: skip
+                                          "args": args if plain else [str(error)], "message": str(error),
+                                          "report": report, "attributes": _attributes(error)}))  # fmt: skip
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # quietly: the caller raises the error once
@@ -118,15 +136,46 @@ def _worker_error(scratch: Path, num_processes: int) -> Exception:
     if error["report"]:
         print(error["report"], file=sys.stderr)
     kind = _REBUILDABLE.get((error["module"], error["type"]))
-    return kind(*error["args"]) if kind is not None else RuntimeError(f"{error['type']}: {error['message']}")
+    if kind is None:
+        return RuntimeError(f"{error['type']}: {error['message']}")
+    rebuilt = kind(*error["args"])
+    for name, value in error.get("attributes", {}).items():
+        setattr(rebuilt, name, value)
+    if isinstance(getattr(rebuilt, "checkpoint", None), str):  # a Preempted's folder, a Path again
+        rebuilt.checkpoint = Path(rebuilt.checkpoint)  # type: ignore[attr-defined]
+    return rebuilt
+
+
+def _attributes(error: Exception) -> dict[str, str]:
+    """What a rebuilt exception needs beyond its arguments: a Preempted's advice on how to continue."""
+    advice = getattr(error, "how_to_continue", None)
+    return {"how_to_continue": advice} if isinstance(advice, str) else {}
+
+
+def _is_signal(error: BaseException, signum: int) -> bool:
+    """Whether the launcher stopped on `signum` (its SignalException, by name: torch's module may move)."""
+    return type(error).__name__ == "SignalException" and getattr(error, "sigval", None) == signum
+
+
+@contextlib.contextmanager
+def _shutdown_timeout(seconds: int) -> Iterator[None]:
+    """The launcher's grace period after a signal, unless the caller set TORCH_ELASTIC_SHUTDOWN_TIMEOUT."""
+    name = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+    before = os.environ.get(name)
+    os.environ.setdefault(name, str(seconds))  # read by torch's LaunchConfig, which notebook_launcher builds
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
 
 
 def _rebuildable() -> dict[tuple[str, str], type[Exception]]:
-    from . import checkpoint_files, errors, state_files
+    from . import checkpoint_files, errors, preemption, state_files
 
     classes: list[type[Exception]] = [
         errors.UserError, errors.ConfigError, errors.RecipeError, errors.LayoutError,
-        checkpoint_files.CheckpointError, state_files.StateFileError,
+        checkpoint_files.CheckpointError, state_files.StateFileError, preemption.Preempted,
     ]  # fmt: skip
     builtin = [getattr(builtins, name) for name in dir(builtins)]
     classes += [kind for kind in builtin if isinstance(kind, type) and issubclass(kind, Exception)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import tempfile
 import warnings
@@ -29,7 +30,7 @@ from .errors import UserError, describe_crash
 from .launch_fixes import launched_world_size
 from .layout import LayoutSettings, launch_settings_file
 from .loop import train_loop
-from .preemption import EXIT_PREEMPTED, Preempted, where
+from .preemption import EXIT_PREEMPTED, Preempted, catch_stop_signals, stop_signals_caught, where
 from .processes import launch_processes
 from .registry import describe, get_recipe
 from .trackers import check_trackers
@@ -68,7 +69,8 @@ def train(
     if num_processes is not None and num_processes != (launched_world_size() or 1):
         resolve_config(get_recipe(recipe_name).Config, config_file, overrides)  # fail here, before any process
         return launch_processes(recipe_name, num_processes, config_file, overrides)
-    return _train_here(recipe_name, config_file, overrides)
+    with stop_signals_caught():  # from the start: a signal during the set-up stops the run at its first step
+        return _train_here(recipe_name, config_file, overrides)
 
 
 def _train_here(recipe_name: str, config_file: str | Path | None, overrides: dict[str, Any]) -> TrainResult:
@@ -82,23 +84,25 @@ def _train_here(recipe_name: str, config_file: str | Path | None, overrides: dic
             warnings.warn(f"accel-trainer: {problem}", stacklevel=2)
     recipe = recipe_cls(cfg)
     new_folder = not (cfg.output_dir and Path(cfg.output_dir).exists())
-    run_dir = _make_run_dir(accelerator, recipe_name, cfg)
+    run_dir: Path | None = None
+    completed = False
     try:
+        run_dir = _make_run_dir(accelerator, recipe_name, cfg)
         metrics = train_loop(recipe, cfg, layout, accelerator, run_dir, recipe_name)
+        completed = True
     except Preempted as stop:
-        if accelerator.is_main_process:
-            run_folder.remember_preempted(recipe_name, cfg, run_dir)
         if cfg.resume != "auto":
             stop.how_to_continue = f"to continue, run it again with resume=auto output_dir={run_dir}"
         elif not cfg.output_dir:
             stop.how_to_continue = f"rerun the same command to continue it (or add output_dir={run_dir})"
         raise
     except BaseException:
-        if new_folder and accelerator.is_main_process:
+        if run_dir is not None and new_folder and accelerator.is_main_process:
             _remove_if_empty(run_dir)  # failed before writing anything (a recipe or data error): leave no trace
         raise
-    if accelerator.is_main_process:
-        run_folder.forget_preempted(recipe_name, cfg)
+    finally:
+        if accelerator.is_main_process:  # a run that did not complete stays the one its command continues
+            run_folder.release(recipe_name, cfg, run_dir, completed)
     accelerator.end_training()
     return TrainResult(metrics=metrics, run_dir=run_dir)
 
@@ -114,6 +118,7 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
     otherwise aborted at interpreter exit (docs/accelerate-traps.md), and so did 1 in 6 FSDP runs stopped by
     the non-finite guard ("terminate called without an active exception", SIGABRT instead of exit 2).
     """
+    previous_handlers = catch_stop_signals()  # first: a signal at any later moment is a checkpoint, not a death
     arguments = list(sys.argv[1:] if argv is None else argv)
     is_rank_zero = int(os.environ.get("RANK", "0")) == 0
     show_our_warnings_as_one_line()
@@ -152,6 +157,8 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
+    for sig, handler in previous_handlers.items():  # called in-process (tests): the caller's handlers return
+        signal.signal(sig, handler)
     raise SystemExit(status)
 
 

@@ -1,7 +1,10 @@
 """Runs that are interrupted for real lose nothing.
 
-- SIGTERM to a 2-process launch: every rank stops at the same step, saves, exits 75; resuming ends with the
-  parameters of the uninterrupted run.
+- A stop signal (SIGTERM, SIGINT) to every process at once, as a scheduler or a terminal's Ctrl-C sends it,
+  with the launcher forwarding its own copy a moment later: at set-up, mid-step, during an evaluation or a
+  save, every rank stops at one agreed step, saves once, exits 75, and `resume=auto` ends with the parameters
+  of the uninterrupted run. A copy that arrives within preemption.REPEAT_WINDOW_S of the first is not a
+  second press; a second signal after it quits at once, leaving the last checkpoint intact.
 - SIGKILL in the middle of a save: the previous checkpoint still verifies and `resume=auto` continues from it.
 - A worker that dies under `torchrun --max_restarts 1` (or `accelerate launch --max_restarts 1`): the group
   restarts, resumes from the latest checkpoint and finishes with the uninterrupted run's parameters.
@@ -9,22 +12,25 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from accel_trainer import checkpoint_files
+from accel_trainer.preemption import EXIT_PREEMPTED
 from conftest import (
     BIN,
     LAUNCH_TIMEOUT_S,
     REPO,
     TEST_OVERRIDES,
     WORKERS,
+    accelerate_launch,
+    clean_env,
     dump_env,
     final_parameters,
     free_port,
@@ -34,7 +40,10 @@ from conftest import (
 )  # fmt: skip
 
 pytestmark = pytest.mark.multiprocess
-LONG_RUN = ["max_steps=400", "log_every_steps=1", "eval_every_steps=0", "sample_latent=false", "micro_batch_size=16"]
+# mlp_slow (tests/workers/recipes/slow_phases.py) is slowed by environment variables only: the interrupted run,
+# its resumption and the reference run share this config.
+SIGNALLED = ["max_steps=30", "log_every_steps=1", "eval_every_steps=10", "save_every_steps=10", "keep_last=0"]
+SLOW_STEP = {"ACCEL_TEST_SLOW_STEP_S": "0.25"}
 
 
 def wait_for(condition, timeout_s: float = 120.0, poll_s: float = 0.02) -> None:
@@ -54,29 +63,134 @@ def assert_same_parameters(expected_dir, actual_dir) -> None:
     assert all(torch.equal(actual[name], expected[name]) for name in expected)
 
 
-def test_sigterm_to_a_two_process_launch_saves_at_one_agreed_step_and_resumes_exactly(tmp_path):
-    run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [str(BIN / "accelerate"), "launch", "--quiet", "--config_file", str(REPO / "accelerate_configs/cpu_ddp.yaml"),
-         "--main_process_port", str(free_port()), str(REPO / "recipes/vae.py"), *LONG_RUN, f"output_dir={run_dir}",
-         *TEST_OVERRIDES],
-        cwd=REPO, env=dump_env(run_dir, 2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    wait_for(lambda: logged_steps(run_dir) >= 5)
-    launcher.send_signal(signal.SIGTERM)
-    output = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+def start_signalled_run(run_dir: Path, markers: Path, world_size: int, **slow: str) -> subprocess.Popen:
+    """mlp_slow through `at.main` (tests/workers/signalled_run.py) on 1 process, or on 2 under accelerate launch."""
+    markers.mkdir(exist_ok=True)
+    worker = [str(WORKERS / "signalled_run.py"), "mlp_slow", *SIGNALLED, f"output_dir={run_dir}", *TEST_OVERRIDES]
+    launcher = [str(BIN / "python")]
+    if world_size > 1:
+        launcher = [str(BIN / "accelerate"), "launch", "--quiet", "--config_file",
+                    str(REPO / "accelerate_configs/cpu_ddp.yaml"), "--main_process_port", str(free_port())]  # fmt: skip
+    env = clean_env(ACCEL_TEST_MARKERS=str(markers), **slow)
+    return subprocess.Popen([*launcher, *worker], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
-    stops = [line for line in output.splitlines() if "stopped by SIGTERM after step" in line]
-    assert len(stops) == 1, output  # reported once, by the main process
-    stopped_at = int(stops[0].split("after step ")[1].split(";")[0])
-    assert 5 <= stopped_at < 400
+
+def worker_pids(markers: Path, world_size: int) -> list[int]:
+    wait_for(lambda: all((markers / f"pid.rank{rank}").exists() for rank in range(world_size)))
+    return [int((markers / f"pid.rank{rank}").read_text()) for rank in range(world_size)]
+
+
+def stopped_step(output: str, signal_name: str) -> int:
+    """The step of the one "stopped by" line the main process prints."""
+    stops = [line for line in output.splitlines() if f"stopped by {signal_name} after step" in line]
+    assert len(stops) == 1, output
+    return int(stops[0].split("after step ")[1].split(";")[0])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The reference: mlp_slow's config on 2 processes, never signalled (and not slowed)."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    accelerate_launch("cpu_ddp", WORKERS / "signalled_run.py", "mlp_slow", *SIGNALLED, f"output_dir={run_dir}",
+                      env=clean_env())  # fmt: skip
+    return run_dir
+
+
+WAIT_FOR = {  # each phase: how the run is slowed, and the moment the signal is sent
+    "mid-step": (SLOW_STEP, lambda run_dir, markers: logged_steps(run_dir) >= 3),
+    "evaluation": ({**SLOW_STEP, "ACCEL_TEST_SLOW_EVAL_S": "0.3"},
+                   lambda _, markers: (markers / "eval.rank0").exists()),
+    "setup": ({**SLOW_STEP, "ACCEL_TEST_SLOW_SETUP_S": "2"},
+              lambda _, markers: all((markers / f"setup.rank{r}").exists() for r in (0, 1))),
+    "save": ({**SLOW_STEP, "ACCEL_TEST_SLOW_SAVE_S": "2"}, lambda _, markers: (markers / "save.rank0").exists()),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("signal_name", "targets", "phase"),
+    [
+        ("SIGTERM", "workers, then the launcher", "mid-step"),
+        slow("SIGINT", "the launcher, then the workers", "mid-step"),
+        slow("SIGTERM", "the launcher", "mid-step"),
+        slow("SIGTERM", "the launcher, then the workers", "evaluation"),
+        slow("SIGINT", "workers, then the launcher", "evaluation"),
+        slow("SIGTERM", "the launcher, then the workers", "setup"),
+        slow("SIGINT", "workers, then the launcher", "setup"),
+        slow("SIGTERM", "workers, then the launcher", "save"),
+    ],
+)
+def test_a_signal_to_every_process_of_a_two_process_launch_saves_once_at_one_agreed_step_and_resumes_exactly(
+    signal_name, targets, phase, uninterrupted, tmp_path
+):
+    run_dir, markers = tmp_path / "run", tmp_path / "markers"
+    slowed, moment = WAIT_FOR[phase]
+    launcher = start_signalled_run(run_dir, markers, 2, **slowed)
+    try:
+        workers = worker_pids(markers, 2)
+        wait_for(lambda: moment(run_dir, markers) or launcher.poll() is not None)
+        order = [launcher.pid] if targets == "the launcher" else [launcher.pid, *workers]
+        for pid in order if targets.startswith("the launcher") else order[::-1]:  # a scheduler's, then the copy
+            os.kill(pid, getattr(signal, signal_name))
+        output = launcher.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+    finally:
+        launcher.kill()
+
+    stopped_at = stopped_step(output, signal_name)
+    assert "lost another process" not in output and "KeyboardInterrupt" not in output, output
+    saved = checkpoint_files.complete_checkpoints(run_dir)
+    assert checkpoint_files.recorded_step(saved[-1]) == stopped_at
+    checkpoint_files.verify(saved[-1])
+    if phase == "save":  # the step-10 save was under way; the loop stops after it or after one more step
+        assert [checkpoint_files.recorded_step(folder) for folder in saved] in ([10], [10, 11]), output
+    else:
+        assert len(saved) == 1, output
+        assert stopped_at == {"setup": 1, "evaluation": 10}.get(phase, stopped_at), output
+    accelerate_launch("cpu_ddp", WORKERS / "signalled_run.py", "mlp_slow", *SIGNALLED, f"output_dir={run_dir}",
+                      env=clean_env())  # fmt: skip  # resume=auto
+    assert_same_parameters(uninterrupted, run_dir)
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", slow("SIGINT")])
+def test_the_second_copy_of_a_signal_within_a_moment_is_not_a_second_press_the_run_saves_and_exits_75(
+    signal_name, tmp_path
+):
+    run_dir = tmp_path / "run"
+    run = start_signalled_run(run_dir, tmp_path / "markers", 1, **SLOW_STEP)
+    try:
+        wait_for(lambda: logged_steps(run_dir) >= 3 or run.poll() is not None)
+        run.send_signal(getattr(signal, signal_name))
+        time.sleep(0.03)  # a launcher forwards its copy within a few milliseconds
+        run.send_signal(getattr(signal, signal_name))
+        output = run.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+    finally:
+        run.kill()
+
+    assert run.returncode == EXIT_PREEMPTED, output
     [saved] = checkpoint_files.complete_checkpoints(run_dir)
-    assert json.loads((saved / "train_state.json").read_text())["step"] == stopped_at
+    assert checkpoint_files.recorded_step(saved) == stopped_step(output, signal_name)
     checkpoint_files.verify(saved)
 
-    train_and_dump("cpu_ddp", run_dir, "vae", *LONG_RUN, world_size=2)  # resume=auto
-    train_and_dump("cpu_ddp", tmp_path / "uninterrupted", "vae", *LONG_RUN, world_size=2)
-    assert_same_parameters(tmp_path / "uninterrupted", run_dir)
+
+@pytest.mark.slow  # the same handler as the copy test; waits out the window
+def test_a_second_ctrl_c_after_the_window_quits_at_once_and_leaves_the_last_checkpoint_intact(tmp_path):
+    run_dir = tmp_path / "run"
+    run = start_signalled_run(run_dir, tmp_path / "markers", 1, **SLOW_STEP, ACCEL_TEST_SLOW_SAVE_S="6")
+    try:  # the stop's save takes 6 s: the second press comes while it runs
+        wait_for(lambda: logged_steps(run_dir) >= 12 or run.poll() is not None)
+        run.send_signal(signal.SIGINT)
+        time.sleep(1.5)
+        run.send_signal(signal.SIGINT)
+        second = time.monotonic()
+        output = run.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+    finally:
+        run.kill()
+
+    assert time.monotonic() - second < 5, output
+    assert run.returncode not in (0, EXIT_PREEMPTED), output
+    [saved] = checkpoint_files.complete_checkpoints(run_dir)  # the step-10 checkpoint, and no other
+    assert checkpoint_files.recorded_step(saved) == 10
+    checkpoint_files.verify(saved)
 
 
 @pytest.mark.slow  # kill -9 mid-save; the SIGTERM and elastic-restart tests stay in make test
