@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import tempfile
 import warnings
@@ -30,7 +29,7 @@ from .errors import UserError, describe_crash
 from .launch_fixes import launched_world_size
 from .layout import LayoutSettings, launch_settings_file
 from .loop import train_loop
-from .preemption import EXIT_PREEMPTED, Preempted, catch_stop_signals, stop_signals_caught, where
+from .preemption import EXIT_PREEMPTED, Preempted, stop_signals_caught, where
 from .processes import launch_processes
 from .registry import describe, get_recipe
 from .trackers import check_trackers
@@ -118,14 +117,25 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
     otherwise aborted at interpreter exit (docs/accelerate-traps.md), and so did 1 in 6 FSDP runs stopped by
     the non-finite guard ("terminate called without an active exception", SIGABRT instead of exit 2).
     """
-    previous_handlers = catch_stop_signals()  # first: a signal at any later moment is a checkpoint, not a death
-    arguments = list(sys.argv[1:] if argv is None else argv)
+    with stop_signals_caught():  # first: a signal at any later moment is a checkpoint, not a death
+        status = _command_status(recipe_name, list(sys.argv[1:] if argv is None else argv))
+        if status is None:  # --help
+            return
+        if (launched_world_size() or 1) > 1:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    raise SystemExit(status)  # called in-process (tests): the caller's signal handlers are back
+
+
+def _command_status(recipe_name: str, arguments: list[str]) -> int | None:
+    """Run the command; its exit status (None for --help), each failure said as `main` describes."""
     is_rank_zero = int(os.environ.get("RANK", "0")) == 0
     show_our_warnings_as_one_line()
     try:
         if "--help" in arguments or "-h" in arguments:
             _print_help(recipe_name)
-            return
+            return None
         config_file = _pop_config_flag(arguments)
         result = _train_here(recipe_name, config_file, parse_overrides(arguments))  # the launcher set the layout
         if is_rank_zero:
@@ -153,13 +163,7 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
         else:  # the same failure on every rank would repeat the report: one line here
             print(f"accel-trainer: rank {rank}: {type(error).__name__}: {error}", file=sys.stderr)
         status = 1
-    if (launched_world_size() or 1) > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    for sig, handler in previous_handlers.items():  # called in-process (tests): the caller's handlers return
-        signal.signal(sig, handler)
-    raise SystemExit(status)
+    return status
 
 
 def _is_lost_peer(error: BaseException) -> bool:

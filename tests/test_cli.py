@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 
@@ -85,6 +87,16 @@ def test_a_user_error_exits_2_with_one_line_on_stderr(capsys, recipe, arguments,
         run.main(recipe, arguments)
     assert caught.value.code == 2
     assert expected in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("arguments", [["--help"], ["max_steps=-5"]])
+def test_the_command_gives_the_callers_signal_handlers_back_however_it_ends(arguments, capsys):
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+
+    with contextlib.suppress(SystemExit):
+        run.main("vae", arguments)
+
+    assert {sig: signal.getsignal(sig) for sig in before} == before  # else a later run inherits a stale signal
 
 
 def test_an_unwritable_output_dir_exits_2_with_one_line_on_stderr(capsys, tmp_path):
