@@ -32,6 +32,7 @@ from .flops import peak_for_mfu
 from .hf_loss import ModelItems, model_items
 from .layout import LayoutSettings
 from .mesh import DataRanks, data_ranks, mesh_shape
+from .model_calls import ModelCalls
 from .nonfinite_guard import NonfiniteGuard
 from .optimizers import Optimizers, check_layout_for_several, read_optimizers
 from .pipeline import Pipeline
@@ -77,6 +78,7 @@ class Run:
     ema: WeightAverage | None = None  # the EMA of the weights (None: ema_decay=0)
     prefetch_gate: PrefetchGate = field(default_factory=PrefetchGate)  # held shut while evaluating
     model_items: ModelItems | None = None  # passes a transformers model the step's item count (hf_loss.py)
+    model_calls: ModelCalls | None = None  # whether compute_loss called the model itself (model_calls.py)
 
     @property
     def evaluator(self) -> Any:
@@ -151,7 +153,8 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
                eval_set, eval_loader, steps_per_epoch, checkpointer,
                num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks,
                pipeline, compile_watch=CompileWatch(enabled=compiled, warn=accelerator.is_main_process),
-               guard=guard, ema=ema, model_items=_model_items(accelerator, model, plan, ranks, pipeline))  # fmt: skip
+               guard=guard, ema=ema, model_items=_model_items(accelerator, model, plan, ranks, pipeline),
+               model_calls=ModelCalls(model) if pipeline is None else None)  # fmt: skip
 
 
 def _optimizers(recipe: Recipe, cfg: TrainConfig, model: Any, accelerator: Accelerator,

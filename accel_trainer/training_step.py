@@ -161,7 +161,10 @@ def _forward_backward(run: Run, batch: Any, step: int, cp: int, index: int, phas
     if run.model_items is not None:  # the model may be given the step's item count
         run.model_items.forward_of(index)
     extra = {"phase": phase} if run.optimizers.alternate else {}
+    calls = run.model_calls.count if run.model_calls is not None else 0
     output = read_loss_output(run.recipe.compute_loss(run.model, batch, **extra))
+    if run.model_calls is not None:
+        run.model_calls.check_called_since(calls, phase)
     if run.model_items is not None:
         output = run.model_items.exact(output)
     if phase is not None and run.optimizers.alternate and output.num_items is not None:
