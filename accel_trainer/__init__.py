@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .errors import ConfigError, LayoutError, RecipeError, UserError
     from .layout import LayoutSettings
     from .losses import token_cross_entropy
+    from .preemption import Preempted
     from .recipe import Recipe
     from .registry import add_recipe, get_recipe, register_recipe, registered_recipes
     from .run import TrainResult, main, train
@@ -37,6 +38,7 @@ _HOMES = {
     "ConfigError": "errors",
     "LayoutError": "errors",
     "LayoutSettings": "layout",
+    "Preempted": "preemption",
     "Recipe": "recipe",
     "RecipeError": "errors",
     "TrainConfig": "config",
@@ -55,6 +57,7 @@ __all__ = [
     "ConfigError",
     "LayoutError",
     "LayoutSettings",
+    "Preempted",
     "Recipe",
     "RecipeError",
     "TrainConfig",

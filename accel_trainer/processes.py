@@ -72,7 +72,9 @@ def launch_processes(
         except Exception as launch_error:  # noqa: BLE001 - replaced by the worker's own exception
             if _is_signal(launch_error, signal.SIGINT) and not list(Path(scratch).glob("error_rank*.json")):
                 raise KeyboardInterrupt from launch_error  # a second Ctrl-C: the workers quit without a word
-            raise _worker_error(Path(scratch), num_processes) from launch_error
+            error = _worker_error(Path(scratch), num_processes)
+            expected = isinstance(error, UserError) or type(error).__name__ == "Preempted"
+            raise error from (None if expected else launch_error)  # a stop or a user error: no launcher frames
         finally:
             elastic_log.setLevel(level)
         result = json.loads((Path(scratch) / "result.json").read_text())

@@ -163,6 +163,15 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return loaded
 
 
+LAUNCHER_KEYS = dict.fromkeys(
+    ("num_processes", "nproc_per_node", "world_size", "devices"),
+    ": processes are the launcher's, not a config key: accelerate launch --config_file"
+    " accelerate_configs/cpu_ddp.yaml recipes/NAME.py ..., torchrun --nproc_per_node N recipes/NAME.py ..., or"
+    " at.train(NAME, num_processes=N)",
+)
+"""Keys users bring from other tools' command lines, answered with the way to start processes here."""
+
+
 def check_values(classes: tuple[type, ...], values: Mapping[Any, Any], where: str) -> tuple[dict[str, Any], ...]:
     """Type each value by the field of that name in one of `classes`; one dict of typed values per class.
 
@@ -177,6 +186,7 @@ def check_values(classes: tuple[type, ...], values: Mapping[Any, Any], where: st
         if not isinstance(key, str) or owner is None:
             hint = difflib.get_close_matches(str(key), known, n=1)
             suggestion = f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(known)}"
+            suggestion = LAUNCHER_KEYS.get(str(key), suggestion)
             raise ConfigError(f"unknown config key {key!r} {where}{suggestion}")
         checked[owner][key] = coerce_value(key, value, fields[owner][key])
     return checked

@@ -80,6 +80,7 @@ def test_train_help_through_the_accel_trainer_command_is_the_recipes_help(capsys
         ("vae", ["min_lr_ratio=1.5"], "min_lr_ratio=1.5: must be at most 1"),
         ("vae", ["collective_timeout_s=0"], "collective_timeout_s=0.0: must be more than 0"),
         ("vae", ["save_every_steps=-1"], "save_every_steps=-1: must be at least 0"),
+        ("vae", ["num_processes=2"], "processes are the launcher's, not a config key: accelerate launch"),
     ],
 )
 def test_a_user_error_exits_2_with_one_line_on_stderr(capsys, recipe, arguments, expected):

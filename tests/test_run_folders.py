@@ -102,7 +102,7 @@ def test_rerunning_a_preempted_command_without_output_dir_continues_it(tmp_path,
     assert "rerun the same command to continue" in str(stopped.value)
     assert result.run_dir == stopped.value.checkpoint.parent.parent
     assert logged_steps(result.run_dir) == [1, 2, 3, 4]
-    assert not list((tmp_path / "outputs" / "vae_stopped_once" / ".preempted").iterdir())  # the marker is gone
+    assert not list((tmp_path / "outputs" / "vae_stopped_once" / ".preempted").glob("*"))  # the marker is gone
 
 
 def test_after_a_resume_metrics_never_hold_a_step_twice(tmp_path):

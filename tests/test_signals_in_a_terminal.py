@@ -81,6 +81,7 @@ def test_ctrl_c_in_a_terminal_saves_once_and_the_same_command_continues_exactly(
     text = output.read_text()
     assert status == EXIT_PREEMPTED, text
     assert "caller got Preempted: stopped by SIGINT after step" in text and "lost another process" not in text, text
+    assert "with the launcher's error chained: False" in text, text  # its traceback would be 40 lines of torch
     stopped_at = int(text.split("after step ")[1].split(";")[0])
     [saved] = checkpoint_files.complete_checkpoints(run_dir)
     assert checkpoint_files.recorded_step(saved) == stopped_at

@@ -43,6 +43,7 @@ if sys.argv[1] == "--notebook":
         print(f"caller got {at.train(recipe, num_processes=num_processes, **overrides)}", flush=True)
     except Preempted as stop:
         print(f"caller got Preempted: {stop}", flush=True)
+        print(f"with the launcher's error chained: {stop.__cause__ is not None}", flush=True)
         sys.exit(EXIT_PREEMPTED)
 else:
     at.main(sys.argv[1], sys.argv[2:])
