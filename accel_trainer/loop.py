@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from .checkpoint import RunIdentity
 from .config import TrainConfig, config_to_dict, config_to_yaml, layout_to_yaml
 from .early_stopping import check_early_stop, should_stop_early
+from .errors import UserError
 from .evaluation import describe_nonfinite, evaluate_run, evaluates_after
 from .events import EventLog
 from .layout import LayoutSettings
@@ -182,7 +183,12 @@ def _evaluate_after(run: Run, log: MetricsLog, window: Window, step: int) -> dic
         return None
     note_where("the evaluation after step", step)
     with run.prefetch_gate.paused():  # evaluation may share the training set's objects, and forks its workers
-        scores, seconds = _timed(evaluate_run, run)
+        try:
+            scores, seconds = _timed(evaluate_run, run)
+        except UserError as error:  # an eval_metrics error (raised on every process): keep the training first
+            folder = run.checkpointer.after_step(True, None, functools.partial(window.bank_items, run.accelerator))
+            error.args = (f"{error} (the training up to step {step} is saved in {folder})",)
+            raise
     window.excluded_s += seconds
     log.write({"step": step, **scores, "eval/seconds": seconds, "samples_seen": state.samples_seen})
     log.note(describe_nonfinite(cfg, scores, step))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import accel_trainer as at
+from accel_trainer import checkpoint_files
 from accel_trainer.errors import RecipeError
 from accel_trainer.eval_outputs import metric_sums
 from conftest import WORKERS, final_parameters, read_metrics, slow, train_and_dump
@@ -134,3 +135,18 @@ def test_a_nan_metric_is_reported_in_one_line_and_never_the_best_nor_an_improvem
     assert all(r["eval/broken"] != r["eval/broken"] for r in read_metrics(tmp_path) if "eval/loss" in r)
     state = json.loads((tmp_path / "checkpoints" / "step_00000006" / "train_state.json").read_text())
     assert state["best_checkpoint"] is None
+
+
+def test_an_eval_metrics_error_after_training_keeps_the_training_in_a_checkpoint(tmp_path, monkeypatch):
+    class WrongShapeAtTheEnd(at.get_recipe("mlp")):
+        def eval_metrics(self, model, batch):
+            return {"se": torch.ones(len(batch["y"]), 1)}  # one value per sample, but as a column
+
+    monkeypatch.setitem(at.registry._recipes, "mlp_wrong_eval", WrongShapeAtTheEnd)
+    with pytest.raises(
+        RecipeError, match=r"has shape \(\d+, 1\).*\(the training up to step 3 is saved in .*step_00000003\)"
+    ):
+        at.train("mlp_wrong_eval", max_steps=3, eval_every_steps=0, output_dir=str(tmp_path), show_progress_bar=False)
+
+    [saved] = checkpoint_files.complete_checkpoints(tmp_path)
+    assert checkpoint_files.recorded_step(saved) == 3
