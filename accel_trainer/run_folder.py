@@ -80,8 +80,9 @@ def release(recipe_name: str, cfg: TrainConfig, run_dir: Path | None, completed:
         return
     if completed or run_dir is None or not run_dir.is_dir():
         marker.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # only when empty: a failed first run leaves no trace
-            marker.parent.rmdir()
+        for folder in (marker.parent, marker.parent.parent, OUTPUTS):  # .preempted, outputs/<recipe>, outputs
+            with contextlib.suppress(OSError):  # only when empty: a failed first run leaves no trace
+                folder.rmdir()
     os.close(descriptor)
 
 

@@ -12,11 +12,13 @@ import shutil
 import signal
 import subprocess
 
+import pytest
 from test_preemption import SIGNALLED, SLOW_STEP, logged_steps, wait_for
 
 import accel_trainer as at
 from accel_trainer import checkpoint_files, run_folder
 from accel_trainer.config import resolve_config
+from accel_trainer.errors import ConfigError
 from conftest import BIN, LAUNCH_TIMEOUT_S, TEST_OVERRIDES, WORKERS, clean_env, read_metrics
 
 
@@ -66,3 +68,12 @@ def test_a_run_asked_to_resume_a_folder_without_a_complete_checkpoint_says_it_st
     at.train("mlp", **settings)
 
     assert f"accel-trainer: no complete checkpoint in {tmp_path}: starting at step 0" in capsys.readouterr().out
+
+
+def test_a_run_refused_before_training_leaves_no_folder_behind(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    with pytest.raises(ConfigError, match="micro_batch_size=7"):
+        at.train("mlp", micro_batch_size=7, max_steps=1, show_progress_bar=False)
+
+    assert not (tmp_path / "outputs").exists()
