@@ -113,6 +113,7 @@ WAIT_FOR = {  # each phase: how the run is slowed, and the moment the signal is 
         # every phase, both signals and both orders at least once (CI time: each case is a 40 s launch)
         ("SIGTERM", "workers, then the launcher", "mid-step"),
         slow("SIGINT", "the launcher, then the workers", "mid-step"),
+        slow("SIGTERM", "the launcher", "mid-step"),  # only what the launcher forwards
         slow("SIGTERM", "the launcher, then the workers", "evaluation"),
         slow("SIGINT", "workers, then the launcher", "setup"),
         slow("SIGTERM", "workers, then the launcher", "save"),
