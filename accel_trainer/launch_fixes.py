@@ -83,7 +83,8 @@ def forget_accelerate_state() -> None:
 
     `AcceleratorState` is a singleton: a second `Accelerator(mixed_precision=...)` with another value in the
     same process raises "restart your runtime", which made a second `at.train` in a notebook or a sweep fail.
-    Only called when no process group is up (one process), where there is nothing else to keep.
+    Called when no process group is up (one process), where there is nothing else to keep, and after a run
+    that keeps the launcher's group for the next one (`train(keep_process_group=True)`): the group itself stays.
     """
     from accelerate.state import GradientState
 

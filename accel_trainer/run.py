@@ -26,7 +26,7 @@ from .closed_stdout import stdout_is_closed
 from .config import config_warnings, resolve_config, resolve_settings
 from .distributed import build_accelerator
 from .errors import UserError, describe_crash
-from .launch_fixes import launched_world_size
+from .launch_fixes import forget_accelerate_state, launched_world_size
 from .layout import LayoutSettings, launch_settings_file
 from .loop import train_loop
 from .preemption import EXIT_PREEMPTED, Preempted, stop_signals_caught, where
@@ -46,7 +46,12 @@ class TrainResult:
 
 
 def train(
-    recipe_name: str, *, config_file: str | Path | None = None, num_processes: int | None = None, **overrides: Any
+    recipe_name: str,
+    *,
+    config_file: str | Path | None = None,
+    num_processes: int | None = None,
+    keep_process_group: bool = False,
+    **overrides: Any,
 ) -> TrainResult:
     """Train a registered recipe in this process (or this launcher's process group), or on N new processes.
 
@@ -56,6 +61,9 @@ def train(
         num_processes: from a script or a notebook that was not launched, start this many processes (N GPUs
             when there are, gloo on the CPU otherwise) the way accelerate's `notebook_launcher` does, and
             return the main process's result. Recipes defined in the notebook work: the processes are forked.
+        keep_process_group: for a script that trains several runs in one launch (a sweep, the test suite's
+            scenario workers): the launcher's process group stays up for the next `train`, which then trains
+            exactly as in a fresh launch (tests/test_scenario_launches.py). By default the run ends the group.
         **overrides: config values, typed (`max_steps=100`) or as strings (`max_steps="100"`).
 
     Returns:
@@ -69,10 +77,12 @@ def train(
         resolve_config(get_recipe(recipe_name).Config, config_file, overrides)  # fail here, before any process
         return launch_processes(recipe_name, num_processes, config_file, overrides)
     with stop_signals_caught():  # from the start: a signal during the set-up stops the run at its first step
-        return _train_here(recipe_name, config_file, overrides)
+        return _train_here(recipe_name, config_file, overrides, keep_process_group=keep_process_group)
 
 
-def _train_here(recipe_name: str, config_file: str | Path | None, overrides: dict[str, Any]) -> TrainResult:
+def _train_here(
+    recipe_name: str, config_file: str | Path | None, overrides: dict[str, Any], *, keep_process_group: bool = False
+) -> TrainResult:
     """Train in this process, or in the process group of the launcher that started it."""
     recipe_cls = get_recipe(recipe_name)
     cfg, layout = resolve_settings(recipe_cls.Config, config_file, overrides, launch_settings_file())
@@ -102,7 +112,12 @@ def _train_here(recipe_name: str, config_file: str | Path | None, overrides: dic
     finally:
         if accelerator.is_main_process:  # a run that did not complete stays the one its command continues
             run_folder.release(recipe_name, cfg, run_dir, completed)
-    accelerator.end_training()
+        if keep_process_group:  # the next run builds its own Accelerator on the same group
+            if completed:
+                accelerator.wait_for_everyone()
+            forget_accelerate_state()
+    if not keep_process_group:
+        accelerator.end_training()
     return TrainResult(metrics=metrics, run_dir=run_dir)
 
 

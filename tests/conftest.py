@@ -16,10 +16,16 @@ and CI (.ci/run) runs both.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -96,11 +102,93 @@ def dump_env(out: Path, world_size: int) -> dict[str, str]:
 
 
 def train_and_dump(config: str, out: Path, recipe: str, *overrides: str, world_size: int) -> list[dict]:
-    """Train `recipe` on a layout with the dumping worker; return its metrics records."""
-    accelerate_launch(
-        config, WORKERS / "train_and_dump.py", recipe, f"output_dir={out}", *overrides, env=dump_env(out, world_size)
-    )
+    """Train `recipe` on a layout with the dumping worker; return its metrics records.
+
+    The run is one scenario of the layout's long-lived launch (`LayoutLaunches`), so a test pays for training,
+    not for starting torch and a process group; a test whose property is the launch itself (its exit status,
+    output, signals, the launcher) starts its own with `accelerate_launch`.
+    """
+    layout_launches.train(config, Path(out), recipe, [f"output_dir={out}", *overrides, *TEST_OVERRIDES], world_size)
     return read_metrics(out)
+
+
+class LayoutLaunches:
+    """One `accelerate launch` per layout that trains every scenario asked of that layout, one after another.
+
+    A launch costs 10-15 s on 2 cores before it trains anything (a launcher and each worker importing torch,
+    accelerate and datasets, then forming the process group); most multi-process tests train for a few seconds.
+    The workers (`tests/workers/train_and_dump.py --serve`) keep the process group between scenarios
+    (`at.train(keep_process_group=True)`); tests/test_scenario_launches.py proves a scenario trained second in a
+    launch bitwise equal to the same scenario in a fresh launch. A failed scenario ends its launch (the next
+    request starts a fresh one) and fails its test with the launch's output. At most `MAX_PROCESSES` workers
+    stay up, the least recently used launch ending first, so idle layouts do not hold the machine's memory.
+    """
+
+    MAX_PROCESSES = 12
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="accel-trainer-layouts-"))
+        self.launches: OrderedDict[tuple[str, int], dict] = OrderedDict()
+
+    def train(self, config: str, out: Path, recipe: str, arguments: list[str], world_size: int) -> None:
+        launch = self._launch(config, world_size)
+        number = launch["requests"]
+        launch["requests"] += 1
+        request = {"recipe": recipe, "overrides": arguments, "out": str(out), "world_size": world_size}
+        pending = launch["folder"] / f"request_{number}.tmp"
+        pending.write_text(json.dumps(request))
+        pending.replace(launch["folder"] / f"request_{number}.json")
+        done = [launch["folder"] / f"done_{number}_rank{rank}" for rank in range(world_size)]
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not all(file.exists() for file in done):
+            if launch["process"].poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        outcomes = [file.read_text() for file in done if file.exists()]
+        if len(outcomes) < world_size or any(outcome != "ok" for outcome in outcomes):
+            self._end((config, world_size))
+            log = (launch["folder"] / "launch.log").read_text(errors="replace")
+            failures = "\n".join(outcome for outcome in outcomes if outcome != "ok")
+            raise AssertionError(f"{recipe} {' '.join(arguments)} failed on {config}\n{failures}\n{log[-20000:]}")
+
+    def _launch(self, config: str, world_size: int) -> dict:
+        key = (config, world_size)
+        if key in self.launches:
+            self.launches.move_to_end(key)
+            return self.launches[key]
+        while self.launches and sum(k[1] for k in self.launches) + world_size > self.MAX_PROCESSES:
+            self._end(next(iter(self.launches)))
+        folder = Path(tempfile.mkdtemp(prefix=f"{config}-", dir=self.root))
+        layout_file = REPO / "accelerate_configs" / f"{config}.yaml"
+        port = str(free_port())
+        command = [BIN / "accelerate", "launch", "--config_file", layout_file, "--main_process_port", port]
+        command += [WORKERS / "train_and_dump.py", "--serve", folder]
+        with open(folder / "launch.log", "w") as log:
+            process = subprocess.Popen(
+                [str(part) for part in command],
+                cwd=REPO,
+                env=dump_env(folder, world_size),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.launches[key] = {"process": process, "folder": folder, "requests": 0}
+        return self.launches[key]
+
+    def _end(self, key: tuple[str, int]) -> None:
+        process = self.launches.pop(key)["process"]
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def end_all(self) -> None:
+        while self.launches:
+            self._end(next(iter(self.launches)))
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+layout_launches = LayoutLaunches()
+atexit.register(layout_launches.end_all)
 
 
 def rank_summary(out: Path, rank: int) -> dict:
