@@ -17,6 +17,7 @@ and CI (.ci/run) runs both.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -176,10 +177,14 @@ class LayoutLaunches:
         return self.launches[key]
 
     def _end(self, key: tuple[str, int]) -> None:
-        process = self.launches.pop(key)["process"]
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        """End a launch: its launcher and its workers (torch's launcher starts them in sessions of their own)."""
+        launch = self.launches.pop(key)
+        for pid_file in launch["folder"].glob("pid_rank*"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        if launch["process"].poll() is None:
+            os.killpg(launch["process"].pid, signal.SIGKILL)
+        launch["process"].wait()
 
     def end_all(self) -> None:
         while self.launches:

@@ -123,9 +123,13 @@ def dump(trained, built, out: Path, rank: int) -> None:
 
 def serve(folder: Path) -> None:
     """Train the scenarios requested in `folder`, one after another, until the test suite ends the launch."""
+    launcher = os.getppid()
+    (folder / f"pid_rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))  # for the suite to end it
     for number in range(sys.maxsize):
         request_file = folder / f"request_{number}.json"
         while not request_file.exists():
+            if os.getppid() != launcher:  # the launcher is gone (the suite ended it): nothing more will come
+                os._exit(0)
             time.sleep(0.02)
         request = json.loads(request_file.read_text())
         try:
