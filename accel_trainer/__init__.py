@@ -24,24 +24,24 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
-    from .errors import ConfigError, LayoutError, RecipeError, UserError
-    from .layout import LayoutSettings
-    from .losses import token_cross_entropy
-    from .preemption import Preempted
-    from .recipe import Recipe
-    from .registry import add_recipe, get_recipe, register_recipe, registered_recipes
-    from .run import TrainResult, main, train
+    from accel_trainer.config.layout import LayoutSettings
+    from accel_trainer.config.train_config import TrainConfig
+    from accel_trainer.errors import ConfigError, LayoutError, RecipeError, UserError
+    from accel_trainer.losses import token_cross_entropy
+    from accel_trainer.recipe import Recipe
+    from accel_trainer.registry import add_recipe, get_recipe, register_recipe, registered_recipes
+    from accel_trainer.run import TrainResult, main, train
+    from accel_trainer.stopping.signals import Preempted
 
 # Each public name (`__all__`, spelled out below for the linters) and the module that defines it.
 _HOMES = {
     "ConfigError": "errors",
     "LayoutError": "errors",
-    "LayoutSettings": "layout",
-    "Preempted": "preemption",
+    "LayoutSettings": "config.layout",
+    "Preempted": "stopping.signals",
     "Recipe": "recipe",
     "RecipeError": "errors",
-    "TrainConfig": "config",
+    "TrainConfig": "config.train_config",
     "TrainResult": "run",
     "UserError": "errors",
     "add_recipe": "registry",

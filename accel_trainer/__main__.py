@@ -1,5 +1,5 @@
 """`python -m accel_trainer` (and `accelerate launch -m accel_trainer`) is the `accel-trainer` command."""
 
-from .cli import main
+from accel_trainer.cli import main
 
 main()

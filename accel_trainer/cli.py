@@ -18,9 +18,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from .closed_stdout import exit_quietly_when_stdout_closes
-from .errors import UserError
-from .warning_lines import show_our_warnings_as_one_line
+from accel_trainer.closed_stdout import exit_quietly_when_stdout_closes
+from accel_trainer.errors import UserError
+from accel_trainer.warning_lines import show_our_warnings_as_one_line
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,7 +50,7 @@ def _main(arguments: list[str]) -> None:
     _add_doctor_parser(commands)
     if arguments[:1] == ["train"]:
         known = parser.parse_args(arguments[:2])
-        from .run import main as run_recipe
+        from accel_trainer.run import main as run_recipe
 
         run_recipe(known.recipe, arguments[2:])
         return
@@ -67,31 +67,31 @@ def _run_command(known: argparse.Namespace) -> None:
     if known.command == "list":
         _print_recipes()
     elif known.command == "new":
-        from .new_recipe import write_new_recipe
+        from accel_trainer.new_recipe import write_new_recipe
 
         path = write_new_recipe(known.name, known.folder)
         print(f"wrote {path}; train it with: python {path} max_steps=300  (or accel-trainer train {known.name})")
     elif known.command == "report":
-        from .report import write_report
+        from accel_trainer.observe.report import write_report
 
         print(f"report: {write_report(Path(known.run))}")
     elif known.command == "compare":
-        from .report import compare
+        from accel_trainer.observe.report import compare
 
         print(compare([Path(run) for run in known.runs], Path(known.output) if known.output else None, known.x))
     elif known.command == "doctor":
-        from .doctor import doctor
+        from accel_trainer.doctor.command import doctor
 
         raise SystemExit(doctor(known.config_file, known.timeout_s))
     else:
-        from .export import export
+        from accel_trainer.checkpoint.export import export
 
         print(f"exported to {export(known.source, known.output)}")
 
 
 def _print_recipes(indent: str = "") -> None:
     """Each registered recipe with its one-line description (imports the recipes, and so torch)."""
-    from .registry import describe, registered_recipes
+    from accel_trainer.registry import describe, registered_recipes
 
     recipes = registered_recipes()
     width = max((len(name) for name in recipes), default=0)

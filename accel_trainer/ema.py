@@ -6,7 +6,7 @@ entry of the model's state dict, parameters and running statistics alike (like t
 in fp32 and shaped like its entry: under FSDP or tensor parallelism an entry is a DTensor shard, so its average is
 a shard with the same placement and the EMA costs one fp32 copy of this process's part of the model.
 
-Checkpoints hold it beside the model (checkpoint.py: `ema.safetensors`, or `ema/` keys of the sharded files), so it
+Checkpoints hold it beside the model (checkpoint/save.py: `ema.safetensors`, or `ema/` keys of the sharded files), so it
 resumes bitwise and reshards across layouts like the weights. `evaluate_ema=true` evaluates it at every
 evaluation (`eval_ema/<metric>`); the run ends by exporting it to `final/ema/model.safetensors`. Both swap the
 average into the model's own tensors and back, so the eval and export code is the model's.
@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from .sharding import local_part
+from accel_trainer.parallel.sharding import local_part
 
 
 class WeightAverage:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .errors import RecipeError
+from accel_trainer.errors import RecipeError
 
 _PAIR = ("sums", "num_items")
 Sums = dict[str, tuple[torch.Tensor, torch.Tensor]]  # metric -> (sum of values, sum of weights), 0-dim

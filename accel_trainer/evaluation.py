@@ -3,60 +3,31 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from .batch_rows import batch_size, first_rows
-from .batchnorm import average_running_stats
-from .config import TrainConfig
-from .errors import ConfigError
-from .eval_outputs import metric_sums
-from .pipeline import Pipeline
-from .recipe import Recipe
-from .rng_states import rng_untouched
+from accel_trainer.batch_rows import batch_size, first_rows
+from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.errors import UserError
+from accel_trainer.eval_outputs import metric_sums
+from accel_trainer.observe.breadcrumb import note_where
+from accel_trainer.observe.observer import Observer
+from accel_trainer.parallel.batchnorm import average_running_stats
+from accel_trainer.parallel.pipeline.stages import Pipeline
+from accel_trainer.recipe import Recipe
+from accel_trainer.rng import rng_untouched
 
 if TYPE_CHECKING:
-    from .prepared_run import Run
+    from accel_trainer.prepared_run import Run
 
 
 def evaluates_after(cfg: TrainConfig, step: int) -> bool:
     """Whether an evaluation follows `step`: every eval_every_steps, and at the end."""
     return step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)
-
-
-def check_measurable(setting: str, name: str, cfg: TrainConfig, has_eval: bool) -> None:
-    """Refuse a setting naming an eval metric that could never be measured during the run (keep-best, early
-    stopping), before any training.
-
-    Raises:
-        ConfigError: not an eval metric (eval/<name>, or eval_ema/<name> with evaluate_ema), no eval set, or no
-            evaluation before the end.
-    """
-    if name.startswith("eval_ema/") and not cfg.evaluate_ema:
-        raise ConfigError(f"{setting}={name!r} is a metric of the EMA weights: set evaluate_ema=true and ema_decay")
-    if not name.startswith(("eval/", "eval_ema/")):
-        raise ConfigError(f"{setting}={name!r}: name an eval metric, such as eval/loss")
-    if not has_eval:
-        raise ConfigError(f"{setting}={name!r}: this recipe has no eval set to measure it on")
-    if cfg.eval_every_steps <= 0:
-        raise ConfigError(
-            f"{setting}={name!r} needs evaluations during the run: set eval_every_steps (it is 0, which"
-            " evaluates only at the end)"
-        )
-
-
-def metric_of(setting: str, name: str, scores: dict[str, Any]) -> float:
-    """The value of the eval metric a setting names, or a one-line error listing the recipe's metrics (raised at
-    the step-0 evaluation, before any training)."""
-    if name not in scores:
-        raise ConfigError(
-            f"{setting}={name!r} is not among the eval metrics this recipe returns ({', '.join(sorted(scores))}):"
-            " use one of those"
-        )
-    return float(scores[name])
 
 
 def describe_nonfinite(cfg: TrainConfig, scores: dict[str, float], step: int) -> str:
@@ -128,9 +99,40 @@ def evaluate_run(run: Run) -> dict[str, float]:
     """The run's eval metrics (`eval/<name>`) and, with evaluate_ema, its EMA weights' (`eval_ema/<name>`); the
     random streams are left as they were, so training does not depend on when it evaluates."""
     with rng_untouched():
-        scores = evaluate(run.accelerator, run.evaluator, run.model, *run.eval_batches())
+        scores = evaluate(run.accelerator, run.evaluator, run.model, *run.data.eval_batches())
         if run.cfg.evaluate_ema and run.ema is not None:
             with run.ema.swapped_in():
-                averaged = evaluate(run.accelerator, run.evaluator, run.model, *run.eval_batches())
+                averaged = evaluate(run.accelerator, run.evaluator, run.model, *run.data.eval_batches())
             scores.update({"eval_ema/" + name.removeprefix("eval/"): value for name, value in averaged.items()})
+    return scores
+
+
+def evaluate_baseline(run: Run, observer: Observer) -> None:
+    """The evaluation before any training (step 0), with evaluations during the run: logged, and it checks
+    keep_best_metric's name (the checkpointer saves nothing at step 0)."""
+    started = time.perf_counter()
+    scores = evaluate_run(run)
+    observer.evaluation(0, scores, time.perf_counter() - started, describe_nonfinite(run.cfg, scores, 0))
+    run.checkpointer.after_step(stop=False, scores=scores)
+
+
+def evaluate_after(run: Run, observer: Observer, step: int) -> dict[str, float] | None:
+    """The evaluation of `step` when one is due (every eval_every_steps, and at the end), logged; else None.
+
+    Raises:
+        UserError: an eval_metrics error (raised on every process), after saving the training up to `step`.
+    """
+    if run.data.eval_set is None or not evaluates_after(run.cfg, step):
+        return None
+    note_where("the evaluation after step", step)
+    with run.data.prefetch_gate.paused():  # evaluation may share the training set's objects, and forks its workers
+        started = time.perf_counter()
+        try:
+            scores = evaluate_run(run)
+        except UserError as error:  # keep the training first
+            folder = run.checkpointer.after_step(True, None, observer.pending_items())
+            error.args = (f"{error} (the training up to step {step} is saved in {folder})",)
+            raise
+    observer.evaluation(step, scores, time.perf_counter() - started, describe_nonfinite(run.cfg, scores, step))
+    run.checkpointer.state.metrics.update(scores)
     return scores

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .errors import RecipeError
+from accel_trainer.errors import RecipeError
 
 # Keys the loop writes into each training record; a recipe's term of the same name would overwrite one.
 FRAMEWORK_KEYS = frozenset(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import RecipeError
+from accel_trainer.errors import RecipeError
 
 
 class ModelCalls:

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from string import Template
 
-from .errors import ConfigError
+from accel_trainer.errors import ConfigError
 
 TEMPLATE = Path(__file__).parent / "templates" / "recipe.py.template"
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, RecipeError
-from .losses import FRAMEWORK_KEYS
-from .step import StepVerbs
+from accel_trainer.errors import ConfigError, RecipeError
+from accel_trainer.losses import FRAMEWORK_KEYS
+from accel_trainer.parallel.verbs import StepVerbs
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,82 +16,75 @@ from accelerate import Accelerator
 from accelerate.utils import DynamoBackend, set_seed
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from . import data, launch_fixes
-from .auto_batch import check_auto_layout, choose_micro_batch_size
-from .batching import BatchPlan, plan_batches
-from .batchnorm import convert_to_sync_batchnorm
-from .checkpoint import RunIdentity, Trained
-from .checkpointer import Checkpointer
-from .compiling import CompileWatch, allow_recompiles_per_region
-from .config import TrainConfig
-from .ema import WeightAverage
-from .errors import ConfigError, LayoutError
-from .events import EventLog
-from .final_weights import save_final
-from .flops import peak_for_mfu
-from .hf_loss import ModelItems, model_items
-from .layout import LayoutSettings
-from .mesh import DataRanks, data_ranks, mesh_shape
-from .model_calls import ModelCalls
-from .nonfinite_guard import NonfiniteGuard
-from .optimizers import Optimizers, check_layout_for_several, read_optimizers
-from .pipeline import Pipeline
-from .prefetch import PrefetchGate, check_prefetching
-from .recipe import Recipe
-from .run_info import model_summary
-from .schedules import recipe_scheduler
-from .step import StepVerbs
-from .step_log import Speed
-from .streams import TrainStream, eval_batches
-from .tensor_parallel import apply_tensor_parallel, check_tp_plan
-from .train_state import TrainState
-from .wrapping import prepare_blocks
+from accel_trainer.checkpoint.checkpointer import Checkpointer
+from accel_trainer.checkpoint.final_weights import save_final
+from accel_trainer.checkpoint.save import RunIdentity, Trained
+from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.data import loaders as data
+from accel_trainer.data.auto_batch import check_auto_layout, choose_micro_batch_size
+from accel_trainer.data.batching import BatchPlan, plan_batches
+from accel_trainer.data.prefetch import check_prefetching
+from accel_trainer.data.run_data import RunData
+from accel_trainer.ema import WeightAverage
+from accel_trainer.errors import ConfigError, LayoutError
+from accel_trainer.hf_loss import ModelItems, model_items
+from accel_trainer.model_calls import ModelCalls
+from accel_trainer.observe.flops import peak_for_mfu
+from accel_trainer.observe.header import model_summary
+from accel_trainer.optimizers import Optimizers, check_layout_for_several, read_optimizers
+from accel_trainer.parallel import launch_fixes
+from accel_trainer.parallel.batchnorm import convert_to_sync_batchnorm
+from accel_trainer.parallel.compiling import allow_recompiles_per_region
+from accel_trainer.parallel.mesh import DataRanks, data_ranks, mesh_shape
+from accel_trainer.parallel.pipeline.stages import Pipeline
+from accel_trainer.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
+from accel_trainer.parallel.verbs import StepVerbs
+from accel_trainer.parallel.wrapping import prepare_blocks
+from accel_trainer.recipe import Recipe
+from accel_trainer.schedules import recipe_scheduler
+from accel_trainer.stopping.nonfinite import NonfiniteGuard
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
-    """The prepared objects of one run, as the step loop needs them."""
+    """The prepared objects of one run, as the step loop needs them: built once by `prepare_run`, never changed.
+
+    What changes while it trains lives in its owners: the progress in the checkpointer's `TrainState`, the
+    data position in `RunData`, the records in the loop's `Observer`.
+    """
 
     recipe: Recipe
     cfg: TrainConfig
     accelerator: Accelerator
     run_dir: Path
-    plan: BatchPlan
+    data: RunData
     model: Any
     optimizers: Optimizers  # one phase per optimizer (optimizers.py), each with its schedule and step verbs
-    train_set: Any
-    train_loader: Any  # None for a stream (streams.py)
-    eval_set: Any
-    eval_loader: Any  # None for a stream, or without an eval set
-    steps_per_epoch: int | None  # None for a stream: its epochs end where it does
     checkpointer: Checkpointer
     num_parameters: int
     model_summary: str
-    speed: Speed
-    ranks: DataRanks  # the data-parallel dimension: what the data path and the item counts use
+    peak_tflops: float | None  # per device, for MFU; None: not known
+    compiled: bool  # torch.compile regions: the observer counts their graphs
     pipeline: Pipeline | None = None  # a pipeline layout's stages: they run forward and backward
-    stream: TrainStream | None = None
-    first_batch: Any = None  # the shapes of the first micro-batch (meta tensors), for counting FLOPs
-    compile_watch: CompileWatch = field(default_factory=lambda: CompileWatch(enabled=False, warn=False))
-    events: EventLog | None = None
     guard: NonfiniteGuard | None = None  # skips non-finite steps (None: skip_nonfinite_steps=false)
     ema: WeightAverage | None = None  # the EMA of the weights (None: ema_decay=0)
-    prefetch_gate: PrefetchGate = field(default_factory=PrefetchGate)  # held shut while evaluating
     model_items: ModelItems | None = None  # passes a transformers model the step's item count (hf_loss.py)
     model_calls: ModelCalls | None = None  # whether compute_loss called the model itself (model_calls.py)
+
+    @property
+    def plan(self) -> BatchPlan:
+        return self.data.plan
+
+    @property
+    def ranks(self) -> DataRanks:
+        return self.data.ranks
 
     @property
     def evaluator(self) -> Any:
         """What computes the eval metrics of a batch: the recipe, or on a pipeline layout its stages."""
         return self.pipeline if self.pipeline is not None else self.recipe
-
-    def eval_batches(self) -> tuple[Any, bool]:
-        """This process's eval micro-batches, and whether they still hold the loader's padding duplicates."""
-        if self.eval_loader is not None:
-            return self.eval_loader, True
-        batches = eval_batches(data.as_torch(self.eval_set), self.recipe.collate, self.plan.micro_batch_size,
-                               self.ranks.rank, self.ranks.size)  # fmt: skip
-        return batches, False
 
     def restore(self) -> TrainState:
         """Load the checkpoint `resume` names, if any (Checkpointer.restore), and return the run's state; a run
@@ -101,34 +94,28 @@ class Run:
             self.guard.resume(state)
         return state
 
+    def micro_batches(self) -> Any:
+        """This process's training micro-batches from the restored state on (RunData.micro_batches)."""
+        state = self.checkpointer.state
+        return self.data.micro_batches(state.step, state.data_position, self.accelerator, self.checkpointer.resume_rng)
+
     def final_weights(self) -> None:
         """final/model.safetensors and the recipe's artifacts, and final/ema/model.safetensors with an EMA."""
-        save_final(self.accelerator, self.recipe, self.cfg, self.model, self.eval_set, self.run_dir)
+        eval_set = self.data.eval_set
+        save_final(self.accelerator, self.recipe, self.cfg, self.model, eval_set, self.run_dir)
         if self.ema is not None:
             with self.ema.swapped_in():
-                save_final(self.accelerator, self.recipe, self.cfg, self.model, self.eval_set, self.run_dir, ema=True)
+                save_final(self.accelerator, self.recipe, self.cfg, self.model, eval_set, self.run_dir, ema=True)
 
 
 def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator, run_dir: Path) -> Run:
+    """Build everything the run trains with, in the order that keeps it identical on every layout."""
     cfg, layout = identity.cfg, identity.layout
     set_seed(cfg.seed)  # the same initial weights on every process and layout
     ranks = data_ranks(accelerator)
     check_layout_for_several(recipe.alternate_optimizers, cfg, uses_mesh=_uses_mesh(accelerator, layout))
-    if cfg.micro_batch_size == "auto":
-        check_auto_layout(accelerator, layout, ranks)
-    plan = plan_batches(cfg.global_batch_size, _fixed_micro_batch_size(cfg), ranks.size)  # before any work
-    model = recipe.build_model(cfg)
-    num_parameters, summary = sum(parameter.numel() for parameter in model.parameters()), model_summary(model)
-    model = _split_and_wrap(model, recipe, layout, accelerator)
-    with accelerator.main_process_first():  # a datasets cache (tokenized, mapped) written once, then read
-        train_set, eval_set = recipe.build_datasets(cfg)
-    data.check_dataset(train_set, "training")
-    if eval_set is not None:
-        data.check_dataset(eval_set, "eval")
-    if cfg.micro_batch_size == "auto":  # the largest that fits; the run's cfg holds it, its identity says auto
-        micro_batch_size = choose_micro_batch_size(recipe, cfg.global_batch_size, model, train_set, accelerator, ranks)
-        cfg = recipe.cfg = replace(cfg, micro_batch_size=micro_batch_size)
-        plan = plan_batches(cfg.global_batch_size, micro_batch_size, ranks.size)
+    cfg, plan, model, num_parameters, summary, train_set, eval_set = _model_and_sets(recipe, cfg, layout,
+                                                                                     accelerator, ranks)  # fmt: skip
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
     pipeline = None
     if layout.pp_size > 1:  # the stages of this process; the optimizer and checkpoints see only their weights
@@ -142,6 +129,8 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     optimizers = optimizers.with_verbs(functools.partial(StepVerbs, accelerator), prepared, model)
     set_seed(cfg.seed + ranks.rank)  # independent dropout per data-parallel rank, shared by its TP ranks
     steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
+    run_data = RunData(recipe.collate, plan, ranks, train_set, train_loader, eval_set, eval_loader, steps_per_epoch,
+                       num_prefetch_batches=cfg.num_prefetch_batches)  # fmt: skip
     ema = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay else None
     guard = NonfiniteGuard(cfg, accelerator, model) if cfg.skip_nonfinite_steps else None
     trained = Trained(model, optimizers, whole=pipeline.model if pipeline is not None else None, ema=ema)
@@ -149,12 +138,49 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
     if compiled:
         allow_recompiles_per_region(model)
-    return Run(recipe, cfg, accelerator, run_dir, plan, model, optimizers, train_set, train_loader,
-               eval_set, eval_loader, steps_per_epoch, checkpointer,
-               num_parameters, summary, Speed(peak_tflops=peak_for_mfu(accelerator, layout)), ranks,
-               pipeline, compile_watch=CompileWatch(enabled=compiled, warn=accelerator.is_main_process),
-               guard=guard, ema=ema, model_items=_model_items(accelerator, model, plan, ranks, pipeline),
-               model_calls=ModelCalls(model) if pipeline is None else None)  # fmt: skip
+    return Run(
+        recipe=recipe,
+        cfg=cfg,
+        accelerator=accelerator,
+        run_dir=run_dir,
+        data=run_data,
+        model=model,
+        optimizers=optimizers,
+        checkpointer=checkpointer,
+        num_parameters=num_parameters,
+        model_summary=summary,
+        peak_tflops=peak_for_mfu(accelerator, layout),
+        compiled=compiled,
+        pipeline=pipeline,
+        guard=guard,
+        ema=ema,
+        model_items=_model_items(accelerator, model, plan, ranks, pipeline),
+        model_calls=ModelCalls(model) if pipeline is None else None,
+    )
+
+
+def _model_and_sets(
+    recipe: Recipe, cfg: TrainConfig, layout: LayoutSettings, accelerator: Accelerator, ranks: DataRanks
+) -> tuple[TrainConfig, BatchPlan, Any, int, str, Any, Any]:
+    """The batch plan (checked before any work); the recipe's model, its size and summary, split and wrapped
+    for the layout; the recipe's checked training and eval sets. With micro_batch_size=auto, the config and
+    plan of the largest micro-batch that fits (the run's cfg holds it, its identity says auto)."""
+    if cfg.micro_batch_size == "auto":
+        check_auto_layout(accelerator, layout, ranks)
+    plan = plan_batches(cfg.global_batch_size, _fixed_micro_batch_size(cfg), ranks.size)
+    model = recipe.build_model(cfg)
+    num_parameters, summary = sum(parameter.numel() for parameter in model.parameters()), model_summary(model)
+    model = _split_and_wrap(model, recipe, layout, accelerator)
+    with accelerator.main_process_first():  # a datasets cache (tokenized, mapped) written once, then read
+        train_set, eval_set = recipe.build_datasets(cfg)
+    data.check_dataset(train_set, "training")
+    if eval_set is not None:
+        data.check_dataset(eval_set, "eval")
+    if cfg.micro_batch_size == "auto":
+        micro_batch_size = choose_micro_batch_size(recipe, cfg.global_batch_size, model, train_set, accelerator, ranks)
+        cfg = recipe.cfg = replace(cfg, micro_batch_size=micro_batch_size)
+        plan = plan_batches(cfg.global_batch_size, micro_batch_size, ranks.size)
+    return cfg, plan, model, num_parameters, summary, train_set, eval_set
 
 
 def _optimizers(recipe: Recipe, cfg: TrainConfig, model: Any, accelerator: Accelerator,
@@ -196,17 +222,17 @@ def _prepare(accelerator: Accelerator, pipeline: Pipeline | None, ranks: DataRan
 
 def _loaders(recipe: Recipe, cfg: TrainConfig, train_set: Any, eval_set: Any, plan: BatchPlan, ranks: DataRanks,
              accelerator: Accelerator) -> tuple[Any, Any]:  # fmt: skip
-    """The training and eval loaders (before `prepare`); None for a stream, read by streams.py instead."""
+    """The training and eval loaders (before `prepare`); None for a stream, read by data/streams.py instead."""
     workers = cfg.num_dataloader_workers
     if workers and data.is_stream(train_set) and accelerator.is_main_process:
         warnings.warn("accel-trainer: num_dataloader_workers has no effect on a stream: it is read in the training"
-                      " process (streams.py)", stacklevel=3)  # fmt: skip
+                      " process (data/streams.py)", stacklevel=3)  # fmt: skip
     options = dict(num_workers=workers, cache_gb=cfg.data_cache_gb, pin_memory=accelerator.device.type == "cuda")
     train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, **options)
     if cfg.num_prefetch_batches:
         check_prefetching(recipe, data.as_torch(train_set), train_loader, plan.micro_batch_size,
                           warn=accelerator.is_main_process)  # fmt: skip
-    eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (Run.eval_batches)
+    eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (RunData.eval_batches)
     if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == ranks.context_parallel == 1:
         eval_loader = data.eval_loader(recipe, eval_set, plan, **options)
     return train_loader, eval_loader
@@ -262,18 +288,3 @@ def _pipeline(recipe: Recipe, model: Any, train_set: Any, plan: BatchPlan, layou
                     device=accelerator.device, autocast=accelerator.autocast, mesh=accelerator.torch_device_mesh,
                     reshard_after_forward=bool(fsdp is not None and fsdp.reshard_after_forward),
                     activation_checkpointing=layout.activation_checkpointing)  # fmt: skip
-
-
-def micro_batches(run: Run) -> Any:
-    """This process's training micro-batches from the resume point on, with the RNG states restored in time."""
-    state, resume_rng = run.checkpointer.state, run.checkpointer.resume_rng
-    if run.train_loader is None:
-        position = (state.data_position or [0, 0])[0], (state.data_position or [0, 0])[1]
-        run.stream = TrainStream(data.as_torch(run.train_set), run.recipe.collate, run.plan, run.ranks.rank,
-                                 position)  # fmt: skip
-        return run.stream.micro_batches(resume_rng)
-    return data.micro_batches(
-        run.train_loader, run.plan, run.steps_per_epoch or 0, start_step=state.step,
-        skip_first_batches=run.accelerator.skip_first_batches, resume_rng=resume_rng,
-        prefetch=run.cfg.num_prefetch_batches, gate=run.prefetch_gate, device=run.accelerator.device,
-    )  # fmt: skip

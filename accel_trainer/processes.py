@@ -12,7 +12,7 @@ is installed, a CPU-only machine included; it is replaced by a line of ours that
 
 Signals: the workers are forked into the caller's process group, so a terminal's Ctrl-C reaches each of them
 directly and again through the launcher, which forwards it a millisecond later. Each worker installs the
-stop handlers first thing (preemption.py), replacing the launcher's handler it inherited, which turned the
+stop handlers first thing (stopping/signals.py), replacing the launcher's handler it inherited, which turned the
 copy into an error; the run saves, and the caller gets `Preempted` back. The launcher kills workers that
 have not ended TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds after a signal (30 by default): 120 here, unless set,
 so that a stop's last step and save fit. A second Ctrl-C (after preemption.REPEAT_WINDOW_S) quits at once:
@@ -30,28 +30,31 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError, describe_crash
+from accel_trainer.errors import UserError, describe_crash
 
 SHUTDOWN_TIMEOUT_S = 120
 """Seconds the launcher waits for its workers after a signal before SIGKILL (torch's default: 30)."""
 
 
 def launch_processes(
-    recipe_name: str, num_processes: int, config_file: str | Path | None, overrides: dict[str, Any]
-) -> Any:
-    """Run `at.train` on `num_processes` forked processes; returns the main process's TrainResult.
+    train: Callable[..., Any],
+    recipe_name: str,
+    num_processes: int,
+    config_file: str | Path | None,
+    overrides: dict[str, Any],
+) -> tuple[dict[str, Any], Path]:
+    """Run `train` (`at.train`) on `num_processes` forked processes; the main process's metrics and run folder.
 
     Raises:
         UserError: num_processes is not a positive count, or this process already is a launched worker.
     """
     from accelerate import notebook_launcher
 
-    from .launch_fixes import forget_accelerate_state, launched_world_size
-    from .run import TrainResult
+    from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launched_world_size
 
     if num_processes < 1:
         raise UserError(f"num_processes={num_processes}: must be at least 1")
@@ -67,7 +70,7 @@ def launch_processes(
         elastic_log.setLevel(logging.CRITICAL)  # its report of a failed worker is the failure we raise below
         try:
             with _our_launch_line(num_processes), _shutdown_timeout(SHUTDOWN_TIMEOUT_S):
-                notebook_launcher(_worker, args=(recipe_name, config_file, overrides, scratch),
+                notebook_launcher(_worker, args=(train, recipe_name, config_file, overrides, scratch),
                                   num_processes=num_processes, use_port=str(free_port()))  # fmt: skip
         except Exception as launch_error:  # noqa: BLE001 - replaced by the worker's own exception
             if _is_signal(launch_error, signal.SIGINT) and not list(Path(scratch).glob("error_rank*.json")):
@@ -78,7 +81,7 @@ def launch_processes(
         finally:
             elastic_log.setLevel(level)
         result = json.loads((Path(scratch) / "result.json").read_text())
-    return TrainResult(metrics=result["metrics"], run_dir=Path(result["run_dir"]))
+    return result["metrics"], Path(result["run_dir"])
 
 
 @contextlib.contextmanager
@@ -105,12 +108,12 @@ def _our_launch_line(num_processes: int) -> Iterator[None]:
         del launchers.print  # type: ignore[attr-defined]
 
 
-def _worker(recipe_name: str, config_file: Any, overrides: dict[str, Any], scratch: str) -> None:
-    from .preemption import Preempted, catch_stop_signals
+def _worker(
+    train: Callable[..., Any], recipe_name: str, config_file: Any, overrides: dict[str, Any], scratch: str
+) -> None:
+    from accel_trainer.stopping.signals import Preempted, catch_stop_signals
 
     catch_stop_signals()  # first: the handlers inherited from the launcher turn its forwarded copy into an error
-    from .run import train
-
     rank = int(os.environ.get("RANK", "0"))
     try:
         result = train(recipe_name, config_file=config_file, **overrides)
@@ -173,7 +176,10 @@ def _shutdown_timeout(seconds: int) -> Iterator[None]:
 
 
 def _rebuildable() -> dict[tuple[str, str], type[Exception]]:
-    from . import checkpoint_files, errors, preemption, state_files
+    from accel_trainer import errors
+    from accel_trainer.checkpoint import files as checkpoint_files
+    from accel_trainer.checkpoint import state_files
+    from accel_trainer.stopping import signals as preemption
 
     classes: list[type[Exception]] = [
         errors.UserError, errors.ConfigError, errors.RecipeError, errors.LayoutError,

@@ -32,9 +32,9 @@ from typing import Any, ClassVar
 import torch
 from torch.utils.data import default_collate
 
-from .config import TrainConfig
-from .errors import RecipeError
-from .losses import read_loss_output
+from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.errors import RecipeError
+from accel_trainer.losses import read_loss_output
 
 Batch = Any  # what collate returns: a dict of tensors by default, or tuples or tensors
 LossReturn = torch.Tensor | Mapping[str, Any]
@@ -49,11 +49,11 @@ class Recipe:
     recomputes; empty shards the model as one unit."""
     tp_plan: ClassVar[dict[str, str]] = {}
     """Module-name patterns (`*` for one component, e.g. a block index) to tensor-parallel styles: "colwise",
-    "rowwise", "colwise_gather_output", "embedding", "sequence_parallel" (tensor_parallel.py); used only on a
+    "rowwise", "colwise_gather_output", "embedding", "sequence_parallel" (parallel/tensor_parallel.py); used only on a
     layout with tp_size > 1, which refuses a recipe without one."""
     pipeline_split: ClassVar[tuple[str, ...]] = ()
     """Names of the modules that begin a new pipeline stage (pp_size - 1 of them, e.g. ("blocks.2",)); empty
-    spreads the wrap_classes blocks evenly over the stages (pipeline_split.py)."""
+    spreads the wrap_classes blocks evenly over the stages (parallel/pipeline/split.py)."""
     alternate_optimizers: ClassVar[bool] = False
     """With several optimizers from build_optimizer (a mapping by name): True runs each step as one phase per
     optimizer, in order, calling `compute_loss(model, batch, phase=name)` and stepping that optimizer alone (a
@@ -61,7 +61,7 @@ class Recipe:
     sequence_dims: ClassVar[dict[str, int]] = {}
     """Batch keys to their sequence dimension (e.g. {"input_ids": 1, "targets": 1, "positions": 1}): every
     tensor the model or the loss reads along the sequence, which context parallelism slices (GPU layouts with
-    cp_size > 1 only; context_parallel.py); positions included, since a model's own `arange` would number
+    cp_size > 1 only; parallel/context_parallel.py); positions included, since a model's own `arange` would number
     each process's slice from 0."""
 
     def __init__(self, cfg: TrainConfig):
@@ -87,7 +87,7 @@ class Recipe:
         same normalisation; return the same terms from every micro-batch (a missing one counts as 0).
 
         It is also called once, after the first step, on a meta-device copy of the model and of the first
-        micro-batch, to count the FLOPs behind MFU (flops.py): code with side effects (counters, files)
+        micro-batch, to count the FLOPs behind MFU (observe/flops.py): code with side effects (counters, files)
         should leave batches whose tensors are `is_meta` alone.
         """
         raise NotImplementedError(f"{type(self).__name__} must define compute_loss(self, model, batch)")

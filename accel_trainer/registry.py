@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from .errors import RecipeError
-from .recipe import Recipe
+from accel_trainer.errors import RecipeError
+from accel_trainer.recipe import Recipe
 
 ENTRY_POINT_GROUP = "accel_trainer.recipes"
 _PACKAGE_CHECKOUT_RECIPES = Path(__file__).resolve().parent.parent / "recipes"

@@ -21,20 +21,21 @@ from typing import Any
 from accelerate.utils import broadcast_object_list
 from torch.distributed import DistBackendError
 
-from . import run_folder
-from .closed_stdout import stdout_is_closed
-from .config import config_warnings, resolve_config, resolve_settings
-from .distributed import build_accelerator
-from .errors import UserError, describe_crash
-from .launch_fixes import forget_accelerate_state, launched_world_size
-from .layout import LayoutSettings, launch_settings_file
-from .loop import train_loop
-from .preemption import EXIT_PREEMPTED, Preempted, stop_signals_caught, where
-from .processes import launch_processes
-from .registry import describe, get_recipe
-from .trackers import check_trackers
-from .typed_fields import describe_fields, parse_overrides
-from .warning_lines import show_our_warnings_as_one_line
+from accel_trainer.checkpoint import run_folder
+from accel_trainer.closed_stdout import stdout_is_closed
+from accel_trainer.config.fields import describe_fields, parse_overrides
+from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.config.train_config import config_warnings, resolve_config, resolve_settings
+from accel_trainer.errors import UserError, describe_crash
+from accel_trainer.loop import train_loop
+from accel_trainer.observe.breadcrumb import where
+from accel_trainer.observe.trackers import check_trackers
+from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
+from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launched_world_size
+from accel_trainer.processes import launch_processes
+from accel_trainer.registry import describe, get_recipe
+from accel_trainer.stopping.signals import EXIT_PREEMPTED, Preempted, stop_signals_caught
+from accel_trainer.warning_lines import show_our_warnings_as_one_line
 
 
 @dataclass
@@ -75,7 +76,8 @@ def train(
     show_our_warnings_as_one_line()
     if num_processes is not None and num_processes != (launched_world_size() or 1):
         resolve_config(get_recipe(recipe_name).Config, config_file, overrides)  # fail here, before any process
-        return launch_processes(recipe_name, num_processes, config_file, overrides)
+        metrics, run_dir = launch_processes(train, recipe_name, num_processes, config_file, overrides)
+        return TrainResult(metrics=metrics, run_dir=run_dir)
     with stop_signals_caught():  # from the start: a signal during the set-up stops the run at its first step
         return _train_here(recipe_name, config_file, overrides, keep_process_group=keep_process_group)
 
@@ -221,7 +223,7 @@ def _remove_if_empty(run_dir: Path) -> None:
 
 
 def _make_run_dir(accelerator: Any, recipe_name: str, cfg: Any) -> Path:
-    """The run folder (run_folder.py), chosen on the main process and shared so every process uses it."""
+    """The run folder (checkpoint/run_folder.py), chosen on the main process and shared so every process uses it."""
     answer: list[str | None] = [None, None]  # the folder, or a problem
     if accelerator.is_main_process:
         try:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .config import TrainConfig
-from .errors import ConfigError, RecipeError
+from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.errors import ConfigError, RecipeError
 
 # Fields that shape the built-in schedule, and so do nothing when a recipe builds its own scheduler.
 _SCHEDULE_FIELDS = ("lr_schedule", "warmup_steps", "min_lr_ratio", "lr_scaling", "reference_batch_size")

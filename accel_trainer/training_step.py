@@ -16,39 +16,37 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .context_parallel import check_loss_counts_items, sequence_slices
-from .errors import RecipeError
-from .flops import to_meta
-from .losses import LossOutput, read_loss_output
-from .optimizers import Phase
-from .preemption import note_where
-from .sharding import local_part
-from .step_log import Window
+from accel_trainer.errors import RecipeError
+from accel_trainer.losses import LossOutput, read_loss_output
+from accel_trainer.observe.breadcrumb import note_where
+from accel_trainer.observe.observer import Observer
+from accel_trainer.optimizers import Phase
+from accel_trainer.parallel.context_parallel import check_loss_counts_items, sequence_slices
+from accel_trainer.parallel.sharding import local_part
 
 if TYPE_CHECKING:
-    from .prepared_run import Run
+    from accel_trainer.prepared_run import Run
 
 
 def train_step(
-    run: Run, batches: Any, window: Window, step: int, is_log_step: bool
+    run: Run, batches: Any, observer: Observer, step: int, is_log_step: bool
 ) -> tuple[list[LossOutput], dict[str, Any]]:
     """Train step `step` (its state is set once its data is read); returns the loss outputs to log and the
     step's figures by log key: the gradient norm(s) when measured, and on log steps the LRs (lr, lr/1, ...;
     for several optimizers lr/<name>, lr/<name>/1, ..., and grad_norm/<name> for alternating phases)."""
     optimizers = run.optimizers
-    window.num_steps += 1
     if not optimizers.alternate:
-        epoch, outputs = accumulate_gradients(run, batches, window, None)
+        epoch, outputs = accumulate_gradients(run, batches, observer, None)
         _advance(run, step, epoch)
         figures, stepped, _ = optimizer_step(run, optimizers.phases, is_log_step, outputs)
         if stepped and run.ema is not None:
             run.ema.update()
         return outputs, figures
-    fetched = _fetch(run, batches, window, step)
+    fetched = _fetch(run, batches, observer, step)
     per_phase, figures, norms, stepped, finite = [], {}, [], False, True
     for index, phase in enumerate(optimizers.phases):
         run.model.zero_grad(set_to_none=True)  # nothing of the previous phase reaches this one's step
-        epoch, outputs = accumulate_gradients(run, iter(fetched), window, phase.name)
+        epoch, outputs = accumulate_gradients(run, iter(fetched), observer, phase.name)
         if index == 0:
             _advance(run, step, epoch)
         phase_figures, phase_stepped, phase_finite = optimizer_step(run, (phase,), is_log_step, outputs)
@@ -67,13 +65,13 @@ def train_step(
     return _merged(per_phase), figures
 
 
-def accumulate_gradients(run: Run, batches: Any, window: Window, phase: str | None) -> tuple[int, list[LossOutput]]:
+def accumulate_gradients(run: Run, batches: Any, observer: Observer, phase: str | None) -> tuple[int, list[LossOutput]]:
     """Run the micro-batches of one optimizer step (of one phase); gradients are synchronised on the last one.
 
     A loss returned with `num_items` is back-propagated as a sum and its gradients are divided by the item
     count of the whole step over all micro-batches and processes, which makes a token loss exact on any
     layout (the gradient-accumulation bug class of transformers #34191). Returns the epoch and the step's loss
-    outputs, which the window logs once the step is known to be finite.
+    outputs, which the observer logs once the step is known to be finite.
     """
     accelerator, model, plan = run.accelerator, run.model, run.plan
     step_items: torch.Tensor | None = None
@@ -82,14 +80,13 @@ def accumulate_gradients(run: Run, batches: Any, window: Window, phase: str | No
     note_where("the data of step", step)  # where a hung or killed process says it was
     if run.model_items is not None:  # a transformers model's own loss: count the step's items first (hf_loss.py)
         batches = run.model_items.fetch_step(batches, plan.accumulation_steps, accelerator, run.ranks.replicas)
-    window.data_wait_s += time.perf_counter() - waited
+    observer.waited_for_data(time.perf_counter() - waited)
     for index in range(plan.accumulation_steps):
         note_where("the data of step", step)
         waited = time.perf_counter()
         epoch, batch = next(batches)
-        window.data_wait_s += time.perf_counter() - waited
-        if run.first_batch is None:
-            run.first_batch = to_meta(batch)
+        observer.waited_for_data(time.perf_counter() - waited)
+        observer.saw_batch(batch)  # its shapes count the FLOPs
         # With one micro-batch per step there is nothing to accumulate and no synchronisation to skip; a
         # pipeline's schedule skips it itself (torch's schedules know FSDP stages).
         accumulates = plan.accumulation_steps > 1 and run.pipeline is None
@@ -179,12 +176,12 @@ def _forward_backward(run: Run, batch: Any, step: int, cp: int, index: int, phas
     return output
 
 
-def _fetch(run: Run, batches: Any, window: Window, step: int) -> list[tuple[int, Any]]:
+def _fetch(run: Run, batches: Any, observer: Observer, step: int) -> list[tuple[int, Any]]:
     """The step's micro-batches, read once for every phase."""
     note_where("the data of step", step)
     waited = time.perf_counter()
     fetched = [next(batches) for _ in range(run.plan.accumulation_steps)]
-    window.data_wait_s += time.perf_counter() - waited
+    observer.waited_for_data(time.perf_counter() - waited)
     return fetched
 
 

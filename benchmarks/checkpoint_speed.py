@@ -4,7 +4,7 @@
 
 1. Raw disk: `dd if=/dev/zero bs=1M count=N conv=fsync` into the output folder, the ceiling for any save.
 2. A model of about 50M parameters (200 MB) with AdamW state (400 MB more) on one CPU process: the time of
-   `accel_trainer.checkpoint.save` (write, fsync, sha256 manifest, rename) and of `restore` (verify, load),
+   `accel_trainer.checkpoint.save.save` (write, fsync, sha256 manifest, rename) and of `restore` (verify, load),
    as MB/s of checkpoint bytes and as a fraction of the raw disk speed.
 3. Training time lost per save: a synchronous save blocks training for its whole duration; with
    `async_save=true` training waits only for the snapshot in host memory while a background thread writes.
@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from accel_trainer import checkpoint
-from accel_trainer.background_writer import BackgroundWriter
-from accel_trainer.config import TrainConfig
-from accel_trainer.layout import LayoutSettings
+from accel_trainer.checkpoint import save as checkpoint
+from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.checkpoint.writer import BackgroundWriter
+from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.schedules import build_scheduler
-from accel_trainer.train_state import TrainState
 
 
 def raw_disk_mb_per_s(folder: Path, megabytes: int = 512) -> float:

@@ -11,7 +11,7 @@ Three workloads (issue 11's targets; docs/benchmarks.md has the figures):
 (b) same work: the tiny MLP, batch 32, with the same data path on both sides (a DataLoader over the columns
     held as tensors, one indexing per batch through `__getitems__`: accel-trainer's batched data path), the same
     clipping, schedule and logging. Target >= 0.97. The plain loop clips with `torch.nn.utils.clip_grad_norm_`;
-    accel-trainer runs the same kernels without torch's per-call grouping (accel_trainer/step.py), so a third
+    accel-trainer runs the same kernels without torch's per-call grouping (accel_trainer/parallel/verbs.py), so a third
     side, the plain loop with that clip, shows what the loop's own bookkeeping costs.
 (c) compute-bound: a wide MLP whose steps are tens of milliseconds of matrix work, same work. Target >= 0.99.
 (d) in (a), plain accelerate and, when installed (`pip install -e .[bench]`), Lightning at their defaults.
@@ -52,8 +52,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import accel_trainer as at
-from accel_trainer.batched_data import ColumnBatches, already_collated
-from accel_trainer.step import clip_one_group
+from accel_trainer.data.columns import ColumnBatches, already_collated
+from accel_trainer.parallel.verbs import clip_one_group
 
 RECIPE_NAME = "benchmark-mlp"
 

@@ -220,7 +220,7 @@ def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def reset_accelerate_state() -> None:
     """Forget accelerate's process-wide singletons, so the next in-process run builds its own."""
-    from accel_trainer.launch_fixes import forget_accelerate_state
+    from accel_trainer.parallel.launch_fixes import forget_accelerate_state
 
     forget_accelerate_state()
 

@@ -14,10 +14,10 @@ import torch
 
 import accel_trainer as at
 from accel_trainer import ConfigError
-from accel_trainer.auto_batch import check_auto_layout
-from accel_trainer.batching import halved_micro_batch, per_process_batch
-from accel_trainer.layout import LayoutSettings
-from accel_trainer.mesh import DataRanks
+from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.data.auto_batch import check_auto_layout
+from accel_trainer.data.batching import halved_micro_batch, per_process_batch
+from accel_trainer.parallel.mesh import DataRanks
 from conftest import WORKERS, final_parameters, read_metrics, reset_accelerate_state, train_and_dump
 
 QUICK = dict(max_steps=6, log_every_steps=1, eval_every_steps=0, global_batch_size=16, show_progress_bar=False)

@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import TensorDataset, default_collate
 
 import accel_trainer as at
-from accel_trainer.batched_data import ColumnBatches, column_batches
-from accel_trainer.data import as_torch
+from accel_trainer.data.columns import ColumnBatches, column_batches
+from accel_trainer.data.loaders import as_torch
 from conftest import final_parameters, read_metrics, slow, train_and_dump
 
 

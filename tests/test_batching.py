@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from accel_trainer.batching import BatchPlan, plan_batches
+from accel_trainer.data.batching import BatchPlan, plan_batches
 from accel_trainer.errors import ConfigError
 
 

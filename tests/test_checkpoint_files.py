@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from accel_trainer import checkpoint_files
-from accel_trainer.checkpoint_files import (
+from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint.files import (
     LATEST,
     MANIFEST,
     CheckpointError,

@@ -23,8 +23,8 @@ import torch
 from safetensors import safe_open
 
 import accel_trainer as at
-from accel_trainer import state_files
-from accel_trainer.checkpoint_files import MANIFEST
+from accel_trainer.checkpoint import state_files
+from accel_trainer.checkpoint.files import MANIFEST
 from conftest import BIN, REPO, clean_env, reset_accelerate_state
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 
 import accel_trainer as at
-from accel_trainer.train_state import TrainState
+from accel_trainer.checkpoint.train_state import TrainState
 from conftest import read_metrics
 
 QUIET = {"show_progress_bar": False, "log_every_steps": 0}

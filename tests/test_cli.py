@@ -183,9 +183,9 @@ def test_a_closed_stdout_ends_a_command_quietly_like_a_unix_tool(arguments, stat
 
 def test_a_submodule_is_an_attribute_of_the_package_without_importing_it_first():
     # as when the package imported everything eagerly: test workers call at.registry.discover_recipes()
-    script = "import accel_trainer as at\nprint(at.registry.discover_recipes.__name__, at.typed_fields.__name__)"
+    script = "import accel_trainer as at\nprint(at.registry.discover_recipes.__name__, at.config.__name__)"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.stdout.split() == ["discover_recipes", "accel_trainer.typed_fields"], result.stderr
+    assert result.stdout.split() == ["discover_recipes", "accel_trainer.config"], result.stderr
     with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
         import accel_trainer
 

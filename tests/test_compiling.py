@@ -17,14 +17,14 @@ from torch._dynamo.utils import counters
 
 import accel_trainer as at
 from accel_trainer import LayoutError
-from accel_trainer.compiling import (
+from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.parallel.compiling import (
     RECOMPILES_PER_REGION,
     WARN_AFTER_LOG_STEPS,
     CompileWatch,
     allow_recompiles_per_region,
     dynamo_plugin,
 )
-from accel_trainer.layout import LayoutSettings
 from conftest import final_parameters, read_metrics
 
 

@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_trainer.config import TrainConfig, config_to_yaml, resolve_config, resolve_settings
-from accel_trainer.errors import ConfigError
-from accel_trainer.layout import LayoutSettings
-from accel_trainer.typed_fields import (
+from accel_trainer.config.fields import (
     coerce_value,
     config_fields,
     describe_fields,
@@ -20,6 +17,9 @@ from accel_trainer.typed_fields import (
     parse_overrides,
     type_name,
 )
+from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.config.train_config import TrainConfig, config_to_yaml, resolve_config, resolve_settings
+from accel_trainer.errors import ConfigError
 
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import accel_trainer as at
-from accel_trainer.batching import plan_batches
+from accel_trainer.data.batching import plan_batches
+from accel_trainer.data.streams import TrainStream
 from accel_trainer.errors import ConfigError, RecipeError
-from accel_trainer.streams import TrainStream
 from conftest import WORKERS, final_parameters, read_metrics, slow, train_and_dump
 
 STREAMS = ["hf_sharded", "hf_generator", "torch_stream"]

@@ -1,5 +1,5 @@
 """Specification of `accel-trainer doctor`: it launches a layout's processes and names what is wrong, one line
-per check (accel_trainer/doctor.py). The launches are real (gloo on the CPU), each a few seconds."""
+per check (accel_trainer/doctor/command.py). The launches are real (gloo on the CPU), each a few seconds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from accel_trainer import cli
-from accel_trainer.doctor_checks import port_in_output
+from accel_trainer.doctor.checks import port_in_output
 from conftest import REPO, clean_env, run_command
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"

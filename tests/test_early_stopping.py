@@ -11,9 +11,9 @@ import pytest
 
 import accel_trainer as at
 from accel_trainer import ConfigError
-from accel_trainer.config import TrainConfig
-from accel_trainer.early_stopping import check_early_stop, should_stop_early
-from accel_trainer.train_state import TrainState
+from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.stopping.early import check_early_stop, should_stop_early
 from conftest import read_metrics, train_and_dump
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import accel_trainer as at
-from accel_trainer import checkpoint_files
+from accel_trainer.checkpoint import files as checkpoint_files
 from accel_trainer.errors import RecipeError
 from accel_trainer.eval_outputs import metric_sums
 from conftest import WORKERS, final_parameters, read_metrics, slow, train_and_dump

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_trainer import checkpoint_files
+from accel_trainer.checkpoint import files as checkpoint_files
 from conftest import BIN, REPO, TEST_OVERRIDES, WORKERS, clean_env, free_port, read_metrics, run_command, slow
 
 RUN = ["save_every_steps=2", "keep_last=0", "warmup_steps=0", "eval_every_steps=0", "log_every_steps=1",

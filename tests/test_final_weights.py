@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 import accel_trainer as at
-from accel_trainer.config import resolve_config
-from accel_trainer.export import export
+from accel_trainer.checkpoint.export import export
+from accel_trainer.config.train_config import resolve_config
 
 TINY = {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 32, "max_source_bytes": 50_000, "max_steps": 1,
         "global_batch_size": 4, "micro_batch_size": 4, "eval_every_steps": 0, "show_progress_bar": False}  # fmt: skip

@@ -14,11 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from accel_trainer import export, registry
-from accel_trainer.checkpoint_files import CheckpointError
-from accel_trainer.config import resolve_config
+from accel_trainer import registry
+from accel_trainer.checkpoint import export
+from accel_trainer.checkpoint.files import CheckpointError
+from accel_trainer.config.fields import parse_overrides
+from accel_trainer.config.train_config import resolve_config
 from accel_trainer.errors import UserError
-from accel_trainer.typed_fields import parse_overrides
 
 VAE_CONFIG = registry.get_recipe("vae").Config
 KEYS = st.one_of(st.sampled_from([f.name for f in dataclasses.fields(VAE_CONFIG)]), st.text(max_size=12))
@@ -95,7 +96,8 @@ def test_export_of_random_folders_is_a_result_or_a_user_error(tmp_path_factory, 
 @FUZZ
 @given(st.dictionaries(CHECKPOINT_NAMES, CONTENTS, max_size=6))
 def test_a_random_folder_as_a_checkpoint_to_resume_is_refused_in_one_line(tmp_path_factory, files):
-    from accel_trainer import checkpoint_checks, checkpoint_files
+    from accel_trainer.checkpoint import checks as checkpoint_checks
+    from accel_trainer.checkpoint import files as checkpoint_files
 
     folder = tmp_path_factory.mktemp("random")
     _fill(folder, files)

@@ -1,4 +1,4 @@
-"""Why each launch workaround in accel_trainer/launch_fixes.py exists, and that it holds.
+"""Why each launch workaround in accel_trainer/parallel/launch_fixes.py exists, and that it holds.
 
 The launch traps are shown for real in test_multiprocess.py; these are the in-process checks.
 """
@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 from accelerate import Accelerator
 
-from accel_trainer import LayoutError, launch_fixes
+from accel_trainer import LayoutError
+from accel_trainer.parallel import launch_fixes
 from conftest import REPO, accelerate_launch, read_metrics
 
 

@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 import accel_trainer as at
-from accel_trainer.config import resolve_settings
-from accel_trainer.distributed import check_fsdp_options
-from accel_trainer.layout import LayoutSettings, settings_file_of
+from accel_trainer.config.layout import LayoutSettings, settings_file_of
+from accel_trainer.config.train_config import resolve_settings
+from accel_trainer.parallel.accelerator import check_fsdp_options
 from accel_trainer.recipe import Recipe
 from conftest import BIN, REPO, TEST_OVERRIDES, WORKERS, clean_env, dump_env, free_port, rank_summary, run_command
 

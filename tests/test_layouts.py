@@ -11,9 +11,9 @@ import re
 import pytest
 import yaml
 
-from accel_trainer.config import resolve_settings
-from accel_trainer.layout import SETTINGS_SUFFIX, LayoutSettings, settings_file_of
-from accel_trainer.mesh import mesh_shape
+from accel_trainer.config.layout import SETTINGS_SUFFIX, LayoutSettings, settings_file_of
+from accel_trainer.config.train_config import resolve_settings
+from accel_trainer.parallel.mesh import mesh_shape
 from accel_trainer.recipe import Recipe
 from conftest import REPO
 

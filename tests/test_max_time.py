@@ -12,7 +12,8 @@ import subprocess
 import pytest
 
 from accel_trainer import ConfigError
-from accel_trainer.preemption import EXIT_PREEMPTED, parse_duration
+from accel_trainer.config.fields import parse_duration
+from accel_trainer.stopping.signals import EXIT_PREEMPTED
 from conftest import BIN, REPO, accelerate_launch
 
 
@@ -51,7 +52,7 @@ def test_a_spent_budget_saves_exits_75_and_the_same_command_continues(tmp_path):
 
 
 def test_a_budget_is_bookkeeping_so_the_next_job_may_have_another():
-    from accel_trainer.checkpoint_checks import _BOOKKEEPING_KEYS
+    from accel_trainer.checkpoint.checks import _BOOKKEEPING_KEYS
 
     assert "max_time" in _BOOKKEEPING_KEYS
 

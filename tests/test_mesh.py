@@ -1,4 +1,5 @@
-"""How a launch becomes a mesh (mesh.py), and how a recipe's tp_plan is checked and applied (tensor_parallel.py).
+"""How a launch becomes a mesh (parallel/mesh.py), and how a recipe's tp_plan is checked and applied
+(parallel/tensor_parallel.py).
 
 The layouts themselves train in test_model_parallel.py; these are the in-process rules and error messages,
 and the canaries of the accelerate behaviour launch_fixes.attach_mesh works around.
@@ -19,10 +20,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import accel_trainer as at
-from accel_trainer import ConfigError, LayoutError, launch_fixes
-from accel_trainer.layout import LayoutSettings
-from accel_trainer.mesh import MeshShape, mesh_shape
-from accel_trainer.tensor_parallel import _check_sequence_lengths, apply_tensor_parallel, check_tp_plan
+from accel_trainer import ConfigError, LayoutError
+from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.parallel import launch_fixes
+from accel_trainer.parallel.mesh import MeshShape, mesh_shape
+from accel_trainer.parallel.tensor_parallel import _check_sequence_lengths, apply_tensor_parallel, check_tp_plan
 
 
 def launcher_sizes(monkeypatch, **sizes: int) -> None:

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import accel_trainer as at
-from accel_trainer.export import export
-from accel_trainer.nonfinite_guard import NonfiniteSteps
+from accel_trainer.checkpoint.export import export
+from accel_trainer.stopping.nonfinite import NonfiniteSteps
 from conftest import WORKERS, accelerate_launch, read_metrics, slow, train_and_dump
 
 SAVE_EVERY_STEP = dict(save_every_steps=1, keep_last=0, show_progress_bar=False)

@@ -23,11 +23,17 @@ from torch.distributed.pipelining import _IR as pipelining_ir
 from torch.distributed.pipelining import SplitPoint
 
 from accel_trainer import ConfigError, LayoutError, RecipeError
-from accel_trainer.layout import LayoutSettings
-from accel_trainer.mesh import MeshShape, mesh_shape
-from accel_trainer.pipeline import _StageOutput
-from accel_trainer.pipeline_split import local_view, split_spec, stages_of_process, tied_groups, traced_pipeline
-from accel_trainer.pipeline_state import merge_optimizer_skeletons, restrict_optimizer_skeleton
+from accel_trainer.checkpoint.pipeline_state import merge_optimizer_skeletons, restrict_optimizer_skeleton
+from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.parallel.mesh import MeshShape, mesh_shape
+from accel_trainer.parallel.pipeline.split import (
+    local_view,
+    split_spec,
+    stages_of_process,
+    tied_groups,
+    traced_pipeline,
+)
+from accel_trainer.parallel.pipeline.stages import _StageOutput
 from conftest import BIN, accelerate_launch, final_parameters, rank_summary, read_metrics, slow, train_and_dump
 
 

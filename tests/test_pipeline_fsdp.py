@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from test_pipeline import RECIPES, STEPS, WEIGHTS, assert_same_trajectory, step_folder, train_records
 
 from accel_trainer import LayoutError
-from accel_trainer.layout import LayoutSettings
-from accel_trainer.mesh import MeshShape, mesh_shape
+from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.parallel.mesh import MeshShape, mesh_shape
 from conftest import BIN, accelerate_launch, final_parameters, rank_summary, read_metrics, train_and_dump
 
 PADDED = {"gpt": [*RECIPES["gpt"], "pad_to_block_size=true"], "mlp_tp": RECIPES["mlp_tp"]}

@@ -46,7 +46,7 @@ def test_ddp_settings_on_a_single_process_warn_that_they_have_no_effect(tmp_path
 def test_ddp_settings_become_accelerates_ddp_kwargs():
     from accelerate.utils import DDPCommunicationHookType
 
-    from accel_trainer.distributed import ddp_kwargs
+    from accel_trainer.parallel.accelerator import ddp_kwargs
 
     cfg = at.LayoutSettings(ddp_find_unused_parameters=True, ddp_static_graph=True, ddp_bucket_cap_mb=4,
                          ddp_gradient_as_bucket_view=True, ddp_comm_hook="powersgd", ddp_powersgd_rank=3,
@@ -60,7 +60,7 @@ def test_ddp_settings_become_accelerates_ddp_kwargs():
 
 
 def test_powersgd_needs_at_least_two_plain_steps_first():
-    from accel_trainer.distributed import ddp_kwargs
+    from accel_trainer.parallel.accelerator import ddp_kwargs
 
     with pytest.raises(at.ConfigError, match="ddp_powersgd_start_step=1"):
         ddp_kwargs(at.LayoutSettings(ddp_comm_hook="powersgd", ddp_powersgd_start_step=1))

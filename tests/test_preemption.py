@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from accel_trainer import checkpoint_files
-from accel_trainer.preemption import EXIT_PREEMPTED
+from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.stopping.signals import EXIT_PREEMPTED
 from conftest import (
     BIN,
     LAUNCH_TIMEOUT_S,

@@ -19,7 +19,7 @@ import torch
 
 import accel_trainer as at
 from accel_trainer import loop
-from accel_trainer.prefetch import CHECKED_FETCHES, PrefetchGate, _from_thread, prefetched
+from accel_trainer.data.prefetch import CHECKED_FETCHES, PrefetchGate, _from_thread, prefetched
 from conftest import WORKERS, final_parameters, read_metrics, train_and_dump
 
 at.registry.discover_recipes([WORKERS / "recipes"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import accel_trainer as at
-from accel_trainer.typed_fields import describe_fields
+from accel_trainer.config.fields import describe_fields
 from conftest import REPO, clean_env
 
 SCRIPT = textwrap.dedent(
@@ -191,11 +191,12 @@ NOTEBOOK_CELLS = [
 NOTEBOOK_TRAIN = textwrap.dedent(
     """
     from safetensors.torch import load_file
+    from accel_trainer.config.fields import describe_fields
     two = at.train("in_a_notebook", num_processes=2, output_dir="two")
     one = at.train("in_a_notebook", output_dir="one")
     a, b = load_file("two/final/model.safetensors"), load_file("one/final/model.safetensors")
     print("RESULT", two.metrics["world_size"], max((a[k] - b[k]).abs().max().item() for k in a),
-          at.get_recipe("in_a_notebook").version, "Output width." in at.typed_fields.describe_fields(Cfg))
+          at.get_recipe("in_a_notebook").version, "Output width." in describe_fields(Cfg))
     """
 )
 

@@ -8,10 +8,10 @@ import pytest
 
 import accel_trainer as at
 from accel_trainer.cli import main as cli
-from accel_trainer.events import time_breakdown
-from accel_trainer.metrics import console_line
-from accel_trainer.number_format import readable
-from accel_trainer.report import _summary
+from accel_trainer.observe.events import time_breakdown
+from accel_trainer.observe.metrics import console_line
+from accel_trainer.observe.number_format import readable
+from accel_trainer.observe.report import _summary
 
 QUICK = {"max_steps": 6, "log_every_steps": 2, "eval_every_steps": 3, "show_progress_bar": False}
 

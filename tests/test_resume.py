@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import accel_trainer as at
-from accel_trainer import data
+from accel_trainer.data import loaders as data
 from conftest import final_parameters, read_metrics, reset_accelerate_state, slow, train_and_dump
 
 STEPS = 30
@@ -122,8 +122,8 @@ def test_a_signal_during_evaluation_stops_at_that_step_with_a_checkpoint(tmp_pat
     import os
     import signal
 
-    from accel_trainer import checkpoint_files
-    from accel_trainer.preemption import Preempted
+    from accel_trainer.checkpoint import files as checkpoint_files
+    from accel_trainer.stopping.signals import Preempted
 
     class SignalledDuringSecondEval(at.get_recipe("vae")):
         eval_batches = 0
@@ -146,7 +146,8 @@ def test_a_signal_during_evaluation_stops_at_that_step_with_a_checkpoint(tmp_pat
 def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
     from safetensors.torch import load_file
 
-    from accel_trainer import checkpoint_files, state_files
+    from accel_trainer.checkpoint import files as checkpoint_files
+    from accel_trainer.checkpoint import state_files
 
     settings = dict(max_steps=12, save_every_steps=4, keep_last=0, log_every_steps=0, eval_every_steps=0,
                     show_progress_bar=False)  # fmt: skip
@@ -168,7 +169,7 @@ def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow  # the one-process async test runs in make test; this repeats it on two processes
 def test_async_saves_on_two_processes_publish_verified_checkpoints_and_resume(tmp_path):
-    from accel_trainer import checkpoint_files
+    from accel_trainer.checkpoint import files as checkpoint_files
 
     run = ["max_steps=10", "save_every_steps=3", "keep_last=2", "async_save=true", "log_every_steps=1",
            "eval_every_steps=0", "sample_latent=false"]  # fmt: skip

@@ -15,10 +15,10 @@ import signal
 import pytest
 
 import accel_trainer as at
-from accel_trainer import checkpoint_files
-from accel_trainer.checkpoint_files import CheckpointError
+from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint.files import CheckpointError
 from accel_trainer.errors import UserError
-from accel_trainer.preemption import Preempted
+from accel_trainer.stopping.signals import Preempted
 from conftest import read_metrics
 
 QUICK = dict(max_steps=4, warmup_steps=0, eval_every_steps=0, log_every_steps=1, show_progress_bar=False)

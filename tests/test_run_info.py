@@ -9,8 +9,9 @@ import pytest
 from accelerate.utils import DistributedType, ParallelismConfig
 
 import accel_trainer as at
-from accel_trainer import launch_fixes, metrics
-from accel_trainer.run_info import _strategy
+from accel_trainer.observe import metrics
+from accel_trainer.observe.header import _strategy
+from accel_trainer.parallel import launch_fixes
 
 
 def test_a_run_prints_a_header_and_records_each_start(tmp_path, capsys):

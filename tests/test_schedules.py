@@ -8,7 +8,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from accel_trainer.config import TrainConfig
+from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.errors import ConfigError
 from accel_trainer.schedules import build_scheduler, lr_multiplier, peak_lr
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from test_preemption import SIGNALLED, SLOW_STEP, logged_steps, wait_for
 
-from accel_trainer import checkpoint_files
-from accel_trainer.preemption import EXIT_PREEMPTED
+from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.stopping.signals import EXIT_PREEMPTED
 from conftest import BIN, REPO, TEST_OVERRIDES, WORKERS, clean_env, final_parameters
 
 pytestmark = [

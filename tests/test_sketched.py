@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from test_resume import SAVE_ALL, as_kwargs, assert_same_run, checkpoint
 
 import accel_trainer as at
-from accel_trainer.config import resolve_config
-from accel_trainer.export import export
+from accel_trainer.checkpoint.export import export
+from accel_trainer.config.train_config import resolve_config
 from conftest import final_parameters, rank_buffers, rank_summary, read_metrics, slow, train_and_dump
 
 SKETCHES = ["0.sketch_in", "0.sketch_out", "2.sketch_in", "2.sketch_out"]

@@ -12,8 +12,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from accel_trainer import LayoutError
-from accel_trainer.distributed import check_supported
-from accel_trainer.step import StepVerbs, clip_one_group
+from accel_trainer.parallel.accelerator import check_supported
+from accel_trainer.parallel.verbs import StepVerbs, clip_one_group
 from conftest import reset_accelerate_state
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import accel_trainer as at
-from accel_trainer import data
-from accel_trainer.config import resolve_config
-from accel_trainer.flops import flops_per_sample, table_peak_tflops
+from accel_trainer.config.train_config import resolve_config
+from accel_trainer.data import loaders as data
+from accel_trainer.observe.flops import flops_per_sample, table_peak_tflops
 from conftest import read_metrics
 
 QUIET = {"show_progress_bar": False}
@@ -132,7 +132,7 @@ def count_reads_by_accel_trainer(monkeypatch) -> list[str]:
         def counting(self, *args, _original=original, _method=method, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
             if caller.startswith(package):
-                reads.append(f"{_method} in {Path(caller).name}")
+                reads.append(f"{_method} in {Path(caller).relative_to(package)}")
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, method, counting)
@@ -141,7 +141,7 @@ def count_reads_by_accel_trainer(monkeypatch) -> list[str]:
 
 def test_steps_between_log_steps_read_nothing_back_from_the_device(tmp_path, monkeypatch):
     """Without the non-finite guard nothing is read back between log steps; with it (the default), one verdict
-    per step and nothing else (nonfinite_guard.py says why that read is worth it)."""
+    per step and nothing else (stopping/nonfinite.py says why that read is worth it)."""
     reads = count_reads_by_accel_trainer(monkeypatch)
 
     def reads_of_a_run(steps: int, guard: bool) -> list[str]:
@@ -155,5 +155,5 @@ def test_steps_between_log_steps_read_nothing_back_from_the_device(tmp_path, mon
     assert three  # the counting sees the reads of the last step's log record and the final evaluation
     assert reads_of_a_run(8, guard=False) == three  # five more steps, not one more read
     guarded = reads_of_a_run(8, guard=True)
-    assert sorted(set(guarded) - set(three)) == ["item in nonfinite_guard.py"]
-    assert guarded.count("item in nonfinite_guard.py") == 8
+    assert sorted(set(guarded) - set(three)) == ["item in stopping/nonfinite.py"]
+    assert guarded.count("item in stopping/nonfinite.py") == 8

@@ -16,8 +16,9 @@ import pytest
 from test_preemption import SIGNALLED, SLOW_STEP, logged_steps, wait_for
 
 import accel_trainer as at
-from accel_trainer import checkpoint_files, run_folder
-from accel_trainer.config import resolve_config
+from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint import run_folder
+from accel_trainer.config.train_config import resolve_config
 from accel_trainer.errors import ConfigError
 from conftest import BIN, LAUNCH_TIMEOUT_S, TEST_OVERRIDES, WORKERS, clean_env, read_metrics
 

@@ -6,7 +6,7 @@ Prints, in one write per process: "env-mentions <N> found <path or None>".
 import os
 import sys
 
-from accel_trainer.launch_fixes import launch_config_path
+from accel_trainer.parallel.launch_fixes import launch_config_path
 
 config_name = sys.argv[1]
 mentions = sum(config_name in value for value in os.environ.values())

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 import accel_trainer as at
-from accel_trainer import checkpoint
-from accel_trainer.preemption import EXIT_PREEMPTED, Preempted
+from accel_trainer.checkpoint import save as checkpoint
+from accel_trainer.config.fields import parse_overrides
+from accel_trainer.stopping.signals import EXIT_PREEMPTED, Preempted
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "recipes"))
 from slow_phases import mark  # noqa: E402 - after the recipes folder is on the path
@@ -38,7 +39,7 @@ if os.environ.get("ACCEL_TEST_MARKERS"):
 
 if sys.argv[1] == "--notebook":
     num_processes, recipe = int(sys.argv[2]), sys.argv[3]
-    overrides = at.typed_fields.parse_overrides(sys.argv[4:])
+    overrides = parse_overrides(sys.argv[4:])
     try:
         print(f"caller got {at.train(recipe, num_processes=num_processes, **overrides)}", flush=True)
     except Preempted as stop:

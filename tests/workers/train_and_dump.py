@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import accel_trainer as at
+from accel_trainer.config.fields import parse_overrides
 
 comm_hooks: list[str] = []
 register_comm_hook = DistributedDataParallel.register_comm_hook
@@ -77,7 +78,7 @@ def train_and_dump(recipe_name: str, overrides: list[str], out: Path, expected_w
     comm_hooks.clear()
     recipe_cls.build_model, recipe_cls.build_optimizer = recording_build_model, recording_build_optimizer
     try:
-        at.train(recipe_name, keep_process_group=keep_group, **at.typed_fields.parse_overrides(overrides))
+        at.train(recipe_name, keep_process_group=keep_group, **parse_overrides(overrides))
     finally:
         recipe_cls.build_model, recipe_cls.build_optimizer = build_model, build_optimizer
     rank, world_size = world()

@@ -1,7 +1,7 @@
 """An MLP classifier for the mesh and pipeline tests: a mean loss, and a module its tp_plan leaves alone.
 
 LayerNorm -> Linear (colwise) -> GELU -> Linear (rowwise): the LayerNorm gets replicated DTensor parameters
-(tensor_parallel.py), so the tests cover the leftover path beside the GPT's sequence-parallel plan. On a
+(parallel/tensor_parallel.py), so the tests cover the leftover path beside the GPT's sequence-parallel plan. On a
 pipeline layout its pipeline_split puts the last Linear alone on the second stage.
 """
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import accel_trainer as at
-from accel_trainer.preemption import where
+from accel_trainer.stopping.signals import where
 
 Mlp = at.get_recipe("mlp")
 

@@ -63,7 +63,7 @@ class HangingVAE(DigitsVAE):
     micro_batches_seen = 0
 
     def compute_loss(self, model, batch):
-        if batch["pixels"].is_meta:  # the one call that counts FLOPs (flops.py), not a training micro-batch
+        if batch["pixels"].is_meta:  # the one call that counts FLOPs (observe/flops.py), not a training micro-batch
             return super().compute_loss(model, batch)
         HangingVAE.micro_batches_seen += 1
         if os.environ.get("RANK") == "1" and HangingVAE.micro_batches_seen == self.cfg.hang_at_micro_batch:

@@ -1,0 +1,86 @@
+"""Export: one consolidated `model.safetensors` plus `config.yaml` from any checkpoint, sharded or not.
+
+    accel-trainer export outputs/gpt/run1                      # the run's newest complete checkpoint
+    accel-trainer export outputs/gpt/run1/checkpoints/step_00000500 --output exported/gpt
+
+Runs in one process without a process group: the shards of a sharded (FSDP) checkpoint are read from disk
+by torch.distributed.checkpoint's HF safetensors reader into full-size tensors. Only safetensors, JSON and
+YAML are read, so an export runs no code from the checkpoint; that makes it the way to keep the weights of
+an unsharded checkpoint of the earlier pickle format, which `resume=` refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from accel_trainer.checkpoint import checks as checkpoint_checks
+from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint import save as checkpoint
+from accel_trainer.checkpoint import state_files
+from accel_trainer.checkpoint.files import CheckpointError
+
+
+def export(source: str | Path, output: str | Path | None = None) -> Path:
+    """Write `model.safetensors` and `config.yaml` for a run folder or checkpoint folder; returns the folder.
+
+    Raises:
+        CheckpointError: no complete checkpoint there, or it is incomplete or corrupt.
+    """
+    folder = _checkpoint_folder(Path(source))
+    checkpoint_files.verify(folder)
+    target = Path(output) if output else folder.parent.parent / "export" / folder.name
+    try:  # a manifest proves integrity, not content: whoever wrote the folder may have listed no files
+        weights = _model_state(folder)
+        for names in json.loads((folder / checkpoint_checks.TRAIN_STATE).read_text()).get("tied_parameters", []):
+            held = [weights[name] for name in names if name in weights]
+            for name in names if held else []:  # every name of a tied tensor, as final/ holds them (copies)
+                weights.setdefault(name, held[0])
+        target.mkdir(parents=True, exist_ok=True)
+        save_file(state_files.writable(weights), str(target / "model.safetensors"))
+        shutil.copyfile(folder / "config.yaml", target / "config.yaml")
+    except (OSError, SafetensorError, ValueError, KeyError, RuntimeError) as error:
+        raise CheckpointError(f"checkpoint {folder} cannot be exported: {type(error).__name__}: {error}") from None
+    checkpoint_files.follow_umask(target / "model.safetensors", target / "config.yaml")
+    return target
+
+
+def _checkpoint_folder(source: Path) -> Path:
+    if (source / checkpoint_checks.TRAIN_STATE).is_file() or (source / checkpoint_files.MANIFEST).is_file():
+        return source
+    if checkpoint_files.checkpoints_dir(source).is_dir():
+        found = checkpoint_files.newest_valid_checkpoint(source)
+        if found is not None:
+            return found
+        raise CheckpointError(f"run folder {source} has no complete checkpoint to export")
+    raise CheckpointError(f"{source} is neither a run folder nor a checkpoint folder")
+
+
+def _model_state(folder: Path) -> dict[str, torch.Tensor]:
+    sharded = folder / checkpoint.SHARDED
+    if not sharded.is_dir():
+        return load_file(str(folder / "model.safetensors"))
+    if not any(sharded.glob("*.safetensors")):
+        raise CheckpointError(
+            f"checkpoint {folder} is a sharded checkpoint of accel-trainer 0.1, whose metadata is a pickle that"
+            " could run code when loaded; it is not read"
+        )
+    reader = HuggingFaceStorageReader(str(sharded))
+    model = {
+        name: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for name, entry in reader.read_metadata().state_dict_metadata.items()
+        if name.startswith(checkpoint.MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(model, storage_reader=reader, no_dist=True)
+    return {name[len(checkpoint.MODEL_PREFIX) :]: tensor for name, tensor in model.items()}

@@ -1,0 +1,237 @@
+"""What a checkpoint holds, and saving it on any layout (checkpoint/restore.py loads it).
+
+A checkpoint folder (`checkpoints/step_00000120/`) holds no pickle, so loading one cannot run code:
+    model.safetensors                  full weights (1 process or DDP), or
+    distributed/                       per-rank safetensors shards of model and optimizer (FSDP, tensor or
+                                       pipeline parallel), written and resharded on load by
+                                       torch.distributed.checkpoint's HF storage
+    optimizer.safetensors              the optimizer state (checkpoint/state_files.py: tensors, JSON structure); under
+                                       FSDP only its structure, the tensors being in distributed/
+    trainer.safetensors                LR scheduler and fp16 gradient-scaler state
+    ema.safetensors                    the EMA of the weights (ema.py), with `ema_decay`; under FSDP or tensor
+                                       parallelism its shards are `ema/` keys of distributed/ instead
+    rng_rank<r>.safetensors            every process's RNG states (python, numpy, torch, cuda)
+    train_state.json                   format, step, epoch, samples seen, recipe, config and its hash, world
+                                       size, layout, parameter shapes; the data position is derived from the step
+    config.yaml, manifest.json         the resolved config; sizes and checksums, written last
+
+Model and optimizer go through torch's layout-independent state-dict API (`get_state_dict` /
+`set_state_dict`, keyed by parameter names without DDP, FSDP or checkpoint-wrapper prefixes), and a sharded
+checkpoint is resharded on load, so a checkpoint written on one layout resumes on another: FSDP to 1 process
+or DDP and back, a pipeline to 1 process and back (checkpoint/pipeline_state.py). accelerate's `save_state` is not used
+because its non-FSDP files cannot be loaded into FSDP, it pickles (torch.save, and DCP's default format
+pickles its metadata), and it restores RNG states at the wrong moment for an exact mid-epoch resume
+(docs/accelerate-traps.md). A checkpoint of the earlier pickle
+format, or one holding any file accel-trainer does not write, is refused with one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from accel_trainer.checkpoint import files, state_files
+from accel_trainer.checkpoint.checks import FORMAT, TRAIN_STATE, config_hash
+from accel_trainer.checkpoint.files import CheckpointError
+from accel_trainer.checkpoint.pipeline_state import merge_optimizer_skeletons, whole_model_state
+from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.checkpoint.writer import BackgroundWriter
+from accel_trainer.config.layout import LayoutSettings, layout_to_dict
+from accel_trainer.config.train_config import TrainConfig, config_to_dict, config_to_yaml
+from accel_trainer.ema import WeightAverage
+from accel_trainer.optimizers import Optimizers
+from accel_trainer.parallel.sharding import is_sharded, tied_names
+from accel_trainer.rng import capture_rng_states, rng_file_name
+
+SHARDED = "distributed"
+OPTIMIZER = "optimizer.safetensors"
+TRAINER = "trainer.safetensors"
+MODEL_PREFIX = "model/"  # keys of the model's tensors among the sharded files' (the optimizer's: "optimizer/")
+EMA_PREFIX = "ema/"  # and of the EMA's
+EMA = "ema.safetensors"
+
+
+@dataclass(frozen=True)
+class Trained:
+    """The prepared objects whose state a checkpoint holds."""
+
+    model: torch.nn.Module
+    optimizers: Optimizers  # each with its schedule
+    whole: torch.nn.Module | None = None  # on a pipeline layout, the model whose stages `model` holds a part of
+    ema: WeightAverage | None = None  # the EMA of the weights, with ema_decay
+
+    def shapes_and_ties(self, model_state: dict[str, Any]) -> tuple[dict[str, Any], list[list[str]]]:
+        """The state whose shapes a checkpoint records and checks, and the groups of tied names: the whole
+        model's on a pipeline layout (each process's own state holds only its stages)."""
+        return (model_state, tied_names(model_state)) if self.whole is None else whole_model_state(self.whole)
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a checkpoint records about the run that wrote it, and checks on resume."""
+
+    recipe_name: str
+    cfg: TrainConfig
+    layout: LayoutSettings
+
+
+def save(
+    accelerator: Accelerator, run_dir: Path, state: TrainState, trained: Trained, identity: RunIdentity, *,
+    writer: BackgroundWriter | None = None, after_publish: Callable[[], None] | None = None,
+) -> Path:  # fmt: skip
+    """Write and publish the checkpoint of `state.step` (every process takes part); returns its folder.
+
+    With a `writer`, the main process snapshots the full model and optimizer state in host memory and writes
+    them, publishes and runs `after_publish` (retention) in the background, so training continues during
+    the write. A sharded (FSDP, tensor-parallel) save is always synchronous: it needs collectives.
+    """
+    step, sharded = state.step, is_sharded(accelerator, trained.model)
+    temporary = files.temporary_folder(run_dir, step)
+    if accelerator.is_main_process:
+        shutil.rmtree(temporary, ignore_errors=True)
+    problem = _agree(accelerator, _attempt(lambda: _prepare_folder(accelerator, temporary, writer)))
+    if problem is None:
+        model_state: Any
+        model_state, optimizer_state = get_state_dict(trained.model, trained.optimizers.torch_optimizers())
+        heavy_writes: list[Callable[[], None]] = []
+
+        def write_local_files() -> None:
+            heavy_writes.extend(_write_tensors(accelerator, temporary, model_state, optimizer_state, writer, sharded,
+                                               pipeline=trained.whole is not None,
+                                               ema=trained.ema.average if trained.ema else {}))  # fmt: skip
+            state_files.save(capture_rng_states(), temporary / rng_file_name(accelerator.process_index))
+            if accelerator.is_main_process:
+                _write_small_files(accelerator, temporary, state, trained.optimizers, identity,
+                                   *trained.shapes_and_ties(model_state))  # fmt: skip
+
+        problem = _agree(accelerator, _attempt(write_local_files))
+
+    def finish() -> None:
+        for write in heavy_writes:
+            write()
+        files.publish(temporary)
+        if after_publish is not None:
+            after_publish()
+
+    # Decided alike on every process: a background write (the main process's only) needs no agreement now;
+    # its failure is raised by writer.wait() at the next save, where the processes agree on it.
+    in_background = writer is not None and not sharded
+    if problem is None and in_background:
+        if accelerator.is_main_process:
+            writer.start(finish)  # type: ignore[union-attr]
+    elif problem is None:
+        problem = _agree(accelerator, _attempt(finish) if accelerator.is_main_process else None)
+    if problem is not None:
+        _stop_after_failed_save(accelerator, run_dir, temporary, step, problem)
+    return files.final_folder(run_dir, step)
+
+
+def _stop_after_failed_save(accelerator: Accelerator, run_dir: Path, temporary: Path, step: int, problem: str) -> None:
+    """Remove the half-written folder (so resume=auto never meets it) and raise one line saying what is left."""
+    newest = None
+    if accelerator.is_main_process:
+        shutil.rmtree(temporary, ignore_errors=True)
+        newest = files.newest_valid_checkpoint(run_dir)
+    raise CheckpointError(
+        f"saving the checkpoint of step {step} in {files.checkpoints_dir(run_dir)} failed ({problem}); the run"
+        f" stopped, its newest complete checkpoint {'is ' + newest.name if newest else 'is unchanged'}"
+    )
+
+
+def _prepare_folder(accelerator: Accelerator, temporary: Path, writer: BackgroundWriter | None) -> None:
+    """The main process waits for the last background write (raising its failure) and makes the folder."""
+    if accelerator.is_main_process:
+        if writer is not None:
+            writer.wait()
+        temporary.mkdir(parents=True)
+
+
+def _write_tensors(
+    accelerator: Accelerator, temporary: Path, model_state: Any, optimizer_state: Any,
+    writer: BackgroundWriter | None, sharded: bool, pipeline: bool = False, ema: dict[str, torch.Tensor] | None = None,
+) -> list[Callable[[], None]]:  # fmt: skip
+    """Write the sharded tensors (every process), or return the main process's writes of full ones."""
+    ema = ema or {}
+    if sharded:
+        optimizer_skeleton, optimizer_tensors = state_files.split(optimizer_state, "optimizer")
+        if pipeline:  # each process holds the optimizer state of its own stages
+            optimizer_skeleton = merge_optimizer_skeletons(gather_object([optimizer_skeleton]))
+        tensors = {**{MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}, **optimizer_tensors,
+                   **{EMA_PREFIX + name: tensor for name, tensor in ema.items()}}  # fmt: skip
+        dcp.save(
+            state_files.writable(tensors),
+            storage_writer=HuggingFaceStorageWriter(str(temporary / SHARDED), save_distributed=True),
+        )
+        if accelerator.is_main_process:
+            state_files.save_skeleton(optimizer_skeleton, temporary / OPTIMIZER)
+        return []
+    if not accelerator.is_main_process:
+        return []
+    if writer is not None:
+        staged = writer.snapshot({"model": model_state, "optimizer": optimizer_state, "ema": ema})
+        weights, optimizer_copy, average = staged["model"], staged["optimizer"], staged["ema"]
+    else:
+        weights, optimizer_copy, average = state_files.writable(model_state), optimizer_state, state_files.writable(ema)
+    writes: list[Callable[[], None]] = [
+        functools.partial(save_file, weights, str(temporary / "model.safetensors")),
+        functools.partial(state_files.save, optimizer_copy, temporary / OPTIMIZER, "optimizer"),
+    ]
+    if ema:
+        writes.append(functools.partial(save_file, average, str(temporary / EMA)))
+    return writes
+
+
+def _attempt(work: Callable[[], None]) -> str | None:
+    """Run file work; return what went wrong, in a line, instead of raising (the processes must agree first)."""
+    try:
+        work()
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - a full disk, a size limit, read-only, ...
+        cause: BaseException = error
+        if isinstance(error, CheckpointException) and error.failures:  # per rank: (exception, stack summary)
+            cause = next(iter(error.failures.values()))[0]
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    return None
+
+
+def _agree(accelerator: Accelerator, problem: str | None) -> str | None:
+    """Every process learns the first problem any of them had, so that all stop together instead of hanging."""
+    if accelerator.num_processes == 1:
+        return problem
+    problems = [p for p in gather_object([problem]) if p is not None]
+    return problems[0] if problems else None
+
+
+def _write_small_files(
+    accelerator: Accelerator, temporary: Path, state: TrainState, optimizers: Optimizers, identity: RunIdentity,
+    model_state: dict[str, Any], tied: list[list[str]],
+) -> None:  # fmt: skip
+    scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
+    state_files.save({**optimizers.scheduler_states(), "scaler": scaler}, temporary / TRAINER)
+    recorded = {
+        "format": FORMAT,
+        **state.to_dict(),
+        "recipe": identity.recipe_name,
+        "config_hash": config_hash(identity.cfg),
+        "world_size": accelerator.num_processes,
+        "layout": {"distributed_type": accelerator.distributed_type.value,
+                   "mixed_precision": accelerator.mixed_precision, **layout_to_dict(identity.layout)},
+        "parameter_shapes": {name: list(t.shape) for name, t in model_state.items()},
+        "tied_parameters": tied,
+        "config": config_to_dict(identity.cfg),
+    }  # fmt: skip
+    (temporary / TRAIN_STATE).write_text(json.dumps(recorded, indent=1))
+    (temporary / "config.yaml").write_text(config_to_yaml(identity.cfg))

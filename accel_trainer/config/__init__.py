@@ -1,0 +1,4 @@
+"""What a run is asked to do, typed: the recipe's config, the layout settings and how both are read from text.
+
+A leaf over `errors`: nothing here imports torch, accelerate or another package of accel_trainer.
+"""

@@ -1,0 +1,265 @@
+"""The recipe's training configuration (what to train, how long), and how a run's settings are resolved.
+
+A run's configuration is one dataclass: `TrainConfig` for the framework's fields, extended by each recipe
+with its own fields and defaults. How the hardware runs it is a separate group, the layout settings
+(config/layout.py), which a recipe cannot default. Both are resolved in one fixed order, lowest precedence first:
+
+    field defaults < the recipe's Config defaults < the layout's settings file (layout settings only)
+                   < `--config file.yaml` < `key=value` overrides
+
+A `--config` file and the overrides may hold keys of both groups; typing and unknown-key hints are in
+config/fields.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from accel_trainer.config.fields import check_values, config_fields, load_config_file, parse_duration, parse_steps
+from accel_trainer.config.layout import LayoutSettings, layout_to_dict, refuse_layout_fields
+from accel_trainer.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    """Framework fields shared by every recipe; recipes subclass it to add fields and change defaults."""
+
+    seed: int = 0
+    """Seed of model initialisation, data order and random streams. Dropout and sampling streams differ per
+    process, so only runs without them follow the same trajectory on every layout."""
+    max_steps: int = 1000
+    """Number of optimizer steps to train for."""
+    global_batch_size: int = 64
+    """Samples per optimizer step, summed over all processes and accumulation micro-batches."""
+    micro_batch_size: int | Literal["auto"] = 32
+    """Samples per process per forward pass; accumulation steps are derived from it and the process count. auto:
+    the largest that fits in memory, halved from the whole per-process batch until one fits (data/auto_batch.py)."""
+    lr: float = 1e-3
+    """Peak learning rate (before the optional scaling rule)."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup: cosine or linear down to min_lr_ratio * lr, or constant."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to the peak learning rate."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of the cosine or linear decay, as a fraction of the peak."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Scale lr by global_batch_size / reference_batch_size (linear) or its square root (sqrt)."""
+    reference_batch_size: int = 0
+    """Global batch size at which lr was tuned; required when lr_scaling is not none."""
+    weight_decay: float = 0.0
+    """AdamW weight decay, applied to matrices and embeddings but not to biases and norm gains."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    log_every_steps: int = 10
+    """Log training metrics every this many optimizer steps (0: only the last step)."""
+    eval_every_steps: int = 0
+    """Evaluate every this many optimizer steps; 0 evaluates only at the end."""
+    output_dir: str = ""
+    """Run folder; empty means outputs/<recipe>/<date-time>. Set it to resume or restart a run."""
+    resume: str = "auto"
+    """auto: continue from output_dir's newest complete checkpoint, if any; none: start fresh; or a checkpoint path."""
+    save_every_steps: int = 0
+    """Save a checkpoint every this many optimizer steps; 0 saves only at the end and on preemption."""
+    keep_last: int = 3
+    """Keep the newest this many checkpoints (0 keeps all); the newest complete one is never deleted."""
+    keep_best_metric: str = ""
+    """Also keep the checkpoint with the best value of this eval metric (e.g. eval/loss); empty: off."""
+    keep_best_mode: Literal["min", "max"] = "min"
+    """Whether the best keep_best_metric is the smallest or the largest."""
+    async_save: bool = False
+    """Write checkpoints in a background thread from a snapshot in host memory (not under FSDP)."""
+    num_dataloader_workers: int = 0
+    """Worker processes per data loader; 0 loads batches in the training process."""
+    num_prefetch_batches: int = 0
+    """Training micro-batches a background thread builds ahead while the step computes (map-style sets; paused
+    while evaluating; up to N+2 built ahead). Building a batch must draw nothing from global random generators
+    (a draw in each epoch's first batches is refused) nor read training state; 0: built in the step."""
+    early_stop_metric: str = ""
+    """Stop when this eval metric (e.g. eval/loss) has not improved for early_stop_patience evaluations; the run
+    saves a checkpoint and ends normally. Empty: never stop early."""
+    early_stop_patience: int = 3
+    """Evaluations without an improvement before an early stop."""
+    early_stop_mode: Literal["min", "max"] = "min"
+    """Whether lower (loss) or higher (accuracy) values of early_stop_metric are better."""
+    early_stop_min_delta: float = 0.0
+    """The smallest change of early_stop_metric that counts as an improvement."""
+    max_time: str = ""
+    """Wall-clock budget of the run, e.g. 2h30m, 90m or 45s: once spent, it saves a checkpoint and exits with
+    status 75 like a preemption, so a scheduler can chain jobs (the same command continues with a new budget)."""
+    skip_nonfinite_steps: bool = True
+    """Check every step's loss and gradient norm (one host read per step) and skip a step where either is NaN or
+    Inf, counting it as nonfinite_steps (stopping/nonfinite.py); false: no check, no per-step read."""
+    max_nonfinite_in_a_row: int = 5
+    """Non-finite steps in a row after which the run saves a checkpoint of the last finite weights and stops with
+    an error; 1 stops at the first."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the weights (fp32, sharded like the model), updated after every
+    optimizer step with this decay, e.g. 0.999; saved in checkpoints, exported to final/ema/. 0: none."""
+    evaluate_ema: bool = False
+    """Also evaluate the EMA weights at each evaluation, logged as eval_ema/<metric> (needs ema_decay)."""
+    data_cache_gb: float = 1.0
+    """Memory per process for holding a map-style set's columns as tensors and reading each micro-batch in
+    one indexing (data/columns.py; with the default collate only); 0 reads and collates row by row."""
+    show_progress_bar: bool = True
+    """Show a tqdm progress bar on the main process."""
+    profile_steps: str = ""
+    """Profile these optimizer steps, e.g. 5-8: chrome traces, op tables (and CUDA memory) in <run>/profile."""
+    trackers: tuple[str, ...] = ()
+    """Experiment trackers mirroring metrics.jsonl, comma-separated: tensorboard, wandb, mlflow, trackio, ..."""
+
+
+def resolve_settings(
+    config_cls: type[TrainConfig],
+    config_file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    layout_file: Path | None = None,
+) -> tuple[TrainConfig, LayoutSettings]:
+    """Build the run's config and layout settings, each value checked and typed, in precedence order.
+
+    Raises:
+        ConfigError: an unknown key, a value of the wrong type or out of range, a recipe config that
+            declares a layout setting, or a recipe config key in the layout's settings file.
+    """
+    refuse_layout_fields(config_cls)
+    config_values: dict[str, Any] = {}
+    layout_values: dict[str, Any] = {}
+    if layout_file is not None:
+        from_layout = load_config_file(layout_file)
+        misplaced = sorted(set(map(str, from_layout)) & set(config_fields(config_cls)))
+        if misplaced:
+            raise ConfigError(
+                f"{misplaced[0]} in {layout_file} is a recipe config key, not a layout setting: set it with"
+                " --config or key=value"
+            )
+        (typed,) = check_values((LayoutSettings,), from_layout, f"in {layout_file}")
+        layout_values.update(typed)
+    sources = [(load_config_file(config_file), f"in {config_file}")] if config_file is not None else []
+    for values, where in [*sources, (dict(overrides or {}), "in overrides")]:
+        typed_config, typed_layout = check_values((config_cls, LayoutSettings), values, where)
+        config_values.update(typed_config)
+        layout_values.update(typed_layout)
+    config, layout = config_cls(**config_values), LayoutSettings(**layout_values)
+    validate_config(config)
+    validate_config(layout)
+    return config, layout
+
+
+def resolve_config(
+    config_cls: type[TrainConfig],
+    config_file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> TrainConfig:
+    """The recipe config half of `resolve_settings` (layout keys are still checked)."""
+    return resolve_settings(config_cls, config_file, overrides)[0]
+
+
+# The smallest value each framework field accepts, and whether the bound itself is allowed. A count below
+# it would not fail later: max_steps=-5 trained nothing and exited 0.
+_LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
+    "max_steps": (1, True), "global_batch_size": (1, True), "micro_batch_size": (1, True),
+    "warmup_steps": (0, True), "log_every_steps": (0, True), "eval_every_steps": (0, True),
+    "save_every_steps": (0, True), "keep_last": (0, True), "num_dataloader_workers": (0, True),
+    "num_prefetch_batches": (0, True), "data_cache_gb": (0, True), "early_stop_patience": (1, True),
+    "early_stop_min_delta": (0, True),
+    "reference_batch_size": (0, True), "lr": (0, True), "weight_decay": (0, True), "max_grad_norm": (0, True),
+    "min_lr_ratio": (0, True), "collective_timeout_s": (0, False), "fp16_init_scale": (0, False),
+    "peak_tflops": (0, True), "max_nonfinite_in_a_row": (1, True), "ema_decay": (0, True),
+    "fp16_growth_interval": (1, True), "ddp_bucket_cap_mb": (1, True), "ddp_powersgd_rank": (1, True),
+}  # fmt: skip
+
+
+def validate_config(config: TrainConfig | LayoutSettings) -> None:
+    """Check the framework fields' ranges up front, so a bad value is a one-line error before any work.
+
+    Raises:
+        ConfigError: naming the field, its value and the range it must be in.
+    """
+    for name, (bound, inclusive) in _LOWER_BOUNDS.items():
+        if not hasattr(config, name):  # the bounds cover the config and the layout settings
+            continue
+        value = getattr(config, name)
+        if isinstance(value, str):  # micro_batch_size=auto
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}={value}: expected a finite number")
+        if value < bound or (value == bound and not inclusive):
+            relation = "at least" if inclusive else "more than"
+            raise ConfigError(f"{name}={value}: must be {relation} {bound}")
+    if isinstance(config, TrainConfig):
+        parse_steps(config.profile_steps)  # raises its own one-line error
+    if isinstance(config, TrainConfig) and config.min_lr_ratio > 1:
+        raise ConfigError(f"min_lr_ratio={config.min_lr_ratio}: must be at most 1 (a fraction of the peak lr)")
+    if isinstance(config, TrainConfig) and config.ema_decay >= 1:
+        raise ConfigError(f"ema_decay={config.ema_decay}: must be below 1 (1 would never move), e.g. 0.999")
+    if isinstance(config, TrainConfig) and config.evaluate_ema and not config.ema_decay:
+        raise ConfigError("evaluate_ema=true needs EMA weights to evaluate: set ema_decay too, e.g. 0.999")
+    if isinstance(config, TrainConfig) and config.max_time:
+        parse_duration(config.max_time)  # a one-line error now, not after the setup
+
+
+def config_warnings(config: TrainConfig) -> list[str]:
+    """Values that are valid but probably not what was meant."""
+    problems = []
+    if config.warmup_steps > config.max_steps:
+        problems.append(
+            f"warmup_steps={config.warmup_steps} is beyond max_steps={config.max_steps}: the learning rate never"
+            " reaches its peak"
+        )
+    if not config.skip_nonfinite_steps and config.max_nonfinite_in_a_row != TrainConfig.max_nonfinite_in_a_row:
+        problems.append(
+            f"max_nonfinite_in_a_row={config.max_nonfinite_in_a_row} has no effect with skip_nonfinite_steps=false:"
+            " nothing checks the loss for NaN or Inf"
+        )
+    return problems
+
+
+def config_to_dict(config: TrainConfig) -> dict[str, Any]:
+    """Plain dict of a config, with tuples as lists so that it round-trips through YAML."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+
+
+def config_to_yaml(config: TrainConfig) -> str:
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
+def layout_to_yaml(layout: LayoutSettings) -> str:
+    return yaml.safe_dump(layout_to_dict(layout), sort_keys=False)
+
+
+def check_measurable(setting: str, name: str, cfg: TrainConfig, has_eval: bool) -> None:
+    """Refuse a setting naming an eval metric that could never be measured during the run (keep-best, early
+    stopping), before any training.
+
+    Raises:
+        ConfigError: not an eval metric (eval/<name>, or eval_ema/<name> with evaluate_ema), no eval set, or no
+            evaluation before the end.
+    """
+    if name.startswith("eval_ema/") and not cfg.evaluate_ema:
+        raise ConfigError(f"{setting}={name!r} is a metric of the EMA weights: set evaluate_ema=true and ema_decay")
+    if not name.startswith(("eval/", "eval_ema/")):
+        raise ConfigError(f"{setting}={name!r}: name an eval metric, such as eval/loss")
+    if not has_eval:
+        raise ConfigError(f"{setting}={name!r}: this recipe has no eval set to measure it on")
+    if cfg.eval_every_steps <= 0:
+        raise ConfigError(
+            f"{setting}={name!r} needs evaluations during the run: set eval_every_steps (it is 0, which"
+            " evaluates only at the end)"
+        )
+
+
+def metric_of(setting: str, name: str, scores: dict[str, Any]) -> float:
+    """The value of the eval metric a setting names, or a one-line error listing the recipe's metrics (raised at
+    the step-0 evaluation, before any training)."""
+    if name not in scores:
+        raise ConfigError(
+            f"{setting}={name!r} is not among the eval metrics this recipe returns ({', '.join(sorted(scores))}):"
+            " use one of those"
+        )
+    return float(scores[name])

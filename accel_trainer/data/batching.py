@@ -1,0 +1,64 @@
+"""Batch arithmetic: how a layout-free global batch becomes micro-batches and accumulation steps.
+
+`global_batch_size` (samples per optimizer step) and `micro_batch_size` (samples per process per forward
+pass) are what a user sets; the accumulation steps follow from the number of processes. Because every
+optimizer step consumes exactly one global batch, a run follows the same trajectory on any layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from accel_trainer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step is split across processes and micro-batches."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    num_processes: int
+    accumulation_steps: int
+
+    def steps_per_epoch(self, num_samples: int) -> int:
+        """Optimizer steps in one pass over `num_samples`; the incomplete last global batch is skipped."""
+        steps = num_samples // self.global_batch_size
+        if steps == 0:
+            raise ConfigError(
+                f"the training set has {num_samples} samples, fewer than global_batch_size="
+                f"{self.global_batch_size}; lower global_batch_size"
+            )
+        return steps
+
+
+def plan_batches(global_batch_size: int, micro_batch_size: int, num_processes: int) -> BatchPlan:
+    """Derive accumulation steps, or explain which sizes to change when they do not divide."""
+    if global_batch_size <= 0 or micro_batch_size <= 0:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} and micro_batch_size={micro_batch_size} must be positive"
+        )
+    per_step = micro_batch_size * num_processes
+    if global_batch_size % per_step:
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size={micro_batch_size}"
+            f" x {num_processes} data-parallel rank(s) = {per_step}; pick a global_batch_size divisible by {per_step}"
+            " or a smaller micro_batch_size"
+        )
+    return BatchPlan(global_batch_size, micro_batch_size, num_processes, global_batch_size // per_step)
+
+
+def per_process_batch(global_batch_size: int, num_processes: int) -> int:
+    """Samples per process per optimizer step: the largest micro-batch, with no accumulation.
+
+    Raises:
+        ConfigError: the global batch does not split evenly over the processes.
+    """
+    return plan_batches(global_batch_size, 1, num_processes).accumulation_steps
+
+
+def halved_micro_batch(per_process: int, micro_batch_size: int) -> int:
+    """The micro-batch to try after `micro_batch_size` ran out of memory: the largest divisor of the per-process
+    batch that is at most half of it (so the accumulation steps stay whole and the global batch the same); 0
+    when even 1 did not fit."""
+    return next((size for size in range(micro_batch_size // 2, 0, -1) if per_process % size == 0), 0)

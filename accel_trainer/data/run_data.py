@@ -1,0 +1,78 @@
+"""A run's data, owned in one place: its sets, loaders or stream, batch plan and data ranks.
+
+The loop asks it for the training micro-batches from a resume point (`micro_batches`), for this process's eval
+batches (`eval_batches`) and, before a save, for the stream position a checkpoint carries (`stream_position`).
+A map-style set's position is derived from the step; a stream's is the (epoch, examples read) it reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from accelerate import Accelerator
+
+from accel_trainer.data import loaders
+from accel_trainer.data.batching import BatchPlan
+from accel_trainer.data.prefetch import PrefetchGate
+from accel_trainer.data.streams import TrainStream, eval_batches
+from accel_trainer.parallel.mesh import DataRanks
+
+
+@dataclass
+class RunData:
+    """The data one run trains and evaluates on, as this process reads it."""
+
+    collate: Callable[[list[Any]], Any]
+    plan: BatchPlan
+    ranks: DataRanks  # the data-parallel dimension: what the data path and the item counts use
+    train_set: Any
+    train_loader: Any  # None for a stream (data/streams.py)
+    eval_set: Any
+    eval_loader: Any  # None for a stream, or without an eval set
+    steps_per_epoch: int | None  # None for a stream: its epochs end where it does
+    num_prefetch_batches: int = 0
+    prefetch_gate: PrefetchGate = field(default_factory=PrefetchGate)  # held shut while evaluating
+    _stream: TrainStream | None = field(default=None, init=False)  # the stream being read, once reading began
+
+    def micro_batches(
+        self,
+        start_step: int,
+        position: list[int] | None,
+        accelerator: Accelerator,
+        resume_rng: Callable[[], None] | None,
+    ) -> Iterator[tuple[int, Any]]:
+        """This process's training micro-batches after `start_step` optimizer steps (a stream: from its saved
+        `position`), with the RNG states restored in time."""
+        if self.train_loader is None:
+            epoch, read = position or [0, 0]
+            stream = TrainStream(
+                loaders.as_torch(self.train_set), self.collate, self.plan, self.ranks.rank, (epoch, read)
+            )
+            self._stream = stream
+            return stream.micro_batches(resume_rng)
+        return loaders.micro_batches(
+            self.train_loader,
+            self.plan,
+            self.steps_per_epoch or 0,
+            start_step=start_step,
+            skip_first_batches=accelerator.skip_first_batches,
+            resume_rng=resume_rng,
+            prefetch=self.num_prefetch_batches,
+            gate=self.prefetch_gate,
+            device=accelerator.device,
+        )
+
+    def stream_position(self) -> list[int] | None:
+        """A stream's (epoch, examples read) for the checkpoint; None for a map-style set."""
+        return None if self._stream is None else list(self._stream.position)
+
+    def eval_batches(self) -> tuple[Any, bool]:
+        """This process's eval micro-batches, and whether they still hold the loader's padding duplicates."""
+        if self.eval_loader is not None:
+            return self.eval_loader, True
+        batches = eval_batches(
+            loaders.as_torch(self.eval_set), self.collate, self.plan.micro_batch_size, self.ranks.rank, self.ranks.size
+        )
+        return batches, False

@@ -1,0 +1,250 @@
+"""`accel-trainer doctor [--config_file LAYOUT]`: is this machine ready to run LAYOUT?
+
+Prints the environment (versions, devices, the variables that steer a launch; accelerate's own `accelerate env`
+report plus accel-trainer's), then launches the layout's processes with `accelerate launch -m
+accel_trainer.doctor.worker` for a few seconds and says in one line per check what passed or failed, with
+the fix: the rendezvous port, the rendezvous itself, the world size against the layout's num_processes (the
+silently-single-process trap, docs/accelerate-traps.md), an all-reduce, a broadcast, and where each process
+placed its tensors. The verdicts on the workers' reports are in doctor/checks.py.
+
+Exit status: 0 when every check passed, 1 when one failed, 2 for a layout file that is missing or not an
+accelerate config (one line, like every accel-trainer user error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+from argparse import Namespace
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accel_trainer.doctor.checks import Check, judge, port_in_output
+from accel_trainer.errors import ConfigError
+from accel_trainer.processes import free_port
+
+DEFAULT_LAYOUT = Path("accelerate_configs") / "cpu_ddp.yaml"
+"""Two processes (gloo on the CPU, or 2 GPUs): the smallest layout with a rendezvous and collectives to check."""
+_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS",
+              "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "TORCH_DISTRIBUTED_DEBUG",
+              "TORCH_CPP_LOG_LEVEL", "ACCEL_TRAINER_FULL_TRACEBACK")  # fmt: skip
+_PREFIXES = ("NCCL_", "TORCH_NCCL_", "ACCELERATE_")
+_LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_OUTPUT_TAIL_LINES = 15
+_NATIVE_FRAME = re.compile(r"\s*(frame #\d+: |<omitting python frames>|Exception raised from )")
+
+
+def doctor(config_file: str | None = None, timeout_s: float = 60.0) -> int:
+    """Print the environment and one line per check; return the exit status (0 all passed, 1 one failed).
+
+    Raises:
+        ConfigError: the layout file is missing, is not an accelerate config, or spans several machines; a
+            timeout that is not positive.
+    """
+    if not timeout_s > 0:
+        raise ConfigError(f"--timeout_s {timeout_s:g}: must be more than 0")
+    path = layout_path(config_file)
+    layout = load_layout(path)
+    print(environment_report(path))
+    count = layout.num_processes if layout.distributed_type != "NO" else 1
+    print(f"\nchecks: {count} process(es) of {path}, at most {timeout_s:g} s")
+    port, port_check = rendezvous_port(layout, path)
+    pinned = layout.main_process_port not in (None, 0)
+    with tempfile.TemporaryDirectory(prefix="accel_trainer_doctor_") as scratch:
+        output, timed_out = launch(path, None if pinned else port, Path(scratch), timeout_s)
+        reports = [json.loads(p.read_text()) for p in sorted(Path(scratch).glob("rank*.json"))]
+    if port_check.status == "ok":
+        port_check = port_in_output(output, port) or port_check
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    checks = [port_check, *judge(layout, path, reports, timed_out, timeout_s, cuda_count)]
+    for check in checks:
+        print(check.line())
+    failed = any(check.status == "FAIL" for check in checks)
+    if failed and output.strip():
+        print("\nthe launcher's last lines:\n" + "\n".join("  " + line for line in _tail(output)))
+    return 1 if failed else 0
+
+
+def layout_path(config_file: str | None) -> Path:
+    """The layout to check: the one given; else accelerate_configs/cpu_ddp.yaml (2 processes), or gpu.yaml on a
+    machine with exactly one GPU (cpu_ddp.yaml would put both processes there), here or in this checkout."""
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"--config_file {config_file} does not exist; pass an accelerate config such as"
+                              f" {DEFAULT_LAYOUT}")  # fmt: skip
+        return path
+    default = DEFAULT_LAYOUT.with_name("gpu.yaml") if torch.cuda.device_count() == 1 else DEFAULT_LAYOUT
+    for folder in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        if (folder / default).is_file():
+            return folder / default
+    raise ConfigError(f"no --config_file given and no {default} here: pass the layout to check")
+
+
+def load_layout(path: Path) -> Any:
+    """The layout as accelerate's launcher reads it (its `ClusterConfig`).
+
+    Raises:
+        ConfigError: not YAML, not an accelerate config (accelerate's reason in one line), or several machines.
+    """
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    if not path.read_text().strip():
+        raise ConfigError(f"{path} is empty: write an accelerate config there (`accelerate config`), or pass one"
+                          " such as accelerate_configs/cpu_ddp.yaml")  # fmt: skip
+    try:
+        layout = load_config_from_file(str(path))
+    except Exception as error:  # noqa: BLE001 - yaml, unknown keys, a list instead of a mapping: all one line
+        raise ConfigError(f"{path} is not an accelerate config: {' '.join(str(error).split())}") from None
+    if (layout.num_machines or 1) > 1:
+        raise ConfigError(f"{path} spans {layout.num_machines} machines; doctor launches one machine's"
+                          " processes: check a one-machine layout of them (cpu_ddp.yaml, 4gpu_ddp.yaml)")  # fmt: skip
+    return layout
+
+
+def environment_report(path: Path) -> str:
+    """accelerate's `accelerate env` facts, the packages accel-trainer uses, devices, CPUs and variables."""
+    from accelerate.commands.env import env_command
+
+    with contextlib.redirect_stdout(io.StringIO()):  # keep its facts, drop its "paste into your issue" text
+        facts = {key.replace("`", ""): value for key, value in env_command(Namespace(config_file=str(path))).items()}
+    versions = ", ".join(f"{name} {_version(name)}" for name in ("accel-trainer", "accelerate", "torch", "datasets",
+                                                                  "transformers", "numpy"))  # fmt: skip
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        devices = f"{len(names)} CUDA device(s): {', '.join(names)} (CUDA {torch.version.cuda})"
+    else:
+        devices = f"no CUDA device (torch {torch.__version__}, accelerator: {facts.get('PyTorch accelerator')})"
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
+    variables = {k: v for k, v in os.environ.items() if k in _VARIABLES or k.startswith(_PREFIXES)}
+    lines = [
+        "environment",
+        f"  versions: Python {platform.python_version()}, {versions}",
+        f"  platform: {facts.get('Platform')}; {_accelerate_command(facts.get('accelerate bash location'))}",
+        f"  devices: {devices}; {os.cpu_count()} CPUs ({usable} usable), {facts.get('System RAM')} RAM",
+        "  variables: " + (" ".join(f"{k}={v}" for k, v in sorted(variables.items())) or "none of the launch ones set"),
+        f"  layout {path}: " + _layout_summary(facts.get("Accelerate configs")),
+    ]
+    stray = [name for name in _LAUNCHER_VARIABLES if name in os.environ]
+    if stray:
+        lines.append(f"  note: {', '.join(stray)} set in this shell: a script started without a launcher will"
+                     " believe a launcher started it (launchers replace them for their workers)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def rendezvous_port(layout: Any, path: Path) -> tuple[int, Check]:
+    """The port the launch will meet on and whether it is free: the layout's main_process_port, or a free one."""
+    if layout.distributed_type == "NO":
+        return 0, Check("ok", "port", "one process: no rendezvous port needed")
+    if layout.main_process_port in (None, 0):
+        port = free_port()
+        return port, Check("ok", "port", f"{path.name} pins no main_process_port; this check used free port {port}")
+    port = int(layout.main_process_port)
+    holder = port_holder(port)
+    if holder is None:
+        return port, Check("ok", "port", f"{port} (main_process_port in {path.name}) is free")
+    return port, Check(
+        "FAIL", "port",
+        f"{port} (main_process_port in {path.name}) is in use{holder}: on one machine accelerate moves the launch"
+        " to a random port with a warning, on several it refuses to start",
+        f"set main_process_port in {path.name} to a free port ({free_port()} is free now) or to 0 (any free port),"
+        " or pass --main_process_port to accelerate launch, or stop the process holding it",
+    )  # fmt: skip
+
+
+def port_holder(port: int) -> str | None:
+    """None when `port` is free; else " (pid N, name)" where the holder can be seen, or ""."""
+    from accelerate.utils.other import is_port_in_use
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free for a store
+        try:
+            probe.bind(("", port))
+            taken = is_port_in_use(port)  # accelerate's own test: something answers on localhost
+        except OSError:
+            taken = True
+    if not taken:
+        return None
+    with contextlib.suppress(Exception):
+        import psutil
+
+        for connection in psutil.net_connections(kind="inet"):
+            if connection.laddr and connection.laddr.port == port and connection.pid:
+                return f" (pid {connection.pid}, {psutil.Process(connection.pid).name()})"
+    return ""
+
+
+def launch(path: Path, port: int | None, folder: Path, timeout_s: float) -> tuple[str, bool]:
+    """Run the workers under `accelerate launch`; return the launcher's output and whether it was stopped.
+
+    A launch still running after `timeout_s` is ended whole (the launcher, torchrun's agent and every worker).
+    The workers' collectives time out a little earlier, so that a process stuck in one reports where it was.
+    """
+    # The `accelerate` command's own entry point: its `launch` word is how the workers find the layout's
+    # settings file (launch_fixes.launch_config_path), as in a training launch.
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(path)]
+    command += ["--main_process_port", str(port)] if port else []
+    command += ["-m", "accel_trainer.doctor.worker", str(folder), str(0.75 * timeout_s)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as process:
+        try:
+            return process.communicate(timeout=timeout_s)[0], False
+        except subprocess.TimeoutExpired:
+            _kill_tree(process.pid)
+            return process.communicate()[0], True
+
+
+def _kill_tree(pid: int) -> None:
+    """End the launcher and every process under it: torchrun starts each worker in a session of its own."""
+    import psutil
+
+    try:
+        family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        family = []
+    for member in family:
+        with contextlib.suppress(psutil.Error):
+            member.kill()
+
+
+def _layout_summary(config: Any) -> str:
+    if not isinstance(config, dict):
+        return str(config)
+    shown = {key: value for key, value in config.items()
+             if key == "use_cpu" or value not in (None, False, "", {}, []) and not key.startswith("tpu_")}  # fmt: skip
+    return ", ".join(f"{key}={value.value if hasattr(value, 'value') else value}" for key, value in shown.items())
+
+
+def _accelerate_command(location: Any) -> str:
+    """Where `accelerate` is on PATH, and whether it is this Python's (the doctor launches with this Python)."""
+    ours = Path(sys.executable).parent / "accelerate"
+    if location == str(ours):
+        return f"accelerate command: {location}"
+    if location in (None, "Not found"):
+        return f"no accelerate command on PATH (this Python's is {ours}; the checks below use it)"
+    return (f"accelerate command on PATH: {location}, not this Python's ({ours}): `accelerate launch` may run"
+            " another installation; the checks below use this Python's")  # fmt: skip
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _tail(output: str) -> list[str]:
+    """The last lines of the launcher's output, without the C++ stack frames torch adds to its errors."""
+    lines = [line for line in output.rstrip().splitlines() if not _NATIVE_FRAME.match(line)]
+    return lines[-_OUTPUT_TAIL_LINES:]

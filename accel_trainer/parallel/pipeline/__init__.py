@@ -1,0 +1,3 @@
+"""Pipeline parallelism: where the model is cut, the stages run by torch's schedules, their sharding and
+gradients. The state a pipeline checkpoint holds lives in `checkpoint/pipeline_state.py`, its one user.
+"""

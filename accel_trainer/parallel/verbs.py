@@ -1,0 +1,111 @@
+"""The verbs of one optimizer step for the current layout, chosen once at start.
+
+The loop calls `backward`, `clip_grad_norm`, `optimizer_step` and `zero_grad` on a `StepVerbs`, which speaks
+accelerate's verbs (`accelerator.backward`, `accelerator.clip_grad_norm_`, `AcceleratedOptimizer.step`) where
+they do work that matters: a gradient scaler to unscale and step through (fp16) or sharded gradients
+(FSDP). Elsewhere (no scaler; one process, DDP or CPU DDP) those verbs only add per-step overhead:
+`AcceleratedOptimizer.step` runs `importlib.util.find_spec` twice per step (its LOMO check), `zero_grad`
+runs `inspect.signature` every call, about 150 us per step on the CPU; `backward` and `clip_grad_norm_` add
+version checks and parameter scans (~16 us). There the same operations go to torch directly, measured
+bit-identical (tests/test_step.py), which lifted the tiny-model ratio from ~0.92 to ~0.97 of a plain loop.
+
+Clipping there is torch's own arithmetic without torch's per-call dispatch. `torch.nn.utils.clip_grad_norm_`
+groups the gradients by device and dtype and checks each for foreach support on every call (plus its no_grad
+wrappers): 25 of the 66 us it takes for a six-tensor MLP on the CPU, and 124 us of a 650 us step inside a run
+(benchmarks/overhead.py, case (b)). Where every parameter is a plain tensor in one dtype on one device with
+foreach kernels, which is decided once, `clip_one_group` runs the same kernels in the same order
+(`_foreach_norm`, `vector_norm` of their stack, the clamped coefficient, `_foreach_mul_`), bit-identical
+(tested, finite and non-finite norms); with no clipping asked (max_norm inf) it only measures, as the other
+direct layouts then do. A canary test fails when torch stops grouping on every call: then this should go.
+
+DeepSpeed, XLA and Megatron-LM layouts are refused when the Accelerator is built (parallel/accelerator.py), so the
+fast choice is made only among layouts whose behaviour is known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _device_has_foreach_support
+
+_PLAIN_LAYOUTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+class StepVerbs:
+    """backward, clip, step and zero_grad for one prepared optimizer on the current layout."""
+
+    def __init__(
+        self, accelerator: Accelerator, optimizer: AcceleratedOptimizer, parameters: list[torch.Tensor]
+    ) -> None:
+        """`parameters`: what `clip_grad_norm` measures and clips (the prepared model's, or one alternating phase's
+        optimizer's): they stay the same objects all run."""
+        self.accelerator = accelerator
+        self.optimizer = optimizer
+        self.parameters = parameters
+        # Decided once: neither the layout nor the presence of a scaler changes during a run.
+        self.direct = accelerator.scaler is None and accelerator.distributed_type in _PLAIN_LAYOUTS
+        self.one_group = self.direct and _one_foreach_group(self.parameters)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`accelerator.backward`, including its division by the accumulation steps."""
+        if not self.direct:
+            self.accelerator.backward(loss)
+            return
+        steps = self.accelerator.gradient_accumulation_steps
+        (loss / steps if steps > 1 else loss).backward()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The gradients' norm, after scaling them to at most `max_norm`; through `accelerator.clip_grad_norm_`
+        where it unscales fp16 gradients or handles sharded ones first. With max_norm inf (no clipping asked) the
+        direct layouts only measure: torch's clip would multiply every gradient by 1, or by NaN when the norm is
+        not finite."""
+        if not self.direct:
+            norm = self.accelerator.clip_grad_norm_(self.parameters, max_norm)
+        elif self.one_group:
+            norm = clip_one_group(self.parameters, max_norm)
+        elif max_norm == float("inf"):
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters if p.grad is not None])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # tensor parallel: a replicated DTensor
+
+    def optimizer_step(self) -> bool:
+        """Take the optimizer step; returns False when the fp16 scaler skipped it (inf/NaN gradients)."""
+        if self.direct:
+            self.optimizer.optimizer.step()
+            return True
+        self.optimizer.step()
+        return not self.optimizer.step_was_skipped
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (set to None) without accelerate's per-call signature inspection.
+
+        Always direct: the loop calls it only after an optimizer step, where accelerate's own `zero_grad`
+        would do the same.
+        """
+        self.optimizer.optimizer.zero_grad(set_to_none=True)
+
+
+def _one_foreach_group(parameters: Sequence[torch.Tensor]) -> bool:
+    """Whether the parameters are plain tensors of one dtype on one device that has foreach kernels."""
+    kinds = {(parameter.device, parameter.dtype) for parameter in parameters}
+    plain = all(type(parameter) in (torch.Tensor, torch.nn.Parameter) for parameter in parameters)
+    return len(kinds) == 1 and plain and _device_has_foreach_support(parameters[0].device)
+
+
+@torch.no_grad()
+def clip_one_group(parameters: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_(parameters, max_norm)` for one device and dtype, bit for bit; with max_norm
+    inf, `get_total_norm` (the gradients untouched)."""
+    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    if not grads:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)  # its zero norm, on its device
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    if max_norm != float("inf"):  # no clipping asked: nothing to scale
+        torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+    return total

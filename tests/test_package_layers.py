@@ -1,0 +1,104 @@
+"""The package is layered: each part imports only parts below it, so it reads and changes bottom-up.
+
+From the top: the face (the command, the doctor, `train`/`main`, starting processes), the loop and its step,
+the prepared run, the ways a run stops, what it records (`observe/`), checkpoints, optimizers and the EMA,
+data, the layouts (`parallel/`), the recipe contract, the configuration (`config/`, a leaf over `errors`).
+Every import counts, also one inside a function or under TYPE_CHECKING: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+
+from conftest import REPO
+
+PACKAGE = REPO / "accel_trainer"
+LAYERS = [  # bottom first; a unit is a top-level module or a whole package
+    {"errors", "rng", "warning_lines", "closed_stdout"},
+    {"config"},
+    {"losses"},
+    {"recipe", "hf_loss", "eval_outputs", "batch_rows", "schedules", "model_calls"},
+    {"registry"},
+    {"parallel"},
+    {"data"},
+    {"ema", "optimizers"},
+    {"checkpoint"},
+    {"observe"},
+    {"stopping"},
+    {"prepared_run"},
+    {"evaluation", "training_step"},
+    {"loop"},
+    {"processes"},
+    {"run"},
+    {"doctor", "new_recipe"},
+    {"cli"},
+    {"__main__", "__init__"},
+]
+FLOOR = {unit: floor for floor, units in enumerate(LAYERS) for unit in units}
+
+
+def module_name(path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def unit_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports() -> dict[str, set[str]]:
+    """Each module's imports of other accel_trainer modules (a name imported from a package that is a module
+    counts as that module)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("accel_trainer"):
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            graph[module] |= {name for name in names if name in modules and name not in (module, "accel_trainer")}
+    return graph
+
+
+def test_every_module_belongs_to_a_layer():
+    units = {unit_of(module_name(path)) for path in PACKAGE.rglob("*.py")}
+    assert units - set(FLOOR) == set(), "add the new module or package to LAYERS"
+
+
+def test_every_import_goes_down_a_layer_or_stays_within_its_package():
+    upward = []
+    for module, targets in sorted(imports().items()):
+        for target in sorted(targets):
+            here, there = unit_of(module), unit_of(target)
+            if here != there and FLOOR[there] >= FLOOR[here]:
+                upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_there_is_no_import_cycle_between_modules():
+    graph, state, cycles = imports(), {}, []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in graph.get(module, ()):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_the_configuration_is_a_leaf_over_the_errors():
+    for module, targets in imports().items():
+        if unit_of(module) == "config":
+            assert {unit_of(target) for target in targets} <= {"config", "errors"}, (module, targets)
