@@ -115,7 +115,9 @@ class _TrainHelp(argparse.Action):
 
 def _add_train_parser(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser(
-        "train", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "train",
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="train a recipe: accel-trainer train RECIPE [--config FILE] key=value ... (--help: the recipes)",
         usage="accel-trainer train RECIPE [--config FILE.yaml] [key=value ...]",
         description="Train a registered recipe, in this process or in each process of a launcher:\n"
@@ -123,20 +125,24 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
         "  accelerate launch --config_file accelerate_configs/<layout>.yaml -m accel_trainer train RECIPE key=value"
         " ...\n\nEach recipe has its own config keys: `accel-trainer train RECIPE --help` prints them, with their"
         " defaults and\nwhat each does.",
-    )  # fmt: skip
+    )
     train.add_argument("recipe", metavar="RECIPE", help="a registered recipe's name (listed below)")
     train.add_argument("-h", "--help", nargs=0, action=_TrainHelp, help="show this help and the recipes, and exit")
 
 
 def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:
     checker = commands.add_parser(
-        "doctor", help="print the environment, launch a layout's processes and check them",
+        "doctor",
+        help="print the environment, launch a layout's processes and check them",
         description="Print the environment, launch the layout's processes for a few seconds and check the rendezvous,"
         " world size, an all-reduce, a broadcast and device placement, one line each. Exit status 0: all passed;"
         " 1: a check failed (its line says the fix); 2: the config file is missing or not an accelerate config.",
-    )  # fmt: skip
-    checker.add_argument("--config_file", help="the accelerate config to check (default: accelerate_configs/"
-                         "cpu_ddp.yaml, 2 processes: gloo on the CPU or 2 GPUs; gpu.yaml with one GPU)")  # fmt: skip
+    )
+    checker.add_argument(
+        "--config_file",
+        help="the accelerate config to check (default: accelerate_configs/"
+        "cpu_ddp.yaml, 2 processes: gloo on the CPU or 2 GPUs; gpu.yaml with one GPU)",
+    )
     checker.add_argument("--timeout_s", type=float, default=60.0, help="stop the launch after this long (default 60)")
 
 

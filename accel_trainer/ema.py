@@ -33,9 +33,10 @@ class WeightAverage:
         self.model = model
         state: dict[str, Any] = get_model_state_dict(model)  # the names checkpoints use, whatever wraps the model
         self.average: dict[str, torch.Tensor] = {
-            name: tensor.detach().to(torch.float32, copy=True) for name, tensor in state.items()
+            name: tensor.detach().to(torch.float32, copy=True)
+            for name, tensor in state.items()
             if tensor.is_floating_point()
-        }  # fmt: skip
+        }
         self._update = get_ema_multi_avg_fn(decay)
         self._live: list[torch.Tensor] | None = None
 

@@ -37,8 +37,11 @@ def describe_nonfinite(cfg: TrainConfig, scores: dict[str, float], step: int) ->
     if not bad:
         return ""
     line = f"accel-trainer: {', '.join(f'{name}={scores[name]}' for name in bad)} after step {step}: not finite"
-    uses = [what for what, name in (("keep-best", cfg.keep_best_metric), ("early stopping", cfg.early_stop_metric))
-            if name in bad]  # fmt: skip
+    uses = [
+        what
+        for what, name in (("keep-best", cfg.keep_best_metric), ("early stopping", cfg.early_stop_metric))
+        if name in bad
+    ]
     return line + (f"; {' and '.join(uses)} count it as no improvement" if uses else "")
 
 

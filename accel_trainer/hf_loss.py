@@ -45,8 +45,9 @@ class ModelItems:
         self.checked = False
         model.register_forward_pre_hook(self._pass_total, with_kwargs=True)
 
-    def fetch_step(self, batches: Iterator[tuple[int, Any]], count: int, accelerator: Accelerator,
-                   copies: int) -> Iterator[tuple[int, Any]]:  # fmt: skip
+    def fetch_step(
+        self, batches: Iterator[tuple[int, Any]], count: int, accelerator: Accelerator, copies: int
+    ) -> Iterator[tuple[int, Any]]:
         """Fetch the step's `count` micro-batches, count their items on this process and their total over the
         processes (`copies` processes hold each data-parallel rank's batches: tensor or pipeline ranks); the
         micro-batches, to iterate as `batches` would have given them."""

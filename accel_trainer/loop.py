@@ -70,8 +70,9 @@ def train_loop(
         with Stopping(run.cfg, run.guard, preemption) as stopping, contextlib.closing(run.micro_batches()) as batches:
             final = _train_steps(run, batches, observer, stopping)  # the micro-batches may hold a prefetch thread
     except torch.cuda.OutOfMemoryError:
-        print(f"accel-trainer: out of CUDA memory; what it held: {dump_out_of_memory(run_dir, accelerator)}",
-              flush=True)  # fmt: skip
+        print(
+            f"accel-trainer: out of CUDA memory; what it held: {dump_out_of_memory(run_dir, accelerator)}", flush=True
+        )
         raise
     finally:
         observer.close()
@@ -118,8 +119,11 @@ def _already_trained(run: Run) -> dict[str, Any]:
     if run.accelerator.is_main_process:
         summary = " | ".join(format_metric(key, value) for key, value in state.metrics.items())
         reached = "stopped early at" if state.stopped_early else "already reached"
-        print(f"{run.run_dir} {reached} step {state.step} of max_steps={max_steps}: nothing to train;"
-              f" its final metrics: {summary}", flush=True)  # fmt: skip
+        print(
+            f"{run.run_dir} {reached} step {state.step} of max_steps={max_steps}: nothing to train;"
+            f" its final metrics: {summary}",
+            flush=True,
+        )
     if not (run.run_dir / "final").is_dir():  # stopped between its last checkpoint and its final weights
         run.final_weights()
     return state.metrics

@@ -25,9 +25,20 @@ from accel_trainer.errors import RecipeError
 
 # Keys the loop writes into each training record; a recipe's term of the same name would overwrite one.
 FRAMEWORK_KEYS = frozenset(
-    {"step", "epoch", "loss", "num_items", "lr", "grad_norm", "samples_per_s", "step_time_s", "world_size",
-     "skipped_steps", "nonfinite_steps"}
-)  # fmt: skip
+    {
+        "step",
+        "epoch",
+        "loss",
+        "num_items",
+        "lr",
+        "grad_norm",
+        "samples_per_s",
+        "step_time_s",
+        "world_size",
+        "skipped_steps",
+        "nonfinite_steps",
+    }
+)
 _RESERVED_PREFIXES = ("lr/", "eval/", "eval_ema/")
 _FORM = 'return a scalar mean loss, or a mapping {"loss": loss_sum, "num_items": n, "<term>": value}'
 

@@ -25,23 +25,20 @@ from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.data import loaders as data
 from accel_trainer.data.auto_batch import check_auto_layout, choose_micro_batch_size
 from accel_trainer.data.batching import BatchPlan, plan_batches
-from accel_trainer.data.prefetch import check_prefetching
-from accel_trainer.data.run_data import RunData
+from accel_trainer.data.run_data import RunData, build_loaders
 from accel_trainer.ema import WeightAverage
-from accel_trainer.errors import ConfigError, LayoutError
+from accel_trainer.errors import LayoutError
 from accel_trainer.hf_loss import ModelItems, model_items
 from accel_trainer.model_calls import ModelCalls
 from accel_trainer.observe.flops import peak_for_mfu
 from accel_trainer.observe.header import model_summary
 from accel_trainer.optimizers import Optimizers, check_layout_for_several, read_optimizers
 from accel_trainer.parallel import launch_fixes
-from accel_trainer.parallel.batchnorm import convert_to_sync_batchnorm
 from accel_trainer.parallel.compiling import allow_recompiles_per_region
 from accel_trainer.parallel.mesh import DataRanks, data_ranks, mesh_shape
 from accel_trainer.parallel.pipeline.stages import Pipeline
-from accel_trainer.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
 from accel_trainer.parallel.verbs import StepVerbs
-from accel_trainer.parallel.wrapping import prepare_blocks
+from accel_trainer.parallel.wrapping import split_and_wrap
 from accel_trainer.recipe import Recipe
 from accel_trainer.schedules import recipe_scheduler
 from accel_trainer.stopping.nonfinite import NonfiniteGuard
@@ -114,23 +111,14 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     set_seed(cfg.seed)  # the same initial weights on every process and layout
     ranks = data_ranks(accelerator)
     check_layout_for_several(recipe.alternate_optimizers, cfg, uses_mesh=_uses_mesh(accelerator, layout))
-    cfg, plan, model, num_parameters, summary, train_set, eval_set = _model_and_sets(recipe, cfg, layout,
-                                                                                     accelerator, ranks)  # fmt: skip
+    cfg, plan, model, num_parameters, summary, train_set, eval_set = _model_and_sets(
+        recipe, cfg, layout, accelerator, ranks
+    )
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
-    pipeline = None
-    if layout.pp_size > 1:  # the stages of this process; the optimizer and checkpoints see only their weights
-        pipeline = _pipeline(recipe, model.to(accelerator.device), train_set, plan, layout, accelerator)
-        model = pipeline.view
-    optimizers = _optimizers(recipe, cfg, model, accelerator, layout)  # their schedules are not prepared
-    train_loader, eval_loader = _loaders(recipe, cfg, train_set, eval_set, plan, ranks, accelerator)
-    model, *prepared, train_loader, eval_loader = _prepare(accelerator, pipeline, ranks, model,
-                                                          *(p.optimizer for p in optimizers.phases), train_loader,
-                                                          eval_loader)  # fmt: skip
-    optimizers = optimizers.with_verbs(functools.partial(StepVerbs, accelerator), prepared, model)
+    model, optimizers, pipeline, run_data = _prepared(
+        recipe, cfg, layout, accelerator, ranks, plan, model, train_set, eval_set
+    )
     set_seed(cfg.seed + ranks.rank)  # independent dropout per data-parallel rank, shared by its TP ranks
-    steps_per_epoch = None if train_loader is None else plan.steps_per_epoch(len(train_set))
-    run_data = RunData(recipe.collate, plan, ranks, train_set, train_loader, eval_set, eval_loader, steps_per_epoch,
-                       num_prefetch_batches=cfg.num_prefetch_batches)  # fmt: skip
     ema = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay else None
     guard = NonfiniteGuard(cfg, accelerator, model) if cfg.skip_nonfinite_steps else None
     trained = Trained(model, optimizers, whole=pipeline.model if pipeline is not None else None, ema=ema)
@@ -159,6 +147,42 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     )
 
 
+def _prepared(
+    recipe: Recipe,
+    cfg: TrainConfig,
+    layout: LayoutSettings,
+    accelerator: Accelerator,
+    ranks: DataRanks,
+    plan: BatchPlan,
+    model: Any,
+    train_set: Any,
+    eval_set: Any,
+) -> tuple[Any, Optimizers, Pipeline | None, RunData]:
+    """The model (or this process's pipeline stages), optimizers and loaders through `accelerator.prepare`."""
+    pipeline = None
+    if layout.pp_size > 1:  # the stages of this process; the optimizer and checkpoints see only their weights
+        pipeline = _pipeline(recipe, model.to(accelerator.device), train_set, plan, layout, accelerator)
+        model = pipeline.view
+    optimizers = _optimizers(recipe, cfg, model, accelerator, layout)  # their schedules are not prepared
+    train_loader, eval_loader = build_loaders(recipe, cfg, train_set, eval_set, plan, ranks, accelerator)
+    model, *prepared, train_loader, eval_loader = _prepare(
+        accelerator, pipeline, ranks, model, *(p.optimizer for p in optimizers.phases), train_loader, eval_loader
+    )
+    optimizers = optimizers.with_verbs(functools.partial(StepVerbs, accelerator), prepared, model)
+    run_data = RunData(
+        collate=recipe.collate,
+        plan=plan,
+        ranks=ranks,
+        train_set=train_set,
+        train_loader=train_loader,
+        eval_set=eval_set,
+        eval_loader=eval_loader,
+        steps_per_epoch=None if train_loader is None else plan.steps_per_epoch(len(train_set)),
+        num_prefetch_batches=cfg.num_prefetch_batches,
+    )
+    return model, optimizers, pipeline, run_data
+
+
 def _model_and_sets(
     recipe: Recipe, cfg: TrainConfig, layout: LayoutSettings, accelerator: Accelerator, ranks: DataRanks
 ) -> tuple[TrainConfig, BatchPlan, Any, int, str, Any, Any]:
@@ -170,7 +194,7 @@ def _model_and_sets(
     plan = plan_batches(cfg.global_batch_size, _fixed_micro_batch_size(cfg), ranks.size)
     model = recipe.build_model(cfg)
     num_parameters, summary = sum(parameter.numel() for parameter in model.parameters()), model_summary(model)
-    model = _split_and_wrap(model, recipe, layout, accelerator)
+    model = split_and_wrap(model, recipe, layout, accelerator)
     with accelerator.main_process_first():  # a datasets cache (tokenized, mapped) written once, then read
         train_set, eval_set = recipe.build_datasets(cfg)
     data.check_dataset(train_set, "training")
@@ -183,8 +207,9 @@ def _model_and_sets(
     return cfg, plan, model, num_parameters, summary, train_set, eval_set
 
 
-def _optimizers(recipe: Recipe, cfg: TrainConfig, model: Any, accelerator: Accelerator,
-                layout: LayoutSettings) -> Optimizers:  # fmt: skip
+def _optimizers(
+    recipe: Recipe, cfg: TrainConfig, model: Any, accelerator: Accelerator, layout: LayoutSettings
+) -> Optimizers:
     """The recipe's optimizer(s), each with its schedule (optimizers.py), or a one-line refusal."""
     schedule = functools.partial(recipe_scheduler, recipe, cfg, warn=accelerator.is_main_process)
     optimizers = read_optimizers(recipe.build_optimizer(cfg, model), recipe, model, lambda opt: schedule(opt))
@@ -212,30 +237,11 @@ def _prepare(accelerator: Accelerator, pipeline: Pipeline | None, ranks: DataRan
         (optimizer,) = optimizers  # several are refused on a pipeline layout (optimizers.py)
         optimizer = accelerator.prepare_optimizer(optimizer)  # alone: prepare() refuses that under FSDP2
         if train_loader is not None:
-            train_loader = launch_fixes.prepare_loader_for_data_ranks(accelerator, train_loader, ranks.rank,
-                                                                      ranks.size)  # fmt: skip
+            train_loader = launch_fixes.prepare_loader_for_data_ranks(accelerator, train_loader, ranks.rank, ranks.size)
         return model, optimizer, train_loader, eval_loader
     # On the CPU a batch is already where it belongs: no device placement (a send_to_device walk per step).
     placement = False if accelerator.device.type == "cpu" else None
     return tuple(accelerator.prepare(*objects, device_placement=[None] * (1 + len(optimizers)) + [placement] * 2))
-
-
-def _loaders(recipe: Recipe, cfg: TrainConfig, train_set: Any, eval_set: Any, plan: BatchPlan, ranks: DataRanks,
-             accelerator: Accelerator) -> tuple[Any, Any]:  # fmt: skip
-    """The training and eval loaders (before `prepare`); None for a stream, read by data/streams.py instead."""
-    workers = cfg.num_dataloader_workers
-    if workers and data.is_stream(train_set) and accelerator.is_main_process:
-        warnings.warn("accel-trainer: num_dataloader_workers has no effect on a stream: it is read in the training"
-                      " process (data/streams.py)", stacklevel=3)  # fmt: skip
-    options = dict(num_workers=workers, cache_gb=cfg.data_cache_gb, pin_memory=accelerator.device.type == "cuda")
-    train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, **options)
-    if cfg.num_prefetch_batches:
-        check_prefetching(recipe, data.as_torch(train_set), train_loader, plan.micro_batch_size,
-                          warn=accelerator.is_main_process)  # fmt: skip
-    eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (RunData.eval_batches)
-    if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == ranks.context_parallel == 1:
-        eval_loader = data.eval_loader(recipe, eval_set, plan, **options)
-    return train_loader, eval_loader
 
 
 def _fixed_micro_batch_size(cfg: TrainConfig) -> int:
@@ -243,48 +249,40 @@ def _fixed_micro_batch_size(cfg: TrainConfig) -> int:
     return 1 if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
 
 
-def _split_and_wrap(model: Any, recipe: Recipe, layout: LayoutSettings, accelerator: Accelerator) -> Any:
-    """Tensor parallelism, SyncBatchNorm, FSDP units and activation checkpointing, as the layout asks."""
-    mesh = accelerator.torch_device_mesh
-    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
-        apply_tensor_parallel(model.to(accelerator.device), dict(recipe.tp_plan), mesh["tp"])
-    else:  # a plan's mistakes show on the first run, though only a tensor-parallel layout needs it right
-        _warn_about_tp_plan(model, recipe, accelerator.is_main_process)
-    if layout.sync_batchnorm:
-        model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
-    checkpointing = layout.activation_checkpointing and layout.pp_size == 1  # a pipeline checkpoints its stages
-    prepare_blocks(model, recipe, checkpointing, is_main_process=accelerator.is_main_process)
-    return model
-
-
-def _warn_about_tp_plan(model: Any, recipe: Recipe, is_main_process: bool) -> None:
-    try:
-        check_tp_plan(model, dict(recipe.tp_plan))
-    except ConfigError as error:
-        if is_main_process:
-            warnings.warn(f"accel-trainer: {error} (it matters on a tensor-parallel layout only)", stacklevel=3)
-
-
-def _pipeline(recipe: Recipe, model: Any, train_set: Any, plan: BatchPlan, layout: LayoutSettings,
-              accelerator: Accelerator) -> Pipeline:  # fmt: skip
+def _pipeline(
+    recipe: Recipe, model: Any, train_set: Any, plan: BatchPlan, layout: LayoutSettings, accelerator: Accelerator
+) -> Pipeline:
     """Cut the model into this process's stages, traced on the shapes of a first micro-batch."""
     if recipe.cfg.ema_decay:
-        raise LayoutError("a pipeline layout does not keep an EMA of the weights yet: set ema_decay=0, or train on a"
-                          " data-parallel, FSDP or tensor-parallel layout")  # fmt: skip
+        raise LayoutError(
+            "a pipeline layout does not keep an EMA of the weights yet: set ema_decay=0, or train on a"
+            " data-parallel, FSDP or tensor-parallel layout"
+        )
     if layout.sync_batchnorm or accelerator.mixed_precision == "fp16":
         raise LayoutError(
             "a pipeline layout does not combine with sync_batchnorm or fp16 yet (fp16's"
             " loss scaler is not wired into the schedules): turn them off, or use mixed_precision=bf16"
         )
     if layout.activation_checkpointing and not recipe.wrap_classes and accelerator.is_main_process:
-        warnings.warn(f"accel-trainer: activation_checkpointing has no effect: {type(recipe).__name__} names no"
-                      " wrap_classes to checkpoint", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"accel-trainer: activation_checkpointing has no effect: {type(recipe).__name__} names no"
+            " wrap_classes to checkpoint",
+            stacklevel=3,
+        )
     sample = data.first_examples(train_set, plan.micro_batch_size)
     fsdp = accelerator.state.fsdp_plugin if accelerator.is_fsdp2 else None
     if fsdp is not None and isinstance(fsdp.cpu_offload, CPUOffloadPolicy):
         raise LayoutError("a pipeline layout does not offload parameters yet: set fsdp_offload_params: false")
-    return Pipeline(recipe, model, recipe.collate(sample), schedule=layout.pp_schedule,
-                    microbatches=layout.pp_microbatches, accumulation_steps=plan.accumulation_steps,
-                    device=accelerator.device, autocast=accelerator.autocast, mesh=accelerator.torch_device_mesh,
-                    reshard_after_forward=bool(fsdp is not None and fsdp.reshard_after_forward),
-                    activation_checkpointing=layout.activation_checkpointing)  # fmt: skip
+    return Pipeline(
+        recipe,
+        model,
+        recipe.collate(sample),
+        schedule=layout.pp_schedule,
+        microbatches=layout.pp_microbatches,
+        accumulation_steps=plan.accumulation_steps,
+        device=accelerator.device,
+        autocast=accelerator.autocast,
+        mesh=accelerator.torch_device_mesh,
+        reshard_after_forward=bool(fsdp is not None and fsdp.reshard_after_forward),
+        activation_checkpointing=layout.activation_checkpointing,
+    )

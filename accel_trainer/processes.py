@@ -70,8 +70,12 @@ def launch_processes(
         elastic_log.setLevel(logging.CRITICAL)  # its report of a failed worker is the failure we raise below
         try:
             with _our_launch_line(num_processes), _shutdown_timeout(SHUTDOWN_TIMEOUT_S):
-                notebook_launcher(_worker, args=(train, recipe_name, config_file, overrides, scratch),
-                                  num_processes=num_processes, use_port=str(free_port()))  # fmt: skip
+                notebook_launcher(
+                    _worker,
+                    args=(train, recipe_name, config_file, overrides, scratch),
+                    num_processes=num_processes,
+                    use_port=str(free_port()),
+                )
         except Exception as launch_error:  # noqa: BLE001 - replaced by the worker's own exception
             if _is_signal(launch_error, signal.SIGINT) and not list(Path(scratch).glob("error_rank*.json")):
                 raise KeyboardInterrupt from launch_error  # a second Ctrl-C: the workers quit without a word
@@ -94,8 +98,10 @@ def _our_launch_line(num_processes: int) -> Iterator[None]:
     # (torch.cuda.is_available would initialize it); ACCELERATE_USE_CPU is how launch_fixes.wants_cpu decides.
     on_cpu = torch.cuda.device_count() == 0 or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1")
     # flushed: a forked worker would print what is left in this process's buffer once more
-    print(f"accel-trainer: launching {num_processes} {'CPU processes (gloo)' if on_cpu else 'GPU processes (nccl)'}",
-          flush=True)  # fmt: skip
+    print(
+        f"accel-trainer: launching {num_processes} {'CPU processes (gloo)' if on_cpu else 'GPU processes (nccl)'}",
+        flush=True,
+    )
 
     def print_but_the_launch_line(*args: Any, **kwargs: Any) -> None:
         if not (args and str(args[0]).startswith("Launching training on")):
@@ -122,9 +128,18 @@ def _worker(
         error_file = Path(scratch) / f"error_rank{rank}.json"
         args = [str(arg) if isinstance(arg, Path) else arg for arg in error.args]  # a Preempted's checkpoint
         plain = all(isinstance(arg, (str, int, float, type(None))) for arg in args)
-        error_file.write_text(json.dumps({"module": type(error).__module__, "type": type(error).__name__,
-                                          "args": args if plain else [str(error)], "message": str(error),
-                                          "report": report, "attributes": _attributes(error)}))  # fmt: skip
+        error_file.write_text(
+            json.dumps(
+                {
+                    "module": type(error).__module__,
+                    "type": type(error).__name__,
+                    "args": args if plain else [str(error)],
+                    "message": str(error),
+                    "report": report,
+                    "attributes": _attributes(error),
+                }
+            )
+        )
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # quietly: the caller raises the error once
@@ -182,9 +197,14 @@ def _rebuildable() -> dict[tuple[str, str], type[Exception]]:
     from accel_trainer.stopping import signals as preemption
 
     classes: list[type[Exception]] = [
-        errors.UserError, errors.ConfigError, errors.RecipeError, errors.LayoutError,
-        checkpoint_files.CheckpointError, state_files.StateFileError, preemption.Preempted,
-    ]  # fmt: skip
+        errors.UserError,
+        errors.ConfigError,
+        errors.RecipeError,
+        errors.LayoutError,
+        checkpoint_files.CheckpointError,
+        state_files.StateFileError,
+        preemption.Preempted,
+    ]
     builtin = [getattr(builtins, name) for name in dir(builtins)]
     classes += [kind for kind in builtin if isinstance(kind, type) and issubclass(kind, Exception)]
     return {(kind.__module__, kind.__name__): kind for kind in classes}

@@ -172,9 +172,11 @@ def _command_status(recipe_name: str, arguments: list[str]) -> int | None:
         if stdout_is_closed(error):  # `| head` has read what it wanted: stop without a word
             pass
         elif _is_lost_peer(error):
-            print(f"accel-trainer: rank {rank}: lost another process during {where()}: it stopped (an error or a"
-                  " signal), died, or did not answer within collective_timeout_s; its own line says which",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"accel-trainer: rank {rank}: lost another process during {where()}: it stopped (an error or a"
+                " signal), died, or did not answer within collective_timeout_s; its own line says which",
+                file=sys.stderr,
+            )
         elif is_rank_zero:
             print(describe_crash(error), file=sys.stderr)
         else:  # the same failure on every rank would repeat the report: one line here

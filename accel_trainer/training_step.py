@@ -113,8 +113,9 @@ def accumulate_gradients(run: Run, batches: Any, observer: Observer, phase: str 
     return epoch, outputs
 
 
-def optimizer_step(run: Run, phases: tuple[Phase, ...], is_log_step: bool,
-                   outputs: list[LossOutput]) -> tuple[dict[str, Any], bool, bool]:  # fmt: skip
+def optimizer_step(
+    run: Run, phases: tuple[Phase, ...], is_log_step: bool, outputs: list[LossOutput]
+) -> tuple[dict[str, Any], bool, bool]:
     """Clip, step the `phases`' optimizers and schedules, zero the gradients; the gradient norm and (on log
     steps) the LRs of this step by log key, whether an optimizer stepped, and whether the non-finite guard let
     it (a step it rejects does nothing but drop the gradients)."""
@@ -133,8 +134,9 @@ def optimizer_step(run: Run, phases: tuple[Phase, ...], is_log_step: bool,
         figures[f"grad_norm/{name}" if run.optimizers.alternate else "grad_norm"] = grad_norm
     if is_log_step:  # the LRs of this step, before the schedule moves them
         figures.update((key, lr) for phase in phases for key, lr in phase.lrs().items())
-    if run.guard is not None and not run.guard.step_is_finite(state, outputs, grad_norm,
-                                                              count=not run.optimizers.alternate):  # fmt: skip
+    if run.guard is not None and not run.guard.step_is_finite(
+        state, outputs, grad_norm, count=not run.optimizers.alternate
+    ):
         verbs.zero_grad()  # a skipped step (counted in state): only its gradients go
         return figures, False, False
     stepped = False

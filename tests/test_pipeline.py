@@ -26,6 +26,7 @@ from accel_trainer import ConfigError, LayoutError, RecipeError
 from accel_trainer.checkpoint.pipeline_state import merge_optimizer_skeletons, restrict_optimizer_skeleton
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.parallel.mesh import MeshShape, mesh_shape
+from accel_trainer.parallel.pipeline.recipe_calls import StageOutput
 from accel_trainer.parallel.pipeline.split import (
     local_view,
     split_spec,
@@ -33,7 +34,6 @@ from accel_trainer.parallel.pipeline.split import (
     tied_groups,
     traced_pipeline,
 )
-from accel_trainer.parallel.pipeline.stages import _StageOutput
 from conftest import BIN, accelerate_launch, final_parameters, rank_summary, read_metrics, slow, train_and_dump
 
 
@@ -167,7 +167,7 @@ def test_a_model_is_traced_again_for_new_shapes_and_left_as_it_was():
 
 def test_the_last_stage_stand_in_returns_the_stage_output_once_and_refuses_a_second_call():
     output = torch.ones(2, 3)
-    stand_in = _StageOutput(output)
+    stand_in = StageOutput(output)
     assert stand_in(torch.zeros(2, 4)) is output
     with pytest.raises(RecipeError, match="calls its model more than once"):
         stand_in(torch.zeros(2, 4))

@@ -83,9 +83,14 @@ class Checkpointer:
         best = self.state.best_checkpoint
         keep = files.checkpoints_dir(self.run_dir) / best if best else None
         return checkpoint.save(
-            self.accelerator, self.run_dir, self.state, self.trained, self.identity, writer=self.writer,
+            self.accelerator,
+            self.run_dir,
+            self.state,
+            self.trained,
+            self.identity,
+            writer=self.writer,
             after_publish=functools.partial(files.apply_retention, self.run_dir, cfg.keep_last, keep),
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         """Wait for a background write: never leave with a checkpoint half written (raises its failure)."""

@@ -25,10 +25,23 @@ FORMAT = 2
 SAFE_SUFFIXES = (".safetensors", ".json", ".yaml")
 # Keys that change how a run is driven or recorded, not its trajectory: changing them on resume is routine.
 _BOOKKEEPING_KEYS = RUN_CONTROL_KEYS | {
-    "log_every_steps", "eval_every_steps", "save_every_steps", "keep_last", "keep_best_metric", "keep_best_mode",
-    "async_save", "num_dataloader_workers", "num_prefetch_batches", "trackers", "profile_steps", "max_time",
-    "data_cache_gb", "evaluate_ema", "skip_nonfinite_steps", "max_nonfinite_in_a_row",
-}  # fmt: skip
+    "log_every_steps",
+    "eval_every_steps",
+    "save_every_steps",
+    "keep_last",
+    "keep_best_metric",
+    "keep_best_mode",
+    "async_save",
+    "num_dataloader_workers",
+    "num_prefetch_batches",
+    "trackers",
+    "profile_steps",
+    "max_time",
+    "data_cache_gb",
+    "evaluate_ema",
+    "skip_nonfinite_steps",
+    "max_nonfinite_in_a_row",
+}
 # max_steps (extending a run): changing it continues the run, with a warning. The layout settings are not
 # config keys: a checkpoint resumes on another layout.
 _CONTINUABLE_KEYS = {"max_steps"}
@@ -52,8 +65,9 @@ def check_format(folder: Path) -> None:
         )
     if version != FORMAT:
         raise CheckpointError(f"checkpoint {folder} has format {version}; this accel-trainer reads format {FORMAT}")
-    foreign = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                     if p.is_file() and not p.name.endswith(SAFE_SUFFIXES))  # fmt: skip
+    foreign = sorted(
+        str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and not p.name.endswith(SAFE_SUFFIXES)
+    )
     if foreign:
         raise CheckpointError(
             f"checkpoint {folder} holds {', '.join(foreign)}, which accel-trainer never writes (it could be a"
@@ -73,9 +87,10 @@ def check_compatible(
     if state["recipe"] != recipe_name:
         raise CheckpointError(f"the checkpoint was written by recipe {state['recipe']!r}, not {recipe_name!r}")
     changed = {
-        key: (state["config"].get(key), value) for key, value in config_to_dict(cfg).items()
+        key: (state["config"].get(key), value)
+        for key, value in config_to_dict(cfg).items()
         if state["config"].get(key) != value and key not in _BOOKKEEPING_KEYS
-    }  # fmt: skip
+    }
     listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
     if same_run and set(changed) - _CONTINUABLE_KEYS:
         raise CheckpointError(

@@ -29,9 +29,14 @@ from accel_trainer.recipe import Recipe
 
 
 def save_final(
-    accelerator: Accelerator, recipe: Recipe, cfg: TrainConfig, model: torch.nn.Module, eval_set: Any, run_dir: Path,
+    accelerator: Accelerator,
+    recipe: Recipe,
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    eval_set: Any,
+    run_dir: Path,
     ema: bool = False,
-) -> None:  # fmt: skip
+) -> None:
     """Write `final/model.safetensors` (consolidated, unwrapped weights) and the recipe's artifacts; with `ema`
     (the model holding its EMA weights), `final/ema/model.safetensors` alone.
 

@@ -24,8 +24,9 @@ def whole_model_state(whole: nn.Module) -> tuple[dict[str, Any], list[list[str]]
     return whole.state_dict(), [sorted(names) for names in tied_groups(whole)]
 
 
-def optimizer_part(skeleton: Any, optimizer_state: dict[str, Any], recorded: dict[str, Any], in_pipeline: bool
-                   ) -> tuple[Any, dict[str, str]]:  # fmt: skip
+def optimizer_part(
+    skeleton: Any, optimizer_state: dict[str, Any], recorded: dict[str, Any], in_pipeline: bool
+) -> tuple[Any, dict[str, str]]:
     """The saved optimizer skeleton cut to this process's parameters, and the keys its tensors were saved
     under, when this run or the checkpoint's is a pipeline (unchanged otherwise)."""
     if not in_pipeline and recorded.get("layout", {}).get("pp_size", 1) == 1:
@@ -34,14 +35,17 @@ def optimizer_part(skeleton: Any, optimizer_state: dict[str, Any], recorded: dic
     return restrict_optimizer_skeleton(skeleton, names, recorded.get("tied_parameters", []))
 
 
-def stages_part(model: nn.Module, model_state: dict[str, Any], optimizer_state: Any, skeleton: Any,
-                sources: dict[str, str]) -> tuple[dict[str, Any], Any]:  # fmt: skip
+def stages_part(
+    model: nn.Module, model_state: dict[str, Any], optimizer_state: Any, skeleton: Any, sources: dict[str, str]
+) -> tuple[dict[str, Any], Any]:
     """This process's part of a full (unsharded) checkpoint's model and optimizer state."""
     held = set(model.state_dict())
     saved = state_files.split(optimizer_state, "optimizer")[1]
     keys = state_files.tensor_keys(skeleton)
-    return ({name: tensor for name, tensor in model_state.items() if name in held},
-            state_files.join(skeleton, {key: saved[sources.get(key, key)] for key in keys}))  # fmt: skip
+    return (
+        {name: tensor for name, tensor in model_state.items() if name in held},
+        state_files.join(skeleton, {key: saved[sources.get(key, key)] for key in keys}),
+    )
 
 
 def merge_optimizer_skeletons(skeletons: list[Any]) -> Any:
@@ -67,8 +71,7 @@ def _settings(group: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in group.items() if key != "params"}
 
 
-def restrict_optimizer_skeleton(skeleton: Any, names: list[str], tied: list[list[str]]
-                                ) -> tuple[Any, dict[str, str]]:  # fmt: skip
+def restrict_optimizer_skeleton(skeleton: Any, names: list[str], tied: list[list[str]]) -> tuple[Any, dict[str, str]]:
     """The part of a merged skeleton for the parameters `names` this process holds (in its optimizer's
     order), and for each tensor it refers to, the key it was saved under. A tied parameter whose own name
     the checkpoint lacks takes the state saved under another name of its group (its tensor keys renamed to
@@ -77,8 +80,11 @@ def restrict_optimizer_skeleton(skeleton: Any, names: list[str], tied: list[list
     state: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name in names:
-        source = name if name in saved else next((alias for group in tied if name in group for alias in group
-                                                  if alias in saved), None)  # fmt: skip
+        source = (
+            name
+            if name in saved
+            else next((alias for group in tied if name in group for alias in group if alias in saved), None)
+        )
         if source is not None:
             state[name] = _renamed(saved[source], f"/state/{source}/", f"/state/{name}/", sources)
     groups = []

@@ -111,8 +111,14 @@ def _restore_checked(
     cfg = identity.cfg
     try:  # the manifest proves integrity, not content: a folder written by someone else may not fit
         recorded = json.loads((folder / TRAIN_STATE).read_text())
-        check_compatible(recorded, identity.recipe_name, cfg, trained.shapes_and_ties(model_state)[0],
-                         same_run=cfg.resume == "auto", warn=accelerator.is_main_process)  # fmt: skip
+        check_compatible(
+            recorded,
+            identity.recipe_name,
+            cfg,
+            trained.shapes_and_ties(model_state)[0],
+            same_run=cfg.resume == "auto",
+            warn=accelerator.is_main_process,
+        )
         rng_states = _load(accelerator, folder, recorded, trained, model_state, optimizer_state)
         return TrainState.from_dict(recorded), rng_states
     except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as error:
@@ -120,12 +126,17 @@ def _restore_checked(
 
 
 def _load(
-    accelerator: Accelerator, folder: Path, recorded: dict[str, Any], trained: Trained, model_state: Any,
+    accelerator: Accelerator,
+    folder: Path,
+    recorded: dict[str, Any],
+    trained: Trained,
+    model_state: Any,
     optimizer_state: Any,
-) -> dict[str, Any] | None:  # fmt: skip
+) -> dict[str, Any] | None:
     """Load model, optimizer, schedule and scaler from a checked checkpoint; return this process's RNG states."""
-    optimizer_skeleton, sources = optimizer_part(state_files.load_skeleton(folder / OPTIMIZER), optimizer_state,
-                                                 recorded, in_pipeline=trained.whole is not None)  # fmt: skip
+    optimizer_skeleton, sources = optimizer_part(
+        state_files.load_skeleton(folder / OPTIMIZER), optimizer_state, recorded, in_pipeline=trained.whole is not None
+    )
     ema = _ema_to_load(accelerator, trained, recorded)
     if (folder / SHARDED).is_dir():
         optimizer_state = _load_sharded(folder, model_state, optimizer_state, optimizer_skeleton, sources, ema)
@@ -137,17 +148,11 @@ def _load(
         optimizer_state = state_files.load(folder / OPTIMIZER)
         options = StateDictOptions(full_state_dict=True)
         if trained.whole is not None:  # this process's stages' part
-            model_state, optimizer_state = stages_part(trained.model, model_state, optimizer_state,
-                                                       optimizer_skeleton, sources)  # fmt: skip
+            model_state, optimizer_state = stages_part(
+                trained.model, model_state, optimizer_state, optimizer_skeleton, sources
+            )
             options = None
-    optimizers = trained.optimizers.torch_optimizers()
-    if len(optimizers) == 1:
-        set_state_dict(trained.model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                       options=options)  # fmt: skip
-    else:  # the model strictly; the optimizers without torch's strict check (see _several_optimizers_options)
-        set_model_state_dict(trained.model, model_state, options=options)
-        relaxed = _several_optimizers_options(options, is_sharded(accelerator, trained.model))
-        set_optimizer_state_dict(trained.model, optimizers, optimizer_state, options=relaxed)
+    _set_states(accelerator, trained, model_state, optimizer_state, options)
     if trained.ema is not None and not ema:
         trained.ema.restart_from_weights()
     trainer = state_files.load(folder / TRAINER)
@@ -165,6 +170,21 @@ def _load(
             )
         return None
     return state_files.load(rng_file)
+
+
+def _set_states(
+    accelerator: Accelerator, trained: Trained, model_state: Any, optimizer_state: Any, options: Any
+) -> None:
+    """Load the model and optimizer states into the prepared objects (torch shards them as this run holds them)."""
+    optimizers = trained.optimizers.torch_optimizers()
+    if len(optimizers) == 1:
+        set_state_dict(
+            trained.model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options
+        )
+    else:  # the model strictly; the optimizers without torch's strict check (see _several_optimizers_options)
+        set_model_state_dict(trained.model, model_state, options=options)
+        relaxed = _several_optimizers_options(options, is_sharded(accelerator, trained.model))
+        set_optimizer_state_dict(trained.model, optimizers, optimizer_state, options=relaxed)
 
 
 def _several_optimizers_options(options: StateDictOptions | None, sharded: bool) -> StateDictOptions:
@@ -189,15 +209,23 @@ def _ema_to_load(accelerator: Accelerator, trained: Trained, recorded: dict[str,
         return {}
     if not recorded["config"].get("ema_decay"):
         if accelerator.is_main_process:
-            warnings.warn(f"accel-trainer: the checkpoint of step {recorded['step']} has no EMA of the weights: the"
-                          " EMA starts from its weights", stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"accel-trainer: the checkpoint of step {recorded['step']} has no EMA of the weights: the"
+                " EMA starts from its weights",
+                stacklevel=3,
+            )
         return {}
     return trained.ema.average
 
 
-def _load_sharded(folder: Path, model_state: dict[str, Any], optimizer_state: dict[str, Any],
-                  optimizer_skeleton: Any, sources: dict[str, str] | None = None,
-                  ema: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def _load_sharded(
+    folder: Path,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+    optimizer_skeleton: Any,
+    sources: dict[str, str] | None = None,
+    ema: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Load the sharded tensors in place into this run's (possibly sharded) state; returns the optimizer's.
     `sources` maps a key of this run's optimizer state to the key it was saved under, where they differ; `ema`
     is the run's EMA to load, if any."""

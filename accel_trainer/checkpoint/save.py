@@ -90,9 +90,15 @@ class RunIdentity:
 
 
 def save(
-    accelerator: Accelerator, run_dir: Path, state: TrainState, trained: Trained, identity: RunIdentity, *,
-    writer: BackgroundWriter | None = None, after_publish: Callable[[], None] | None = None,
-) -> Path:  # fmt: skip
+    accelerator: Accelerator,
+    run_dir: Path,
+    state: TrainState,
+    trained: Trained,
+    identity: RunIdentity,
+    *,
+    writer: BackgroundWriter | None = None,
+    after_publish: Callable[[], None] | None = None,
+) -> Path:
     """Write and publish the checkpoint of `state.step` (every process takes part); returns its folder.
 
     With a `writer`, the main process snapshots the full model and optimizer state in host memory and writes
@@ -104,21 +110,11 @@ def save(
     if accelerator.is_main_process:
         shutil.rmtree(temporary, ignore_errors=True)
     problem = _agree(accelerator, _attempt(lambda: _prepare_folder(accelerator, temporary, writer)))
+    heavy_writes: list[Callable[[], None]] = []  # what the main process still has to write (in the background)
     if problem is None:
-        model_state: Any
-        model_state, optimizer_state = get_state_dict(trained.model, trained.optimizers.torch_optimizers())
-        heavy_writes: list[Callable[[], None]] = []
-
-        def write_local_files() -> None:
-            heavy_writes.extend(_write_tensors(accelerator, temporary, model_state, optimizer_state, writer, sharded,
-                                               pipeline=trained.whole is not None,
-                                               ema=trained.ema.average if trained.ema else {}))  # fmt: skip
-            state_files.save(capture_rng_states(), temporary / rng_file_name(accelerator.process_index))
-            if accelerator.is_main_process:
-                _write_small_files(accelerator, temporary, state, trained.optimizers, identity,
-                                   *trained.shapes_and_ties(model_state))  # fmt: skip
-
-        problem = _agree(accelerator, _attempt(write_local_files))
+        states = get_state_dict(trained.model, trained.optimizers.torch_optimizers())  # a collective when sharded
+        write = functools.partial(_write_files, accelerator, temporary, state, trained, identity, writer, sharded)
+        problem = _agree(accelerator, _attempt(lambda: heavy_writes.extend(write(*states))))
 
     def finish() -> None:
         for write in heavy_writes:
@@ -138,6 +134,36 @@ def save(
     if problem is not None:
         _stop_after_failed_save(accelerator, run_dir, temporary, step, problem)
     return files.final_folder(run_dir, step)
+
+
+def _write_files(
+    accelerator: Accelerator,
+    temporary: Path,
+    state: TrainState,
+    trained: Trained,
+    identity: RunIdentity,
+    writer: BackgroundWriter | None,
+    sharded: bool,
+    model_state: Any,
+    optimizer_state: Any,
+) -> list[Callable[[], None]]:
+    """This process's files of the checkpoint: its tensors (or their snapshot, for a background writer, whose
+    writes are returned), its RNG states and, on the main process, the small files."""
+    heavy_writes = _write_tensors(
+        accelerator,
+        temporary,
+        model_state,
+        optimizer_state,
+        writer,
+        sharded,
+        pipeline=trained.whole is not None,
+        ema=trained.ema.average if trained.ema else {},
+    )
+    state_files.save(capture_rng_states(), temporary / rng_file_name(accelerator.process_index))
+    if accelerator.is_main_process:
+        shapes_and_ties = trained.shapes_and_ties(model_state)
+        _write_small_files(accelerator, temporary, state, trained.optimizers, identity, *shapes_and_ties)
+    return list(heavy_writes)
 
 
 def _stop_after_failed_save(accelerator: Accelerator, run_dir: Path, temporary: Path, step: int, problem: str) -> None:
@@ -161,17 +187,26 @@ def _prepare_folder(accelerator: Accelerator, temporary: Path, writer: Backgroun
 
 
 def _write_tensors(
-    accelerator: Accelerator, temporary: Path, model_state: Any, optimizer_state: Any,
-    writer: BackgroundWriter | None, sharded: bool, pipeline: bool = False, ema: dict[str, torch.Tensor] | None = None,
-) -> list[Callable[[], None]]:  # fmt: skip
+    accelerator: Accelerator,
+    temporary: Path,
+    model_state: Any,
+    optimizer_state: Any,
+    writer: BackgroundWriter | None,
+    sharded: bool,
+    pipeline: bool = False,
+    ema: dict[str, torch.Tensor] | None = None,
+) -> list[Callable[[], None]]:
     """Write the sharded tensors (every process), or return the main process's writes of full ones."""
     ema = ema or {}
     if sharded:
         optimizer_skeleton, optimizer_tensors = state_files.split(optimizer_state, "optimizer")
         if pipeline:  # each process holds the optimizer state of its own stages
             optimizer_skeleton = merge_optimizer_skeletons(gather_object([optimizer_skeleton]))
-        tensors = {**{MODEL_PREFIX + name: tensor for name, tensor in model_state.items()}, **optimizer_tensors,
-                   **{EMA_PREFIX + name: tensor for name, tensor in ema.items()}}  # fmt: skip
+        tensors = {
+            **{MODEL_PREFIX + name: tensor for name, tensor in model_state.items()},
+            **optimizer_tensors,
+            **{EMA_PREFIX + name: tensor for name, tensor in ema.items()},
+        }
         dcp.save(
             state_files.writable(tensors),
             storage_writer=HuggingFaceStorageWriter(str(temporary / SHARDED), save_distributed=True),
@@ -216,9 +251,14 @@ def _agree(accelerator: Accelerator, problem: str | None) -> str | None:
 
 
 def _write_small_files(
-    accelerator: Accelerator, temporary: Path, state: TrainState, optimizers: Optimizers, identity: RunIdentity,
-    model_state: dict[str, Any], tied: list[list[str]],
-) -> None:  # fmt: skip
+    accelerator: Accelerator,
+    temporary: Path,
+    state: TrainState,
+    optimizers: Optimizers,
+    identity: RunIdentity,
+    model_state: dict[str, Any],
+    tied: list[list[str]],
+) -> None:
     scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
     state_files.save({**optimizers.scheduler_states(), "scaler": scaler}, temporary / TRAINER)
     recorded = {
@@ -227,11 +267,14 @@ def _write_small_files(
         "recipe": identity.recipe_name,
         "config_hash": config_hash(identity.cfg),
         "world_size": accelerator.num_processes,
-        "layout": {"distributed_type": accelerator.distributed_type.value,
-                   "mixed_precision": accelerator.mixed_precision, **layout_to_dict(identity.layout)},
+        "layout": {
+            "distributed_type": accelerator.distributed_type.value,
+            "mixed_precision": accelerator.mixed_precision,
+            **layout_to_dict(identity.layout),
+        },
         "parameter_shapes": {name: list(t.shape) for name, t in model_state.items()},
         "tied_parameters": tied,
         "config": config_to_dict(identity.cfg),
-    }  # fmt: skip
+    }
     (temporary / TRAIN_STATE).write_text(json.dumps(recorded, indent=1))
     (temporary / "config.yaml").write_text(config_to_yaml(identity.cfg))

@@ -139,8 +139,12 @@ def _split(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, dict):
         if all(isinstance(key, str) for key in value) and not _TAGS & set(value):
             return {key: _split(item, f"{path}/{key}", tensors) for key, item in value.items()}
-        return {DICT: [[_split(key, f"{path}/key{index}", tensors), _split(item, f"{path}/{key}", tensors)]
-                       for index, (key, item) in enumerate(value.items())]}  # fmt: skip
+        return {
+            DICT: [
+                [_split(key, f"{path}/key{index}", tensors), _split(item, f"{path}/{key}", tensors)]
+                for index, (key, item) in enumerate(value.items())
+            ]
+        }
     raise StateFileError(
         f"cannot store {path.lstrip('/') or 'the state'} ({type(value).__name__}) in a checkpoint: only tensors,"
         " numbers, strings, None, numpy arrays and dicts, lists and tuples of them are stored (no pickle)"

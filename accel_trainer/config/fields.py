@@ -34,8 +34,10 @@ def config_fields(config_cls: type) -> dict[str, Any]:
             hints = typing.get_type_hints(klass)
             for name in inspect.get_annotations(klass):  # declared by this class itself
                 types_found.setdefault(name, hints[name])
-    return {f.name: types_found.get(f.name, typing.get_type_hints(config_cls)[f.name])
-            for f in dataclasses.fields(config_cls)}  # fmt: skip
+    return {
+        f.name: types_found.get(f.name, typing.get_type_hints(config_cls)[f.name])
+        for f in dataclasses.fields(config_cls)
+    }
 
 
 def field_docs(config_cls: type) -> dict[str, str]:

@@ -163,16 +163,33 @@ def resolve_config(
 # The smallest value each framework field accepts, and whether the bound itself is allowed. A count below
 # it would not fail later: max_steps=-5 trained nothing and exited 0.
 _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
-    "max_steps": (1, True), "global_batch_size": (1, True), "micro_batch_size": (1, True),
-    "warmup_steps": (0, True), "log_every_steps": (0, True), "eval_every_steps": (0, True),
-    "save_every_steps": (0, True), "keep_last": (0, True), "num_dataloader_workers": (0, True),
-    "num_prefetch_batches": (0, True), "data_cache_gb": (0, True), "early_stop_patience": (1, True),
+    "max_steps": (1, True),
+    "global_batch_size": (1, True),
+    "micro_batch_size": (1, True),
+    "warmup_steps": (0, True),
+    "log_every_steps": (0, True),
+    "eval_every_steps": (0, True),
+    "save_every_steps": (0, True),
+    "keep_last": (0, True),
+    "num_dataloader_workers": (0, True),
+    "num_prefetch_batches": (0, True),
+    "data_cache_gb": (0, True),
+    "early_stop_patience": (1, True),
     "early_stop_min_delta": (0, True),
-    "reference_batch_size": (0, True), "lr": (0, True), "weight_decay": (0, True), "max_grad_norm": (0, True),
-    "min_lr_ratio": (0, True), "collective_timeout_s": (0, False), "fp16_init_scale": (0, False),
-    "peak_tflops": (0, True), "max_nonfinite_in_a_row": (1, True), "ema_decay": (0, True),
-    "fp16_growth_interval": (1, True), "ddp_bucket_cap_mb": (1, True), "ddp_powersgd_rank": (1, True),
-}  # fmt: skip
+    "reference_batch_size": (0, True),
+    "lr": (0, True),
+    "weight_decay": (0, True),
+    "max_grad_norm": (0, True),
+    "min_lr_ratio": (0, True),
+    "collective_timeout_s": (0, False),
+    "fp16_init_scale": (0, False),
+    "peak_tflops": (0, True),
+    "max_nonfinite_in_a_row": (1, True),
+    "ema_decay": (0, True),
+    "fp16_growth_interval": (1, True),
+    "ddp_bucket_cap_mb": (1, True),
+    "ddp_powersgd_rank": (1, True),
+}
 
 
 def validate_config(config: TrainConfig | LayoutSettings) -> None:

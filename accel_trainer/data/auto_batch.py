@@ -41,8 +41,12 @@ def check_auto_layout(accelerator: Accelerator, layout: LayoutSettings, ranks: D
     Raises:
         ConfigError: FSDP, tensor, pipeline or context parallelism.
     """
-    kinds = {"an FSDP": accelerator.is_fsdp2, "a tensor-parallel": layout.tp_size > 1 or ranks.replicas > 1,
-             "a pipeline": layout.pp_size > 1, "a context-parallel": ranks.context_parallel > 1}  # fmt: skip
+    kinds = {
+        "an FSDP": accelerator.is_fsdp2,
+        "a tensor-parallel": layout.tp_size > 1 or ranks.replicas > 1,
+        "a pipeline": layout.pp_size > 1,
+        "a context-parallel": ranks.context_parallel > 1,
+    }
     kind = next((name for name, applies in kinds.items() if applies), None)
     if kind is not None:
         raise ConfigError(
@@ -54,9 +58,13 @@ def check_auto_layout(accelerator: Accelerator, layout: LayoutSettings, ranks: D
 
 
 def choose_micro_batch_size(
-    recipe: Recipe, global_batch_size: int, model: torch.nn.Module, train_set: Any, accelerator: Accelerator,
+    recipe: Recipe,
+    global_batch_size: int,
+    model: torch.nn.Module,
+    train_set: Any,
+    accelerator: Accelerator,
     ranks: DataRanks,
-) -> int:  # fmt: skip
+) -> int:
     """The largest micro-batch every process can run (see the module docstring), said on the main process.
 
     Raises:

@@ -85,19 +85,34 @@ def describe_path(train_loader: Any, recipe: Recipe) -> str:
     return how + "".join(f", {extra}" for extra in extras)
 
 
-def train_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int, cache_gb: float,
-                 pin_memory: bool = False) -> DataLoader:  # fmt: skip
+def train_loader(
+    recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int, cache_gb: float, pin_memory: bool = False
+) -> DataLoader:
     """The training loader; `pin_memory` (for a CUDA device) lets accelerate copy each batch without blocking."""
     source, collate = _source(recipe, dataset, cache_gb)
-    return DataLoader(source, batch_size=plan.micro_batch_size, shuffle=True, drop_last=True, collate_fn=collate,
-                      num_workers=num_workers, pin_memory=pin_memory)  # fmt: skip
+    return DataLoader(
+        source,
+        batch_size=plan.micro_batch_size,
+        shuffle=True,
+        drop_last=True,
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )
 
 
-def eval_loader(recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int, cache_gb: float,
-                pin_memory: bool = False) -> DataLoader:  # fmt: skip
+def eval_loader(
+    recipe: Recipe, dataset: Any, plan: BatchPlan, num_workers: int, cache_gb: float, pin_memory: bool = False
+) -> DataLoader:
     source, collate = _source(recipe, dataset, cache_gb)
-    return DataLoader(source, batch_size=plan.micro_batch_size, shuffle=False, collate_fn=collate,
-                      num_workers=num_workers, pin_memory=pin_memory)  # fmt: skip
+    return DataLoader(
+        source,
+        batch_size=plan.micro_batch_size,
+        shuffle=False,
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )
 
 
 def _source(recipe: Recipe, dataset: Any, cache_gb: float) -> tuple[Any, Callable[[Any], Any]]:

@@ -79,8 +79,9 @@ class PrefetchGate:
             return next(batches)
 
 
-def prefetched(batches: Iterator[Any], total: int, depth: int, gate: PrefetchGate | None = None,
-               device: torch.device | None = None) -> Iterator[Any]:  # fmt: skip
+def prefetched(
+    batches: Iterator[Any], total: int, depth: int, gate: PrefetchGate | None = None, device: torch.device | None = None
+) -> Iterator[Any]:
     """The `total` items of `batches` (one loader epoch), those between the first few and the last fetched ahead
     by a thread, at most `depth` of them waiting.
 
@@ -120,8 +121,9 @@ def _global_generator_states() -> tuple[Any, ...]:
     return (bytes(states["torch"].numpy()), *cuda, states["python"], numpy_state[1].tobytes(), *numpy_state[2:])
 
 
-def _from_thread(batches: Iterator[Any], count: int, depth: int, gate: PrefetchGate,
-                 device: torch.device | None) -> Iterator[Any]:  # fmt: skip
+def _from_thread(
+    batches: Iterator[Any], count: int, depth: int, gate: PrefetchGate, device: torch.device | None
+) -> Iterator[Any]:
     """`count` items of `batches`, fetched by a thread into a queue of `depth`; the thread stops when this
     generator is closed (the run ended) or raised through."""
     ready: queue.Queue[Any] = queue.Queue(maxsize=depth)

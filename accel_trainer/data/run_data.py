@@ -7,17 +7,20 @@ A map-style set's position is derived from the step; a stream's is the (epoch, e
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from accelerate import Accelerator
 
-from accel_trainer.data import loaders
+from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.data import loaders as data
 from accel_trainer.data.batching import BatchPlan
-from accel_trainer.data.prefetch import PrefetchGate
+from accel_trainer.data.prefetch import PrefetchGate, check_prefetching
 from accel_trainer.data.streams import TrainStream, eval_batches
 from accel_trainer.parallel.mesh import DataRanks
+from accel_trainer.recipe import Recipe
 
 
 @dataclass
@@ -47,12 +50,10 @@ class RunData:
         `position`), with the RNG states restored in time."""
         if self.train_loader is None:
             epoch, read = position or [0, 0]
-            stream = TrainStream(
-                loaders.as_torch(self.train_set), self.collate, self.plan, self.ranks.rank, (epoch, read)
-            )
+            stream = TrainStream(data.as_torch(self.train_set), self.collate, self.plan, self.ranks.rank, (epoch, read))
             self._stream = stream
             return stream.micro_batches(resume_rng)
-        return loaders.micro_batches(
+        return data.micro_batches(
             self.train_loader,
             self.plan,
             self.steps_per_epoch or 0,
@@ -73,6 +74,36 @@ class RunData:
         if self.eval_loader is not None:
             return self.eval_loader, True
         batches = eval_batches(
-            loaders.as_torch(self.eval_set), self.collate, self.plan.micro_batch_size, self.ranks.rank, self.ranks.size
+            data.as_torch(self.eval_set), self.collate, self.plan.micro_batch_size, self.ranks.rank, self.ranks.size
         )
         return batches, False
+
+
+def build_loaders(
+    recipe: Recipe,
+    cfg: TrainConfig,
+    train_set: Any,
+    eval_set: Any,
+    plan: BatchPlan,
+    ranks: DataRanks,
+    accelerator: Accelerator,
+) -> tuple[Any, Any]:
+    """The training and eval loaders (before `accelerator.prepare`); None for a stream, which data/streams.py
+    reads instead, and None for eval on tensor- or context-parallel ranks (`RunData.eval_batches`)."""
+    workers = cfg.num_dataloader_workers
+    if workers and data.is_stream(train_set) and accelerator.is_main_process:
+        warnings.warn(
+            "accel-trainer: num_dataloader_workers has no effect on a stream: it is read in the training"
+            " process (data/streams.py)",
+            stacklevel=3,
+        )
+    options = dict(num_workers=workers, cache_gb=cfg.data_cache_gb, pin_memory=accelerator.device.type == "cuda")
+    train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, **options)
+    if cfg.num_prefetch_batches:
+        check_prefetching(
+            recipe, data.as_torch(train_set), train_loader, plan.micro_batch_size, warn=accelerator.is_main_process
+        )
+    eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (RunData.eval_batches)
+    if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == ranks.context_parallel == 1:
+        eval_loader = data.eval_loader(recipe, eval_set, plan, **options)
+    return train_loader, eval_loader

@@ -27,8 +27,9 @@ from accel_trainer.errors import ConfigError
 class TrainStream:
     """The micro-batches of one process over an iterable training set, from a saved position onwards."""
 
-    def __init__(self, dataset: Any, collate: Callable, plan: BatchPlan, process_index: int,
-                 position: tuple[int, int] = (0, 0)) -> None:  # fmt: skip
+    def __init__(
+        self, dataset: Any, collate: Callable, plan: BatchPlan, process_index: int, position: tuple[int, int] = (0, 0)
+    ) -> None:
         self.dataset, self.collate, self.plan, self.process_index = dataset, collate, plan, process_index
         self.position = position
         """(epoch, examples read in it) after the last global batch handed out: what a checkpoint saves."""
@@ -73,8 +74,9 @@ class TrainStream:
             epoch, skip = epoch + 1, 0
 
 
-def eval_batches(dataset: Any, collate: Callable, micro_batch_size: int, process_index: int,
-                 num_processes: int) -> Iterator[Any]:  # fmt: skip
+def eval_batches(
+    dataset: Any, collate: Callable, micro_batch_size: int, process_index: int, num_processes: int
+) -> Iterator[Any]:
     """This process's eval micro-batches: every num_processes-th example of one pass, none twice."""
     batch: list[Any] = []
     for index, example in enumerate(examples(dataset, 0)):

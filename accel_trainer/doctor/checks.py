@@ -37,8 +37,9 @@ class Check:
         return f"{self.status:<4} {self.name}: {self.text}" + (f"; fix: {self.fix}" if self.fix else "")
 
 
-def judge(layout: Any, path: Path, reports: list[dict], timed_out: bool, timeout_s: float, cuda_count: int
-          ) -> list[Check]:  # fmt: skip
+def judge(
+    layout: Any, path: Path, reports: list[dict], timed_out: bool, timeout_s: float, cuda_count: int
+) -> list[Check]:
     """The rendezvous, world size, all-reduce, broadcast and device checks, from the reports of every rank."""
     expected = layout.num_processes if layout.distributed_type != "NO" else 1
     joined = sorted((r for r in reports if r.get("rendezvous", {}).get("ok")), key=lambda r: r["rank"])
@@ -60,9 +61,13 @@ def port_in_output(output: str, port: int) -> Check | None:
     """A FAIL naming the port when the launcher's output says the rendezvous address is taken; else None."""
     for line in output.splitlines():
         if any(words in line.lower() for words in _PORT_WORDS):
-            return Check("FAIL", "port", f"{port} is in use; the launcher says: {line.strip()[:200]}",
-                         "stop the process holding it, or pin a free main_process_port in the layout (0: any free"
-                         " port) or pass --main_process_port to accelerate launch")  # fmt: skip
+            return Check(
+                "FAIL",
+                "port",
+                f"{port} is in use; the launcher says: {line.strip()[:200]}",
+                "stop the process holding it, or pin a free main_process_port in the layout (0: any free"
+                " port) or pass --main_process_port to accelerate launch",
+            )
     return None
 
 
@@ -75,15 +80,23 @@ def _rendezvous(reports: list[dict], joined: list[dict], expected: int, timed_ou
         text = f"{len(refused)} of {expected} processes could not set up the layout; process {first['rank']}:"
         return Check("FAIL", "rendezvous", f"{text} {first['rendezvous']['error']}", fix)
     if timed_out:
-        return Check("FAIL", "rendezvous", f"{counts} within {timeout_s:g} s",
-                     "a process that started but never joined cannot reach MASTER_ADDR:MASTER_PORT or its peers"
-                     " (a firewall, the wrong interface: set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME); one that never"
-                     " started is in the launcher's last lines below")  # fmt: skip
+        return Check(
+            "FAIL",
+            "rendezvous",
+            f"{counts} within {timeout_s:g} s",
+            "a process that started but never joined cannot reach MASTER_ADDR:MASTER_PORT or its peers"
+            " (a firewall, the wrong interface: set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME); one that never"
+            " started is in the launcher's last lines below",
+        )
     if not reports:
         return Check("FAIL", "rendezvous", "the launcher started no process", "see the launcher's last lines below")
     if len(reports) < expected:
-        return Check("FAIL", "rendezvous", f"the launcher started {len(reports)} of {expected} processes and exited",
-                     _NOT_ONE_GROUP)  # fmt: skip
+        return Check(
+            "FAIL",
+            "rendezvous",
+            f"the launcher started {len(reports)} of {expected} processes and exited",
+            _NOT_ONE_GROUP,
+        )
     if len(joined) < expected:
         return Check("FAIL", "rendezvous", f"{counts}; the launcher exited", "see the launcher's last lines below")
     if expected == 1:
@@ -101,8 +114,12 @@ def _world_size(reports: list[dict], expected: int, path: Path) -> Check:
     if worlds == [expected] * expected:
         return Check("ok", "world size", f"every process sees a world of {expected}, num_processes in {path.name}")
     seen = ", ".join(map(str, worlds))
-    return Check("FAIL", "world size", f"{len(worlds)} process(es) saw worlds of {seen}; {path.name} asks for"
-                 f" {expected} processes in one world", _NOT_ONE_GROUP)  # fmt: skip
+    return Check(
+        "FAIL",
+        "world size",
+        f"{len(worlds)} process(es) saw worlds of {seen}; {path.name} asks for {expected} processes in one world",
+        _NOT_ONE_GROUP,
+    )
 
 
 def _collective_results(joined: list[dict], key: str, name: str) -> tuple[list[tuple[int, dict]], Check | None]:
@@ -139,8 +156,12 @@ def _broadcast(joined: list[dict], expected: int) -> Check:
         return Check("FAIL", "broadcast", f"process(es) {wrong} did not receive rank 0's tensor", _COLLECTIVE_FIX)
     if sorted(r["process_index"] for r in joined) != list(range(expected)):
         indices = ", ".join(str(r["process_index"]) for r in joined)
-        return Check("FAIL", "broadcast", f"it ran, but not in one group of {expected} (process indices {indices})",
-                     _NOT_ONE_GROUP)  # fmt: skip
+        return Check(
+            "FAIL",
+            "broadcast",
+            f"it ran, but not in one group of {expected} (process indices {indices})",
+            _NOT_ONE_GROUP,
+        )
     return Check("ok", "broadcast", f"all {len(results)} processes received rank 0's tensor {BROADCAST_VALUES}")
 
 
@@ -148,22 +169,37 @@ def _devices(layout: Any, path: Path, joined: list[dict], expected: int, cuda_co
     """CPU layouts: every process on the CPU; GPU layouts: one GPU of its own per process."""
     on_cpu = bool(layout.use_cpu) or cuda_count == 0
     if not on_cpu and expected > cuda_count:
-        return Check("FAIL", "devices", f"{path.name} starts {expected} GPU processes and this machine has"
-                     f" {cuda_count} GPU(s)", f"use a layout of at most {cuda_count} process(es) (gpu.yaml: one),"
-                     " or use_cpu: true")  # fmt: skip
+        return Check(
+            "FAIL",
+            "devices",
+            f"{path.name} starts {expected} GPU processes and this machine has {cuda_count} GPU(s)",
+            f"use a layout of at most {cuda_count} process(es) (gpu.yaml: one), or use_cpu: true",
+        )
     if not joined:
         return Check("skip", "devices", "no process joined")
     placed = ", ".join(f"process {r['rank']} {r['device']}" for r in joined)
     if on_cpu:
         if all(r["device"].split(":")[0] == "cpu" for r in joined):
             return Check("ok", "devices", f"{placed} (a CPU layout{': no CUDA here' if cuda_count == 0 else ''})")
-        return Check("FAIL", "devices", f"{placed}: a CPU layout placed tensors on a GPU",
-                     "set use_cpu: true in the layout, or ACCELERATE_USE_CPU=1")  # fmt: skip
+        return Check(
+            "FAIL",
+            "devices",
+            f"{placed}: a CPU layout placed tensors on a GPU",
+            "set use_cpu: true in the layout, or ACCELERATE_USE_CPU=1",
+        )
     if not all(r["device"].startswith("cuda") for r in joined):
-        return Check("FAIL", "devices", f"{placed}: a GPU layout on a machine with {cuda_count} GPU(s)",
-                     "the workers see no GPU: check CUDA_VISIBLE_DEVICES and gpu_ids in the layout")  # fmt: skip
+        return Check(
+            "FAIL",
+            "devices",
+            f"{placed}: a GPU layout on a machine with {cuda_count} GPU(s)",
+            "the workers see no GPU: check CUDA_VISIBLE_DEVICES and gpu_ids in the layout",
+        )
     if len({(r["host"], r["device"]) for r in joined}) < len(joined):
-        return Check("FAIL", "devices", f"{placed}: processes share a GPU",
-                     "each process needs a GPU of its own: num_processes at most the GPUs it may see (gpu_ids,"
-                     " CUDA_VISIBLE_DEVICES)")  # fmt: skip
+        return Check(
+            "FAIL",
+            "devices",
+            f"{placed}: processes share a GPU",
+            "each process needs a GPU of its own: num_processes at most the GPUs it may see (gpu_ids,"
+            " CUDA_VISIBLE_DEVICES)",
+        )
     return Check("ok", "devices", f"{placed} (one GPU per process)")

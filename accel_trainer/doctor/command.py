@@ -36,9 +36,21 @@ from accel_trainer.processes import free_port
 
 DEFAULT_LAYOUT = Path("accelerate_configs") / "cpu_ddp.yaml"
 """Two processes (gloo on the CPU, or 2 GPUs): the smallest layout with a rendezvous and collectives to check."""
-_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS",
-              "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "TORCH_DISTRIBUTED_DEBUG",
-              "TORCH_CPP_LOG_LEVEL", "ACCEL_TRAINER_FULL_TRACEBACK")  # fmt: skip
+_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "GLOO_SOCKET_IFNAME",
+    "TP_SOCKET_IFNAME",
+    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_CPP_LOG_LEVEL",
+    "ACCEL_TRAINER_FULL_TRACEBACK",
+)
 _PREFIXES = ("NCCL_", "TORCH_NCCL_", "ACCELERATE_")
 _LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _OUTPUT_TAIL_LINES = 15
@@ -82,8 +94,9 @@ def layout_path(config_file: str | None) -> Path:
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
-            raise ConfigError(f"--config_file {config_file} does not exist; pass an accelerate config such as"
-                              f" {DEFAULT_LAYOUT}")  # fmt: skip
+            raise ConfigError(
+                f"--config_file {config_file} does not exist; pass an accelerate config such as {DEFAULT_LAYOUT}"
+            )
         return path
     default = DEFAULT_LAYOUT.with_name("gpu.yaml") if torch.cuda.device_count() == 1 else DEFAULT_LAYOUT
     for folder in (Path.cwd(), Path(__file__).resolve().parent.parent):
@@ -101,15 +114,19 @@ def load_layout(path: Path) -> Any:
     from accelerate.commands.config.config_args import load_config_from_file
 
     if not path.read_text().strip():
-        raise ConfigError(f"{path} is empty: write an accelerate config there (`accelerate config`), or pass one"
-                          " such as accelerate_configs/cpu_ddp.yaml")  # fmt: skip
+        raise ConfigError(
+            f"{path} is empty: write an accelerate config there (`accelerate config`), or pass one"
+            " such as accelerate_configs/cpu_ddp.yaml"
+        )
     try:
         layout = load_config_from_file(str(path))
     except Exception as error:  # noqa: BLE001 - yaml, unknown keys, a list instead of a mapping: all one line
         raise ConfigError(f"{path} is not an accelerate config: {' '.join(str(error).split())}") from None
     if (layout.num_machines or 1) > 1:
-        raise ConfigError(f"{path} spans {layout.num_machines} machines; doctor launches one machine's"
-                          " processes: check a one-machine layout of them (cpu_ddp.yaml, 4gpu_ddp.yaml)")  # fmt: skip
+        raise ConfigError(
+            f"{path} spans {layout.num_machines} machines; doctor launches one machine's"
+            " processes: check a one-machine layout of them (cpu_ddp.yaml, 4gpu_ddp.yaml)"
+        )
     return layout
 
 
@@ -119,8 +136,10 @@ def environment_report(path: Path) -> str:
 
     with contextlib.redirect_stdout(io.StringIO()):  # keep its facts, drop its "paste into your issue" text
         facts = {key.replace("`", ""): value for key, value in env_command(Namespace(config_file=str(path))).items()}
-    versions = ", ".join(f"{name} {_version(name)}" for name in ("accel-trainer", "accelerate", "torch", "datasets",
-                                                                  "transformers", "numpy"))  # fmt: skip
+    versions = ", ".join(
+        f"{name} {_version(name)}"
+        for name in ("accel-trainer", "accelerate", "torch", "datasets", "transformers", "numpy")
+    )
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         devices = f"{len(names)} CUDA device(s): {', '.join(names)} (CUDA {torch.version.cuda})"
@@ -138,8 +157,10 @@ def environment_report(path: Path) -> str:
     ]
     stray = [name for name in _LAUNCHER_VARIABLES if name in os.environ]
     if stray:
-        lines.append(f"  note: {', '.join(stray)} set in this shell: a script started without a launcher will"
-                     " believe a launcher started it (launchers replace them for their workers)")  # fmt: skip
+        lines.append(
+            f"  note: {', '.join(stray)} set in this shell: a script started without a launcher will"
+            " believe a launcher started it (launchers replace them for their workers)"
+        )
     return "\n".join(lines)
 
 
@@ -155,12 +176,13 @@ def rendezvous_port(layout: Any, path: Path) -> tuple[int, Check]:
     if holder is None:
         return port, Check("ok", "port", f"{port} (main_process_port in {path.name}) is free")
     return port, Check(
-        "FAIL", "port",
+        "FAIL",
+        "port",
         f"{port} (main_process_port in {path.name}) is in use{holder}: on one machine accelerate moves the launch"
         " to a random port with a warning, on several it refuses to start",
         f"set main_process_port in {path.name} to a free port ({free_port()} is free now) or to 0 (any free port),"
         " or pass --main_process_port to accelerate launch, or stop the process holding it",
-    )  # fmt: skip
+    )
 
 
 def port_holder(port: int) -> str | None:
@@ -221,8 +243,11 @@ def _kill_tree(pid: int) -> None:
 def _layout_summary(config: Any) -> str:
     if not isinstance(config, dict):
         return str(config)
-    shown = {key: value for key, value in config.items()
-             if key == "use_cpu" or value not in (None, False, "", {}, []) and not key.startswith("tpu_")}  # fmt: skip
+    shown = {
+        key: value
+        for key, value in config.items()
+        if key == "use_cpu" or value not in (None, False, "", {}, []) and not key.startswith("tpu_")
+    }
     return ", ".join(f"{key}={value.value if hasattr(value, 'value') else value}" for key, value in shown.items())
 
 
@@ -233,8 +258,10 @@ def _accelerate_command(location: Any) -> str:
         return f"accelerate command: {location}"
     if location in (None, "Not found"):
         return f"no accelerate command on PATH (this Python's is {ours}; the checks below use it)"
-    return (f"accelerate command on PATH: {location}, not this Python's ({ours}): `accelerate launch` may run"
-            " another installation; the checks below use this Python's")  # fmt: skip
+    return (
+        f"accelerate command on PATH: {location}, not this Python's ({ours}): `accelerate launch` may run"
+        " another installation; the checks below use this Python's"
+    )
 
 
 def _version(package: str) -> str:

@@ -29,8 +29,12 @@ def main(argv: list[str] | None = None) -> None:
     """Join, run the checks, write this process's report, and leave without interpreter teardown."""
     folder, timeout_s = (sys.argv[1:] if argv is None else argv)[:2]
     rank = int(os.environ.get("RANK", "0"))
-    report: dict[str, Any] = {"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "pid": os.getpid(),
-                              "host": socket.gethostname()}  # fmt: skip
+    report: dict[str, Any] = {
+        "rank": rank,
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
     _write(Path(folder), rank, report)
     accelerator = _rendezvous(report, float(timeout_s))
     if accelerator is not None:
@@ -64,13 +68,16 @@ def _rendezvous(report: dict[str, Any], timeout_s: float) -> Any:
 
     group = torch.distributed.is_initialized()
     report.update(
-        world_size=accelerator.num_processes, process_index=accelerator.process_index,
-        local_process_index=accelerator.local_process_index, device=str(accelerator.device),
-        distributed_type=accelerator.distributed_type.value, mesh=describe_mesh(accelerator),
+        world_size=accelerator.num_processes,
+        process_index=accelerator.process_index,
+        local_process_index=accelerator.local_process_index,
+        device=str(accelerator.device),
+        distributed_type=accelerator.distributed_type.value,
+        mesh=describe_mesh(accelerator),
         backend=torch.distributed.get_backend() if group else None,
         address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if group else None,
         rendezvous={"ok": True, "seconds": time.perf_counter() - start},
-    )  # fmt: skip
+    )
     return accelerator
 
 

@@ -54,6 +54,12 @@ def time_breakdown(events: list[dict[str, Any]]) -> dict[str, float]:
     gaps = sum(later[0]["time"] - earlier[-1]["time"] for earlier, later in zip(attempts, attempts[1:], strict=False))
     evaluating = sum(e.get("seconds", 0.0) for e in events if e["event"] == "eval")
     saving = sum(e.get("seconds", 0.0) for e in events if e["event"] == "checkpoint")
-    return {"wall": wall + gaps + (setups[0] if setups else 0.0), "setup": sum(setups), "evaluating": evaluating,
-            "checkpointing": saving, "between_attempts": max(gaps - sum(setups[1:]), 0.0),
-            "training": max(wall - evaluating - saving, 0.0), "attempts": float(len(attempts))}  # fmt: skip
+    return {
+        "wall": wall + gaps + (setups[0] if setups else 0.0),
+        "setup": sum(setups),
+        "evaluating": evaluating,
+        "checkpointing": saving,
+        "between_attempts": max(gaps - sum(setups[1:]), 0.0),
+        "training": max(wall - evaluating - saving, 0.0),
+        "attempts": float(len(attempts)),
+    }

@@ -112,6 +112,9 @@ def peak_for_mfu(accelerator: Accelerator, layout: LayoutSettings) -> float | No
     peak = table_peak_tflops(accelerator.device, dtype)
     if peak is None and accelerator.device.type == "cuda" and accelerator.is_main_process:
         device = torch.cuda.get_device_name(accelerator.device)
-        warnings.warn(f"accel-trainer: no {dtype} peak is known for {device}, so mfu is not logged; set"
-                      " peak_tflops=<TFLOP/s of one device> to log it", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"accel-trainer: no {dtype} peak is known for {device}, so mfu is not logged; set"
+            " peak_tflops=<TFLOP/s of one device> to log it",
+            stacklevel=2,
+        )
     return peak

@@ -53,17 +53,19 @@ def header(
     if device == "cuda":
         device = f"cuda ({torch.cuda.get_device_name(accelerator.device)})"
     mesh = describe_mesh(accelerator)
-    return "\n".join([
-        f"accel-trainer: recipe {recipe_name}, {num_parameters:,} parameters"
-        f"{f' (at most {max(held):,} held by one process)' if max(held) < num_parameters else ''}",
-        f"  layout: {accelerator.num_processes} process(es) on {device}, {_strategy(accelerator)}"
-        f"{f' (mesh {mesh})' if mesh else ''}, precision {_precision(accelerator)}",
-        f"  batch: {plan.global_batch_size} per step = {plan.micro_batch_size} per micro-batch x"
-        f" {plan.num_processes} {'data-parallel rank(s)' if mesh else 'process(es)'} x {plan.accumulation_steps}"
-        " accumulation step(s)",
-        f"  data: {data_path}",
-        f"  run folder: {run_dir}",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"accel-trainer: recipe {recipe_name}, {num_parameters:,} parameters"
+            f"{f' (at most {max(held):,} held by one process)' if max(held) < num_parameters else ''}",
+            f"  layout: {accelerator.num_processes} process(es) on {device}, {_strategy(accelerator)}"
+            f"{f' (mesh {mesh})' if mesh else ''}, precision {_precision(accelerator)}",
+            f"  batch: {plan.global_batch_size} per step = {plan.micro_batch_size} per micro-batch x"
+            f" {plan.num_processes} {'data-parallel rank(s)' if mesh else 'process(es)'} x {plan.accumulation_steps}"
+            " accumulation step(s)",
+            f"  data: {data_path}",
+            f"  run folder: {run_dir}",
+        ]
+    )
 
 
 def _precision(accelerator: Accelerator) -> str:
@@ -82,28 +84,35 @@ def _strategy(accelerator: Accelerator) -> str:
     return "tensor parallel" if data_ranks(accelerator).size == 1 else "DDP"
 
 
-def write_run_info(run_dir: Path, accelerator: Accelerator, layout: LayoutSettings, start_step: int,
-                   held: list[int]) -> None:  # fmt: skip
+def write_run_info(
+    run_dir: Path, accelerator: Accelerator, layout: LayoutSettings, start_step: int, held: list[int]
+) -> None:
     """Append this start to `run_info.json` (main process)."""
     path = run_dir / "run_info.json"
     try:
         starts = json.loads(path.read_text())["starts"] if path.is_file() else []
     except (ValueError, KeyError, TypeError):  # damaged: begin again rather than fail the run
         starts = []
-    starts.append({
-        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "start_step": start_step,
-        "argv": sys.argv,
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "versions": {name: _version(name) for name in _PACKAGES},
-        "git_commit": _git_commit(Path.cwd()),
-        "devices": _devices(accelerator),
-        "layout": {"distributed_type": accelerator.distributed_type.value, "num_processes": accelerator.num_processes,
-                   "mesh": describe_mesh(accelerator), "mixed_precision": accelerator.mixed_precision,
-                   **layout_to_dict(layout)},
-        "parameters_held_per_process": held,
-    })  # fmt: skip
+    starts.append(
+        {
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "start_step": start_step,
+            "argv": sys.argv,
+            "host": platform.node(),
+            "python": platform.python_version(),
+            "versions": {name: _version(name) for name in _PACKAGES},
+            "git_commit": _git_commit(Path.cwd()),
+            "devices": _devices(accelerator),
+            "layout": {
+                "distributed_type": accelerator.distributed_type.value,
+                "num_processes": accelerator.num_processes,
+                "mesh": describe_mesh(accelerator),
+                "mixed_precision": accelerator.mixed_precision,
+                **layout_to_dict(layout),
+            },
+            "parameters_held_per_process": held,
+        }
+    )
     path.write_text(json.dumps({"starts": starts}, indent=1))
 
 

@@ -25,9 +25,15 @@ class MetricsLog:
     """Appends records to `metrics.jsonl` and echoes them; a no-op off the main process."""
 
     def __init__(
-        self, run_dir: Path, *, enabled: bool, total_steps: int, show_progress_bar: bool, initial: int = 0,
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        show_progress_bar: bool,
+        initial: int = 0,
         trackers: Trackers | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.enabled = enabled
         self.trackers = trackers
         # Kept open for the whole run (line-buffered, closed by close()); a `with` block cannot span the loop.
@@ -63,8 +69,9 @@ class MetricsLog:
         if self.trackers is not None:
             self.trackers.log(record)
         if "loss" in record and not self._bar.disable:  # the bar carries the latest figures between log lines
-            self._bar.set_postfix({k: readable(record[k]) for k in ("loss", "lr", "items_per_s") if k in record},
-                                  refresh=False)  # fmt: skip
+            self._bar.set_postfix(
+                {k: readable(record[k]) for k in ("loss", "lr", "items_per_s") if k in record}, refresh=False
+            )
         message = console_line(record)
         if self._bar.disable:
             print(message, flush=True)
@@ -114,8 +121,9 @@ def drop_records_after(run_dir: Path, step: int) -> None:
         except (ValueError, KeyError, TypeError):  # a line cut short by a crash, or a damaged file
             unreadable += 1
     if unreadable:
-        warnings.warn(f"accel-trainer: {path}: dropped {unreadable} unreadable line(s) (cut short or damaged)",
-                      stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"accel-trainer: {path}: dropped {unreadable} unreadable line(s) (cut short or damaged)", stacklevel=2
+        )
     if dropped:  # kept aside, in case the lost steps are of interest
         with open(run_dir / "metrics.dropped.jsonl", "a") as aside:
             aside.write("".join(line + "\n" for line in dropped))
@@ -125,8 +133,19 @@ def drop_records_after(run_dir: Path, step: int) -> None:
 
 
 # Kept in metrics.jsonl, left off the console line: what a reader does not watch step by step.
-_NOT_ON_CONSOLE = {"samples_per_s", "step_time_s", "step_time_s_max", "step_time_s_min", "world_size", "tflops",
-                   "host_rss_gb", "mem_reserved_gb", "samples_seen", "items_seen", "data_wait_frac"}  # fmt: skip
+_NOT_ON_CONSOLE = {
+    "samples_per_s",
+    "step_time_s",
+    "step_time_s_max",
+    "step_time_s_min",
+    "world_size",
+    "tflops",
+    "host_rss_gb",
+    "mem_reserved_gb",
+    "samples_seen",
+    "items_seen",
+    "data_wait_frac",
+}
 _SHOWN_WHEN_NONZERO = {"skipped_steps", "nonfinite_steps"}
 
 

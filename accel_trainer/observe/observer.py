@@ -53,10 +53,17 @@ class Observer:
             trackers = Trackers(cfg.trackers, run_dir, config_to_dict(cfg), state.step, state.tracker_ids)
             state.tracker_ids = trackers.run_ids()
         self.events = EventLog(run_dir, enabled=main)
-        self.events.write("start", step=state.step, world_size=accelerator.num_processes,
-                          setup_s=time.time() - setup_started)  # fmt: skip
-        self.log = MetricsLog(run_dir, enabled=main, total_steps=cfg.max_steps, show_progress_bar=cfg.show_progress_bar,
-                              initial=state.step, trackers=trackers)  # fmt: skip
+        self.events.write(
+            "start", step=state.step, world_size=accelerator.num_processes, setup_s=time.time() - setup_started
+        )
+        self.log = MetricsLog(
+            run_dir,
+            enabled=main,
+            total_steps=cfg.max_steps,
+            show_progress_bar=cfg.show_progress_bar,
+            initial=state.step,
+            trackers=trackers,
+        )
         self.compile_watch = CompileWatch(enabled=compiled, warn=main)
         self.profiler = StepProfiler(accelerator, run_dir, parse_steps(cfg.profile_steps))
         self.window = Window.empty(accelerator.device)
@@ -112,12 +119,17 @@ class Observer:
         """Read the window back into a record with the step's LRs and gradient norms, log it, keep it as the
         latest metrics, and open a new window."""
         state = self.state
-        record, new_items = log_record(self.accelerator, self.cfg, self.window, state.step, state.epoch, figures,
-                                       self.speed)  # fmt: skip
+        record, new_items = log_record(
+            self.accelerator, self.cfg, self.window, state.step, state.epoch, figures, self.speed
+        )
         state.items_seen += new_items
-        record.update(skipped_steps=state.skipped_steps, nonfinite_steps=state.nonfinite_steps,
-                      samples_seen=state.samples_seen, items_seen=state.items_seen,
-                      **self.compile_watch.record(state.step))  # fmt: skip
+        record.update(
+            skipped_steps=state.skipped_steps,
+            nonfinite_steps=state.nonfinite_steps,
+            samples_seen=state.samples_seen,
+            items_seen=state.items_seen,
+            **self.compile_watch.record(state.step),
+        )
         self.log.write(record)
         state.metrics.update(record)
         self.window = Window.empty(self.accelerator.device)

@@ -32,8 +32,12 @@ class StepProfiler:
         if self.steps is None or step != self.steps[0]:
             return
         on_cuda = self.accelerator.device.type == "cuda"
-        handler = ProfileKwargs(activities=["cpu", "cuda"] if on_cuda else ["cpu"], record_shapes=True,
-                                profile_memory=True, output_trace_dir=str(self.folder))  # fmt: skip
+        handler = ProfileKwargs(
+            activities=["cpu", "cuda"] if on_cuda else ["cpu"],
+            record_shapes=True,
+            profile_memory=True,
+            output_trace_dir=str(self.folder),
+        )
         if on_cuda:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         self._open = contextlib.ExitStack()

@@ -23,8 +23,14 @@ from accel_trainer.observe.number_format import readable
 
 _X_KEYS = {"step": "step", "samples": "samples_seen", "items": "items_seen"}
 _EVAL_PREFIXES = ("eval/", "eval_ema/")  # the weights' evaluations, and their EMA's (evaluate_ema)
-_PANELS = [("loss", "loss"), ("eval", "eval/"), ("lr", "lr"), ("grad_norm", "grad_norm"),
-           ("items_per_s", "items_per_s"), ("mfu", "mfu")]  # fmt: skip
+_PANELS = [
+    ("loss", "loss"),
+    ("eval", "eval/"),
+    ("lr", "lr"),
+    ("grad_norm", "grad_norm"),
+    ("items_per_s", "items_per_s"),
+    ("mfu", "mfu"),
+]
 
 
 def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
@@ -54,8 +60,14 @@ def write_report(run_dir: Path) -> Path:
     lines += ["![curves](report.png)" if plotted else "(no plot: `pip install 'accel-trainer[report]'` draws one)"]
     ops = run_dir / "profile" / "ops_rank0.txt"
     if ops.is_file():  # profile_steps was set: the top of rank 0's op table
-        lines += ["", "## Top profiled ops (rank 0; all of them in profile/)", "", "```",
-                  *ops.read_text().splitlines()[:15], "```"]  # fmt: skip
+        lines += [
+            "",
+            "## Top profiled ops (rank 0; all of them in profile/)",
+            "",
+            "```",
+            *ops.read_text().splitlines()[:15],
+            "```",
+        ]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -74,8 +86,9 @@ def compare(run_dirs: list[Path], output: Path | None = None, x: str = "step") -
     for name, final in finals.items():
         table.append(f"{name:<{width}}  " + "  ".join(f"{_short(final.get(k)):>14}" for k in keys))
     configs = {name: config for name, (_, _, config) in runs.items()}
-    differing = sorted({k for c in configs.values() for k in c if len({str(d.get(k)) for d in configs.values()}) > 1}
-                       - {"output_dir"})  # fmt: skip
+    differing = sorted(
+        {k for c in configs.values() for k in c if len({str(d.get(k)) for d in configs.values()}) > 1} - {"output_dir"}
+    )
     table += ["", "config keys that differ:" if differing else "configs are the same (output_dir aside)"]
     table += [f"  {k}: " + ", ".join(f"{name}={configs[name].get(k)!r}" for name in runs) for k in differing]
     if output is not None:
@@ -87,28 +100,35 @@ def compare(run_dirs: list[Path], output: Path | None = None, x: str = "step") -
 def _summary(training: list[dict], evaluations: list[dict], config: dict) -> str:
     last = training[-1] if training else {}
     rows = [f"- steps: {last.get('step', 0)} of max_steps={config.get('max_steps', '?')}"]
-    rows.append("- final training record: " + " | ".join(format_metric(k, v) for k, v in last.items()
-                                                         if k in ("loss", "lr", "grad_norm")))  # fmt: skip
+    rows.append(
+        "- final training record: "
+        + " | ".join(format_metric(k, v) for k, v in last.items() if k in ("loss", "lr", "grad_norm"))
+    )
     skipped = {k: last[k] for k in ("nonfinite_steps", "skipped_steps") if last.get(k)}
     if skipped:  # steps that changed no weight: NaN/Inf losses or gradients, fp16 overflows
         rows.append("- steps skipped: " + ", ".join(f"{v} {k}" for k, v in skipped.items()))
     if evaluations:
         final = evaluations[-1]
-        rows.append("- final evaluation: " + " | ".join(format_metric(k, v) for k, v in final.items()
-                                                     if k.startswith(_EVAL_PREFIXES)))  # fmt: skip
+        rows.append(
+            "- final evaluation: "
+            + " | ".join(format_metric(k, v) for k, v in final.items() if k.startswith(_EVAL_PREFIXES))
+        )
         names = sorted({k for e in evaluations for k in e if k.startswith(_EVAL_PREFIXES) and k != "eval/seconds"})
         values = {k: [e[k] for e in evaluations if k in e] for k in names}
         spans = [f"{k} {readable(min(values[k]))} .. {readable(max(values[k]))}" for k in names]
         rows.append("- eval values over the run (lowest .. highest): " + ", ".join(spans))
         rows += _best(evaluations, config)
-    trained_s = sum(r.get("step_time_s", 0) * (r["step"] - p) for p, r in zip([0] + [t["step"] for t in training],
-                                                                              training, strict=False))  # fmt: skip
+    trained_s = sum(
+        r.get("step_time_s", 0) * (r["step"] - p)
+        for p, r in zip([0] + [t["step"] for t in training], training, strict=False)
+    )
     rows.append(f"- optimizer steps take {trained_s:.1f} s in all (step_time_s of the logged windows)")
     if last:
-        rows.append(f"- throughput (last window): {readable(last.get('items_per_s', 0.0))} items/s,"
-                    f" {readable(last.get('samples_per_s', 0.0))} samples/s,"
-                    f" {last.get('tflops', 0):.3g} TFLOP/s per device"
-                    + (f", MFU {last['mfu']:.3g}" if "mfu" in last else ""))  # fmt: skip
+        rows.append(
+            f"- throughput (last window): {readable(last.get('items_per_s', 0.0))} items/s,"
+            f" {readable(last.get('samples_per_s', 0.0))} samples/s,"
+            f" {last.get('tflops', 0):.3g} TFLOP/s per device" + (f", MFU {last['mfu']:.3g}" if "mfu" in last else "")
+        )
         memory = [f"{k} {last[k]:.3g}" for k in ("mem_allocated_gb", "mem_reserved_gb", "host_rss_gb") if k in last]
         rows.append("- memory (peak of the last window): " + ", ".join(memory))
     return "\n".join(rows)
@@ -130,8 +150,10 @@ def _goodput(run_dir: Path) -> str:
     if not times["attempts"]:
         return "- wall time: no events.jsonl"
     wall = times["wall"] or 1.0
-    parts = [f"{name.replace('_', ' ')} {times[name]:.1f} s ({100 * times[name] / wall:.0f}%)"
-             for name in ("setup", "training", "evaluating", "checkpointing", "between_attempts")]  # fmt: skip
+    parts = [
+        f"{name.replace('_', ' ')} {times[name]:.1f} s ({100 * times[name] / wall:.0f}%)"
+        for name in ("setup", "training", "evaluating", "checkpointing", "between_attempts")
+    ]
     dropped = run_dir / "metrics.dropped.jsonl"
     retrained = sum('"loss"' in line for line in dropped.read_text().splitlines()) if dropped.is_file() else 0
     return (
@@ -154,20 +176,31 @@ def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str
     for axis, (title, key) in zip(axes.flat, _PANELS, strict=True):
         for name, (training, evaluations) in runs.items():
             records = evaluations if key == "eval/" else training
-            keys = sorted({k for r in records for k in r if k.startswith(_EVAL_PREFIXES) and k != "eval/seconds"}) \
-                if key == "eval/" else [key]  # fmt: skip
+            keys = (
+                sorted({k for r in records for k in r if k.startswith(_EVAL_PREFIXES) and k != "eval/seconds"})
+                if key == "eval/"
+                else [key]
+            )
             for k in keys:
                 points = [(r[x_key], r[k]) for r in records if r.get(k) is not None and r.get(x_key) is not None]
                 if points:  # an EMA's evaluation dashed, so that it does not hide the weights' own
-                    axis.plot(*zip(*points, strict=True), label=f"{name} {k}" if len(runs) > 1 else k,
-                              linestyle="--" if k.startswith("eval_ema/") else "-")  # fmt: skip
+                    axis.plot(
+                        *zip(*points, strict=True),
+                        label=f"{name} {k}" if len(runs) > 1 else k,
+                        linestyle="--" if k.startswith("eval_ema/") else "-",
+                    )
         axis.set_title(title)
         axis.set_xlabel(x_key)
         if axis.lines:
             axis.legend(fontsize="small")
         else:
-            axis.text(0.5, 0.5, "not logged" + (" (set peak_tflops)" if key == "mfu" else ""), ha="center",
-                      transform=axis.transAxes)  # fmt: skip
+            axis.text(
+                0.5,
+                0.5,
+                "not logged" + (" (set peak_tflops)" if key == "mfu" else ""),
+                ha="center",
+                transform=axis.transAxes,
+            )
     figure.tight_layout()
     figure.savefig(path, dpi=80)
     plt.close(figure)
@@ -183,5 +216,8 @@ def write_report_or_warn(run_dir: Path) -> None:
     try:
         write_report(run_dir)
     except Exception as error:  # noqa: BLE001 - the run itself is done and saved
-        warnings.warn(f"accel-trainer: the report of {run_dir} could not be written ({type(error).__name__}:"
-                      f" {error}); `accel-trainer report {run_dir}` tries again", stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"accel-trainer: the report of {run_dir} could not be written ({type(error).__name__}:"
+            f" {error}); `accel-trainer report {run_dir}` tries again",
+            stacklevel=2,
+        )

@@ -88,13 +88,17 @@ class Trackers:
         tracker.start()
         self._trackers[name] = tracker
         if not resume_step:
-            tracker.store_init_configuration({k: v if isinstance(v, int | float | str | bool) else str(v)
-                                              for k, v in config.items()})  # fmt: skip
+            tracker.store_init_configuration(
+                {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in config.items()}
+            )
 
     def _call(self, name: str, work: Any) -> None:
         try:
             work()
         except Exception as error:  # noqa: BLE001 - a tracker never stops training
             self._trackers.pop(name, None)
-            warnings.warn(f"accel-trainer: tracker {name} failed ({type(error).__name__}: {error}) and is off for the"
-                          " rest of the run; metrics.jsonl has every record", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"accel-trainer: tracker {name} failed ({type(error).__name__}: {error}) and is off for the"
+                " rest of the run; metrics.jsonl has every record",
+                stacklevel=2,
+            )

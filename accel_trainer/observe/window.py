@@ -83,9 +83,14 @@ _PER_PROCESS = ("elapsed", "data_wait", "host_rss_gb", "mem_allocated_gb", "mem_
 
 
 def log_record(
-    accelerator: Accelerator, cfg: TrainConfig, window: Window, step: int, epoch: int, figures: dict[str, Any],
+    accelerator: Accelerator,
+    cfg: TrainConfig,
+    window: Window,
+    step: int,
+    epoch: int,
+    figures: dict[str, Any],
     speed: Speed,
-) -> tuple[dict[str, Any], float]:  # fmt: skip
+) -> tuple[dict[str, Any], float]:
     """Read the window back (the only host synchronisation of a training step) and build a log record.
 
     One gather brings every process's sums and timings to every process (the collective the step already
@@ -121,15 +126,24 @@ def log_record(
         "world_size": accelerator.num_processes,
         "host_rss_gb": max(timing["host_rss_gb"]),
     }
-    if accelerator.device.type == "cuda":
-        record["mem_allocated_gb"] = max(timing["mem_allocated_gb"])
-        record["mem_reserved_gb"] = max(timing["mem_reserved_gb"])
-        torch.cuda.reset_peak_memory_stats(accelerator.device)  # a peak per window
-    if speed.flops_per_sample is not None:
-        record["tflops"] = speed.flops_per_sample * samples_per_s / accelerator.num_processes / 1e12
-        if speed.peak_tflops:
-            record["mfu"] = record["tflops"] / speed.peak_tflops
+    record.update(_device_figures(accelerator, timing, speed, samples_per_s))
     return record, num_items - window.items_banked
+
+
+def _device_figures(
+    accelerator: Accelerator, timing: dict[str, list[float]], speed: Speed, samples_per_s: float
+) -> dict[str, float]:
+    """The peak device memory of the window (then reset: a peak per window), TFLOP/s and MFU where known."""
+    figures = {}
+    if accelerator.device.type == "cuda":
+        figures["mem_allocated_gb"] = max(timing["mem_allocated_gb"])
+        figures["mem_reserved_gb"] = max(timing["mem_reserved_gb"])
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
+    if speed.flops_per_sample is not None:
+        figures["tflops"] = speed.flops_per_sample * samples_per_s / accelerator.num_processes / 1e12
+        if speed.peak_tflops:
+            figures["mfu"] = figures["tflops"] / speed.peak_tflops
+    return figures
 
 
 def _optimizer_figures(figures: dict[str, Any]) -> dict[str, Any]:

@@ -61,8 +61,9 @@ def build_accelerator(cfg: TrainConfig, layout: LayoutSettings) -> Accelerator:
     return accelerator
 
 
-def _accelerator(cfg: TrainConfig, layout: LayoutSettings, fsdp_plugin: FullyShardedDataParallelPlugin | None
-                 ) -> Accelerator:  # fmt: skip
+def _accelerator(
+    cfg: TrainConfig, layout: LayoutSettings, fsdp_plugin: FullyShardedDataParallelPlugin | None
+) -> Accelerator:
     return Accelerator(
         cpu=launch_fixes.wants_cpu(),
         fsdp_plugin=fsdp_plugin,

@@ -1,42 +1,24 @@
-"""Workarounds for measured accelerate 1.15 problems, all in this one module (see docs/accelerate-traps.md).
+"""Workarounds for measured accelerate 1.15 problems, all in this one module; docs/accelerate-traps.md tells each
+trap in full, with its canary test (test_launch_fixes.py, test_multiprocess.py, test_layout_equivalence.py,
+test_preemption.py).
 
-Each function names the trap it avoids, and a test shows each trap and the fix: test_launch_fixes.py and
-test_multiprocess.py (launches, overhead), test_layout_equivalence.py (FSDP on the CPU really shards and
-matches), test_preemption.py (elastic restarts).
-
-- CPU launches: `accelerate launch --cpu --num_processes N` (or a MULTI_CPU config) starts one process
-  unless mpirun is used, and `--multi_gpu` without a GPU starts N workers that each see a world of 1. The
-  launch that does work is torchrun's (used by `--multi_gpu`) with `cpu=True` in the workers, giving
-  MULTI_CPU over gloo. `wants_cpu` supplies that `cpu=True`; `check_launched_world` refuses the rest.
-- FSDP on CPU: `--cpu --use_fsdp` is refused, and an FSDP plugin under MULTI_CPU is dropped, so training
-  silently becomes DDP. torch's FSDP2 (`fully_shard`) works on a gloo CPU mesh, and so does accelerate's FSDP2
-  path once `distributed_type` is FSDP on *both* `PartialState` and `AcceleratorState` (setting one alone is
-  undone when the state is re-read) and the plugin is put back on the state: `enable_fsdp_on_cpu`.
-- Elastic restarts: after `torchrun --max_restarts` restarts a group, its workers often (about half the time on
-  a 2-core machine) read the dead attempt's addresses from the rendezvous store and fail to connect
-  (pytorch#167288), using up the restart. `init_process_group_per_attempt` keys this attempt's rendezvous
-  under its restart count before accelerate initialises (it then reuses the group).
-- The launch's config file: `accelerate launch --config_file X` reads X in the launcher and hands the workers
-  environment variables for the keys it knows, but not X's path, and refuses unknown keys in X, so a file of
-  accel-trainer's layout settings beside X cannot be found from the environment. `launch_config_path` reads
-  it from the launcher's command line (Linux /proc; elsewhere there is none and key=value still works).
-- Meshes (tensor parallelism, HSDP): accelerate builds its `ParallelismConfig` and device mesh while the
-  Accelerator is constructed, and refuses them under MULTI_CPU, which is what a CPU FSDP launch is until
-  `enable_fsdp_on_cpu` runs; its own TP preparation (`Accelerator._prepare_tp`) is for transformers models
-  (under FSDP2 it imports transformers and expects `from_pretrained(tp_plan=...)`). So the launcher's sizes
-  are taken from the environment before construction (`launcher_parallelism_sizes`, `parallelism_config_hidden`)
-  and the config and mesh handed back after it (`attach_mesh`); TP is applied by parallel/tensor_parallel.py before
-  `prepare`, and under FSDP2 the attached config (`_FsdpMesh`) reports TP as already done so `prepare` only
-  shards.
-- FSDP2's `cpu_ram_efficient_loading` (on when a config leaves `fsdp_cpu_ram_efficient_loading` out) moves
-  the model to the meta device and reloads rank 0's weights; it re-ties tied weights only through a
-  transformers-style `tie_weights()`, so a plain model's LM head and embedding come back as two parameters and
-  train apart, silently (the GPT's gradient norm 2.05 instead of 2.22 at step 1, measured). Every process
-  builds the recipe's model anyway, so `load_weights_on_every_process` turns it off (and transformers' own
-  rank-0-only loading with it).
-- Pipelines: accelerate has no pipeline dimension, and its prepared loaders split batches over every process
-  that is not a tp or cp rank, so pipeline stages would each see different data. `attach_pipeline` records
-  the stage count for mesh.data_ranks and `prepare_loader_for_data_ranks` prepares loaders for the data ranks.
+- CPU launches: `--cpu --num_processes N` (or a MULTI_CPU config) starts one process without mpirun, and
+  `--multi_gpu` without a GPU starts N worlds of 1. torchrun's launch with `cpu=True` in the workers gives
+  MULTI_CPU over gloo: `wants_cpu` supplies that `cpu=True`; `check_launched_world` refuses the rest.
+- FSDP on CPU: refused, or silently dropped to DDP under MULTI_CPU. torch's FSDP2 works on a gloo CPU mesh once
+  both states say FSDP and the plugin is put back: `enable_fsdp_on_cpu`.
+- Elastic restarts: restarted workers often read the dead attempt's addresses (pytorch#167288);
+  `init_process_group_per_attempt` keys each attempt's rendezvous under its restart count.
+- The launch's config file: the workers are not told its path, and it refuses unknown keys, so the layout
+  settings beside it are found from the launcher's command line: `launch_config_path` (Linux /proc).
+- Meshes (TP, HSDP): accelerate refuses them under MULTI_CPU and its TP preparation is for transformers
+  models, so the launcher's sizes are hidden during construction (`launcher_parallelism_sizes`,
+  `parallelism_config_hidden`) and the mesh attached after it (`attach_mesh`, `_FsdpMesh`); TP itself is
+  parallel/tensor_parallel.py's, applied before `prepare`.
+- FSDP2's `cpu_ram_efficient_loading` re-ties tied weights only through `tie_weights()`, so a plain model's
+  LM head and embedding silently train apart: `load_weights_on_every_process` turns it off.
+- Pipelines: accelerate has no pipeline dimension and would give each stage different data: `attach_pipeline`
+  records the stage count, `prepare_loader_for_data_ranks` prepares loaders for the data ranks.
 
 The per-step speed shortcuts are not here: they are the loop's step verbs (parallel/verbs.py).
 """
@@ -159,18 +141,28 @@ def init_process_group_per_attempt(timeout_s: float) -> None:
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-        is_master=rank == 0 and not agent_hosts_store, timeout=timeout,
-    )  # fmt: skip
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+    )
     dist.init_process_group(
         backend="gloo" if wants_cpu() else "nccl",
         store=dist.PrefixStore(f"accel_trainer/attempt_{attempt}", store),
-        rank=rank, world_size=world_size, timeout=timeout,
-    )  # fmt: skip
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
 
 
-_PARALLELISM_VARIABLES = {"dp_replicate": "DP_REPLICATE_SIZE", "dp_shard": "DP_SHARD_SIZE", "tp": "TP_SIZE",
-                          "cp": "CP_SIZE", "sp": "SP_SIZE"}  # fmt: skip
+_PARALLELISM_VARIABLES = {
+    "dp_replicate": "DP_REPLICATE_SIZE",
+    "dp_shard": "DP_SHARD_SIZE",
+    "tp": "TP_SIZE",
+    "cp": "CP_SIZE",
+    "sp": "SP_SIZE",
+}
 
 
 def launcher_parallelism_sizes() -> dict[str, int]:
@@ -181,8 +173,10 @@ def launcher_parallelism_sizes() -> dict[str, int]:
     """
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() != "true":
         return {}
-    sizes = {name: int(os.environ.get(f"PARALLELISM_CONFIG_{variable}") or 1)
-             for name, variable in _PARALLELISM_VARIABLES.items()}  # fmt: skip
+    sizes = {
+        name: int(os.environ.get(f"PARALLELISM_CONFIG_{variable}") or 1)
+        for name, variable in _PARALLELISM_VARIABLES.items()
+    }
     if sizes.pop("sp") > 1:
         raise LayoutError(
             "parallelism_config_sp_size > 1 in the accelerate config: accel-trainer drives data, tensor, context"
@@ -255,12 +249,20 @@ def prepare_loader_for_data_ranks(accelerator: Accelerator, loader: DataLoader, 
     and count explicitly, with the Accelerator's own loader settings (canary: test_pipeline.py).
     """
     prepared = prepare_data_loader(
-        loader, accelerator.device, num_processes=size, process_index=rank, split_batches=accelerator.split_batches,
-        put_on_device=accelerator.device_placement, rng_types=accelerator.rng_types.copy(),
-        dispatch_batches=accelerator.dispatch_batches, even_batches=accelerator.even_batches,
-        use_seedable_sampler=accelerator.use_seedable_sampler, data_seed=accelerator.dataloader_config.data_seed,
-        non_blocking=accelerator.non_blocking, use_stateful_dataloader=accelerator.use_stateful_dataloader,
-    )  # fmt: skip
+        loader,
+        accelerator.device,
+        num_processes=size,
+        process_index=rank,
+        split_batches=accelerator.split_batches,
+        put_on_device=accelerator.device_placement,
+        rng_types=accelerator.rng_types.copy(),
+        dispatch_batches=accelerator.dispatch_batches,
+        even_batches=accelerator.even_batches,
+        use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking,
+        use_stateful_dataloader=accelerator.use_stateful_dataloader,
+    )
     accelerator._dataloaders.append(prepared)  # as accelerator.prepare_data_loader does
     return prepared
 

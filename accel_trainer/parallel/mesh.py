@@ -120,8 +120,7 @@ def _check_context_parallel(layout: LayoutSettings, cp: int, is_fsdp: bool, devi
         )
 
 
-def _pipeline_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool, launcher: dict[str, int]
-                    ) -> MeshShape:  # fmt: skip
+def _pipeline_shape(layout: LayoutSettings, world_size: int, is_fsdp: bool, launcher: dict[str, int]) -> MeshShape:
     pp = layout.pp_size
     if pp < 1:
         raise LayoutError(f"pp_size={pp}: must be at least 1")
@@ -184,8 +183,13 @@ def describe_mesh(accelerator: Accelerator) -> str:
     config = accelerator.parallelism_config
     if config is None:
         return ""
-    sizes = {"pp": getattr(config, "pp_size", 1), "dp_replicate": config.dp_replicate_size,
-             "dp_shard": config.dp_shard_size, "cp": config.cp_size, "tp": config.tp_size}  # fmt: skip
+    sizes = {
+        "pp": getattr(config, "pp_size", 1),
+        "dp_replicate": config.dp_replicate_size,
+        "dp_shard": config.dp_shard_size,
+        "cp": config.cp_size,
+        "tp": config.tp_size,
+    }
     return " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1)
 
 

@@ -169,8 +169,12 @@ def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
                 submodule.register_parameter(key, nn.Parameter(replicated, parameter.requires_grad))
 
     def inputs_replicated(submodule: nn.Module, inputs: Any, device_mesh: DeviceMesh) -> Any:
-        return tuple(DTensor.from_local(x, device_mesh, [Replicate()]) if isinstance(x, torch.Tensor)
-                     and not isinstance(x, DTensor) else x for x in inputs)  # fmt: skip
+        return tuple(
+            DTensor.from_local(x, device_mesh, [Replicate()])
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
 
     def outputs_local(submodule: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs

@@ -1,4 +1,5 @@
-"""Per-block model preparation from the recipe's `wrap_classes`: FSDP units and activation checkpointing.
+"""The model prepared for its layout: tensor parallelism, SyncBatchNorm, and per-block preparation from the
+recipe's `wrap_classes` (FSDP units and activation checkpointing), in `split_and_wrap`.
 
 A recipe names its repeated blocks once (`wrap_classes = (Block,)`); this module turns that into what each
 layout needs before `accelerator.prepare`:
@@ -16,14 +17,20 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any
 
 import torch
+from accelerate import Accelerator
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
 
+from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.errors import ConfigError
+from accel_trainer.parallel.batchnorm import convert_to_sync_batchnorm
+from accel_trainer.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
 from accel_trainer.recipe import Recipe
 
 
@@ -54,3 +61,25 @@ def prepare_blocks(
         checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
         check_fn=lambda module: isinstance(module, classes),
     )
+
+
+def split_and_wrap(model: Any, recipe: Recipe, layout: LayoutSettings, accelerator: Accelerator) -> Any:
+    """Tensor parallelism, SyncBatchNorm, FSDP units and activation checkpointing, as the layout asks."""
+    mesh = accelerator.torch_device_mesh
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+        apply_tensor_parallel(model.to(accelerator.device), dict(recipe.tp_plan), mesh["tp"])
+    else:  # a plan's mistakes show on the first run, though only a tensor-parallel layout needs it right
+        _warn_about_tp_plan(model, recipe, accelerator.is_main_process)
+    if layout.sync_batchnorm:
+        model = convert_to_sync_batchnorm(model, accelerator, accelerator.is_main_process)
+    checkpointing = layout.activation_checkpointing and layout.pp_size == 1  # a pipeline checkpoints its stages
+    prepare_blocks(model, recipe, checkpointing, is_main_process=accelerator.is_main_process)
+    return model
+
+
+def _warn_about_tp_plan(model: Any, recipe: Recipe, is_main_process: bool) -> None:
+    try:
+        check_tp_plan(model, dict(recipe.tp_plan))
+    except ConfigError as error:
+        if is_main_process:
+            warnings.warn(f"accel-trainer: {error} (it matters on a tensor-parallel layout only)", stacklevel=3)

@@ -44,9 +44,11 @@ class NonfiniteGuard:
         self.checks_gradients = accelerator.scaler is None  # fp16: inf gradients are the scaler's to skip
         # Running statistics move in every training forward pass, taken step or not: kept to put them back.
         self.statistics = [
-            buffer for module in model.modules() if isinstance(module, _NormBase) and module.track_running_stats
+            buffer
+            for module in model.modules()
+            if isinstance(module, _NormBase) and module.track_running_stats
             for buffer in module.buffers(recurse=False)
-        ]  # fmt: skip
+        ]
         self.good_statistics = [buffer.clone() for buffer in self.statistics]
 
     def step_is_finite(

@@ -31,8 +31,9 @@ class PipelineGradients:
     uncounted: set[str] = field(default_factory=set)
 
     @classmethod
-    def of(cls, model: nn.Module, view: nn.Module, holders: dict[int, set[str]], place: PipelinePlace
-           ) -> PipelineGradients:  # fmt: skip
+    def of(
+        cls, model: nn.Module, view: nn.Module, holders: dict[int, set[str]], place: PipelinePlace
+    ) -> PipelineGradients:
         """Groups are created on every process, in the same order, as torch requires: for each tied group held
         on several stage ranks, one per data-parallel rank."""
         gradients = cls(view)

@@ -50,8 +50,9 @@ def pipeline_place(mesh: DeviceMesh | None) -> PipelinePlace:
     if mesh is None:
         return PipelinePlace(dist.get_rank(), dist.get_world_size(), 0, 1)
     pipeline, shard = mesh["pp"], mesh["dp_shard"]
-    return PipelinePlace(pipeline.get_local_rank(), pipeline.size(), shard.get_local_rank(), shard.size(),
-                         pipeline.get_group(), shard)  # fmt: skip
+    return PipelinePlace(
+        pipeline.get_local_rank(), pipeline.size(), shard.get_local_rank(), shard.size(), pipeline.get_group(), shard
+    )
 
 
 def shard_stage(module: nn.Module, mesh: DeviceMesh, block_names: list[str], reshard_after_forward: bool) -> None:

@@ -63,8 +63,9 @@ def split_spec(model: nn.Module, recipe: Any, num_stages: int) -> dict[str, Spli
     return {blocks[stage * units // num_stages - 1]: SplitPoint.BEGINNING for stage in range(1, num_stages)}
 
 
-def traced_pipeline(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], spec: dict[str, SplitPoint]
-                    ) -> Any:  # fmt: skip
+def traced_pipeline(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], spec: dict[str, SplitPoint]
+) -> Any:
     """torch's `pipeline()` of `model` on example inputs, leaving the model as it found it.
 
     `pipeline()` marks the split points by replacing each named module's `forward` and never puts it back
@@ -76,8 +77,11 @@ def traced_pipeline(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     try:
         shapes_log.setLevel(logging.ERROR)
         # torch.export's own deprecation notice (once per trace), and the graph it prints when a trace fails
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):  # fmt: skip
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             return pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=spec)
     except RuntimeError as error:

@@ -35,10 +35,11 @@ from torch.distributed.pipelining import (
 )
 
 from accel_trainer.batch_rows import select_rows
-from accel_trainer.errors import ConfigError, RecipeError
+from accel_trainer.errors import ConfigError
 from accel_trainer.eval_outputs import metric_sums
 from accel_trainer.losses import LossOutput, read_loss_output
 from accel_trainer.parallel.pipeline.gradients import PipelineGradients
+from accel_trainer.parallel.pipeline.recipe_calls import StageOutput, batch_size, model_inputs
 from accel_trainer.parallel.pipeline.sharding import (
     adopt_parameters,
     checkpoint_blocks,
@@ -65,49 +66,6 @@ SCHEDULES: dict[str, tuple[Any, int]] = {  # name -> (torch schedule, stages per
 }
 
 
-class _Called(Exception):
-    """Raised by the input-recording stand-in: the arguments the recipe calls its model with."""
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__("model called")
-        self.args, self.kwargs = args, kwargs
-
-
-class _InputRecorder(nn.Module):
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise _Called(args, kwargs)
-
-
-class _StageOutput(nn.Module):
-    """The model as the recipe's loss sees it on the last stage: it returns what the last stage computed."""
-
-    def __init__(self, output: Any) -> None:
-        super().__init__()
-        self.output, self.calls = output, 0
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if self.calls > 1:  # a second call would silently get the first call's output
-            raise RecipeError("the recipe calls its model more than once per batch, which a pipeline cannot run")
-        return self.output
-
-
-def model_inputs(recipe_function: Any, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments `recipe_function(model, batch)` calls its model with."""
-    try:
-        recipe_function(_InputRecorder(), batch)
-    except _Called as called:
-        return called.args, called.kwargs
-    raise RecipeError(f"{recipe_function.__name__} never called the model, so a pipeline cannot feed it")
-
-
-def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.ndim:
-            return int(value.shape[0])
-    raise RecipeError("the model's inputs hold no tensor with a batch dimension, so a pipeline cannot slice them")
-
-
 @dataclass
 class _Compiled:
     """The stages and schedule traced for one set of input shapes."""
@@ -131,10 +89,21 @@ class _Step:
 class Pipeline:
     """This process's stages of the recipe's model, and the schedule that trains and evaluates them."""
 
-    def __init__(self, recipe: Any, model: nn.Module, sample_batch: Any, *, schedule: str, microbatches: int,
-                 accumulation_steps: int, device: torch.device, autocast: Any = contextlib.nullcontext,
-                 mesh: DeviceMesh | None = None, reshard_after_forward: bool = False,
-                 activation_checkpointing: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        recipe: Any,
+        model: nn.Module,
+        sample_batch: Any,
+        *,
+        schedule: str,
+        microbatches: int,
+        accumulation_steps: int,
+        device: torch.device,
+        autocast: Any = contextlib.nullcontext,
+        mesh: DeviceMesh | None = None,
+        reshard_after_forward: bool = False,
+        activation_checkpointing: bool = False,
+    ) -> None:
         self.recipe, self.model, self.device, self.autocast = recipe, model, device, autocast
         self.accumulation_steps = accumulation_steps
         self.place = pipeline_place(mesh)
@@ -178,8 +147,9 @@ class Pipeline:
         with self.autocast():
             return traced_pipeline(self.model, first_chunk(args, chunks), first_chunk(kwargs, chunks), self.spec)
 
-    def _compiled_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool, traced: Any = None
-                      ) -> _Compiled:  # fmt: skip
+    def _compiled_for(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], train: bool, traced: Any = None
+    ) -> _Compiled:
         """The stages and schedule for these inputs' shapes, traced once per shape (`traced`: already)."""
         chunks = self.chunks if train else 1
         shapes = tuple((tuple(v.shape), v.dtype) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
@@ -211,12 +181,12 @@ class Pipeline:
         step = self._step
         batch = select_rows(step.batch, index, step.size)
         if not step.train:
-            chunk = self.recipe.eval_metrics(_StageOutput(output), batch)
+            chunk = self.recipe.eval_metrics(StageOutput(output), batch)
             for name, (total, weight) in metric_sums(chunk, len(index), self.device).items():
                 kept = step.metrics.get(name)
                 step.metrics[name] = (total, weight) if kept is None else (kept[0] + total, kept[1] + weight)
             return torch.zeros((), device=self.device)
-        result = read_loss_output(self.recipe.compute_loss(_StageOutput(output), batch))
+        result = read_loss_output(self.recipe.compute_loss(StageOutput(output), batch))
         step.losses.append(result)
         loss = result.loss if result.num_items is not None else result.loss / self.chunks
         return loss / self.accumulation_steps  # as accelerate's backward divides it
