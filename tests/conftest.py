@@ -289,3 +289,109 @@ parallelism_config: {parallelism_config_dp_shard_size: 1, parallelism_config_cp_
 """An accelerate config of 2 processes forming one context-parallel pair (FSDP over both), for the CPU test of
 the mechanism (test_context_parallel.py) and its GPU test (test_gpu.py). It leaves fsdp_cpu_ram_efficient_loading
 out, which launch_fixes turns off."""
+
+
+# -- helpers the test modules share -------------------------------------------------------------------------
+
+RESUME_STEPS = 30
+
+
+SAVE_ALL = [f"max_steps={RESUME_STEPS}", "log_every_steps=1", "eval_every_steps=0", "save_every_steps=1", "keep_last=0",
+            "warmup_steps=5"]  # fmt: skip
+
+
+def losses_by_step(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def as_kwargs(overrides: list[str]) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in overrides)
+
+
+def assert_same_run(full_dir, resumed_dir, resumed_from: int) -> None:
+    """A run resumed from step `resumed_from` of a full SAVE_ALL run: every later loss and the final weights
+    bitwise the full run's."""
+    full, resumed = losses_by_step(full_dir), losses_by_step(resumed_dir)
+    assert sorted(resumed) == list(range(resumed_from + 1, RESUME_STEPS + 1))
+    assert [resumed[s] for s in resumed] == [full[s] for s in resumed]  # bitwise, every step
+    assert_bitwise(final_parameters(full_dir), final_parameters(resumed_dir))
+
+
+def assert_bitwise(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    """The same tensors under the same names, bit for bit."""
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
+
+
+def checkpoint(run_dir, step: int) -> Path:
+    """The folder of a run's checkpoint of `step`."""
+    return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+
+
+# mlp_slow (tests/workers/recipes/slow_phases.py) is slowed by environment variables only: the interrupted run,
+# its resumption and the reference run share this config.
+SIGNALLED = ["max_steps=30", "log_every_steps=1", "eval_every_steps=10", "save_every_steps=10", "keep_last=0"]
+SLOW_STEP = {"ACCEL_TEST_SLOW_STEP_S": "0.25"}
+
+
+def wait_for(condition, timeout_s: float = 120.0, poll_s: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(poll_s)
+
+
+def logged_steps(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if '"loss"' in line) if path.exists() else 0
+
+
+def launcher_sizes(monkeypatch, **sizes: int) -> None:
+    """The environment accelerate's launcher gives workers for a config's parallelism_config section."""
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    for name, size in sizes.items():
+        monkeypatch.setenv(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", str(size))
+
+
+# The pipeline tests' runs (test_pipeline.py, test_pipeline_fsdp.py) and their tolerances.
+PIPELINE_STEPS = 10
+_PIPELINE_COMMON = [
+    f"max_steps={PIPELINE_STEPS}",
+    "global_batch_size=16",
+    "micro_batch_size=4",
+    "log_every_steps=1",
+    "warmup_steps=2",
+]
+
+PIPELINE_RECIPES = {
+    "gpt": [*_PIPELINE_COMMON, "n_layer=3", "d_model=32", "n_head=4", "block_size=32", "max_source_bytes=100000",
+            "eval_every_steps=5"],
+    "mlp_tp": [*_PIPELINE_COMMON, "eval_every_steps=5"],
+}  # fmt: skip
+PIPELINE_GRADIENTS = dict(rtol=1e-6, atol=1e-7)
+PIPELINE_WEIGHTS = dict(rtol=1e-4, atol=1e-5)
+
+
+def train_records(records: list[dict]) -> list[dict]:
+    """The training records of a run's metrics (with loss and gradient norm), not its evaluations."""
+    return [r for r in records if "loss" in r and "grad_norm" in r]
+
+
+def assert_same_trajectory(records, reference_records, run_dir, reference_dir, label: str) -> None:
+    """A pipeline run follows its 1-process reference: losses, gradient norms, items, weights and evaluations."""
+    expected, actual = train_records(reference_records), train_records(records)
+    assert [r["step"] for r in actual] == list(range(1, PIPELINE_STEPS + 1))
+    for key in ("grad_norm", "loss"):
+        got, want = ([r[key] for r in records] for records in (actual, expected))
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                                   **PIPELINE_GRADIENTS)  # fmt: skip
+    assert [r["items_seen"] for r in actual] == [r["items_seen"] for r in expected]  # stages counted once
+    reference, trained = final_parameters(reference_dir), final_parameters(run_dir)
+    assert trained.keys() == reference.keys()
+    worst = max((trained[k] - reference[k]).abs().max().item() for k in reference)
+    print(f"{label}: max |1 process - pipeline| after {PIPELINE_STEPS} steps = {worst:.3g}")
+    for name in reference:
+        torch.testing.assert_close(trained[name], reference[name], **PIPELINE_WEIGHTS)
+    evals = [r["eval/loss"] for r in records if "eval/loss" in r]
+    assert evals == pytest.approx([r["eval/loss"] for r in reference_records if "eval/loss" in r], rel=1e-5)

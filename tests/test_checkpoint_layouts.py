@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, REPO, WORKERS, clean_env, final_parameters, read_metrics, slow, train_and_dump
+from conftest import BIN, REPO, WORKERS, checkpoint, clean_env, final_parameters, read_metrics, slow, train_and_dump
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,10 +22,6 @@ STEPS = 20
 RUN = [f"max_steps={STEPS}", "log_every_steps=1", "eval_every_steps=0", "save_every_steps=10", "keep_last=0",
        "sample_latent=false", "micro_batch_size=16", "warmup_steps=3"]  # fmt: skip
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
-
-
-def checkpoint(run_dir, step: int):
-    return run_dir / "checkpoints" / f"step_{step:08d}"
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate.utils import ParallelismConfig
-from test_mesh import launcher_sizes
 
 from accel_trainer import ConfigError, LayoutError
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.parallel.context_parallel import check_loss_counts_items, sequence_buffers
 from accel_trainer.parallel.mesh import MeshShape, data_ranks, mesh_shape
-from conftest import TWO_PROCESS_CP_LAYOUT, WORKERS, accelerate_launch, dump_env, read_metrics, train_and_dump
+from conftest import (
+    TWO_PROCESS_CP_LAYOUT,
+    WORKERS,
+    accelerate_launch,
+    dump_env,
+    launcher_sizes,
+    read_metrics,
+    train_and_dump,
+)
 
 
 def test_a_cp_layout_on_cuda_gives_fsdp_the_cp_processes_too(monkeypatch):

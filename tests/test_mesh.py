@@ -25,13 +25,7 @@ from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.parallel import launch_fixes
 from accel_trainer.parallel.mesh import MeshShape, mesh_shape
 from accel_trainer.parallel.tensor_parallel import _check_sequence_lengths, apply_tensor_parallel, check_tp_plan
-
-
-def launcher_sizes(monkeypatch, **sizes: int) -> None:
-    """The environment accelerate's launcher gives workers for a config's parallelism_config section."""
-    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
-    for name, size in sizes.items():
-        monkeypatch.setenv(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", str(size))
+from conftest import launcher_sizes
 
 
 @pytest.mark.parametrize(

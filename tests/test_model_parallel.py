@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, final_parameters, rank_summary, read_metrics, slow, train_and_dump
+from conftest import BIN, checkpoint, final_parameters, rank_summary, read_metrics, slow, train_and_dump, train_records
 
 pytestmark = pytest.mark.multiprocess
 
@@ -46,10 +46,6 @@ def references(tmp_path_factory):
         out = tmp_path_factory.mktemp(f"{recipe}_cpu")
         runs[recipe] = out, train_and_dump("cpu", out, recipe, *overrides, world_size=1)
     return runs
-
-
-def train_records(records: list[dict]) -> list[dict]:
-    return [r for r in records if "loss" in r and "grad_norm" in r]
 
 
 @pytest.mark.parametrize(
@@ -110,12 +106,8 @@ def tp_run(tmp_path_factory):
     return out
 
 
-def step_folder(run_dir, step: int):
-    return run_dir / "checkpoints" / f"step_{step:08d}"
-
-
 def test_a_tensor_parallel_checkpoint_is_sharded_and_resumes_bitwise_on_its_layout(tp_run, tmp_path):
-    folder = step_folder(tp_run, 5)
+    folder = checkpoint(tp_run, 5)
     assert (folder / "distributed").is_dir() and not (folder / "model.safetensors").exists()
     train_and_dump("cpu_tp", tmp_path, "gpt", *RECIPES["gpt"], f"resume={folder}", world_size=2)
 
@@ -127,7 +119,7 @@ def test_a_tensor_parallel_checkpoint_is_sharded_and_resumes_bitwise_on_its_layo
 
 @pytest.mark.parametrize(("layout", "world_size"), [("cpu", 1), slow("cpu_fsdp_tp", 4)])
 def test_a_tensor_parallel_checkpoint_continues_on_another_layout(tp_run, layout, world_size, tmp_path):
-    train_and_dump(layout, tmp_path, "gpt", *RECIPES["gpt"], f"resume={step_folder(tp_run, 5)}",
+    train_and_dump(layout, tmp_path, "gpt", *RECIPES["gpt"], f"resume={checkpoint(tp_run, 5)}",
                    world_size=world_size)  # fmt: skip
     resumed, uninterrupted = final_parameters(tmp_path), final_parameters(tp_run)
     for name in uninterrupted:
@@ -138,7 +130,7 @@ def test_a_tensor_parallel_checkpoint_continues_on_another_layout(tp_run, layout
 def test_an_fsdp_checkpoint_continues_under_tensor_parallelism(tp_run, tmp_path):
     fsdp = tmp_path / "fsdp"
     train_and_dump("cpu_fsdp", fsdp, "gpt", *RECIPES["gpt"], "save_every_steps=5", world_size=2)
-    train_and_dump("cpu_tp", tmp_path / "tp", "gpt", *RECIPES["gpt"], f"resume={step_folder(fsdp, 5)}",
+    train_and_dump("cpu_tp", tmp_path / "tp", "gpt", *RECIPES["gpt"], f"resume={checkpoint(fsdp, 5)}",
                    world_size=2)  # fmt: skip
     resumed, uninterrupted = final_parameters(tmp_path / "tp"), final_parameters(tp_run)
     for name in uninterrupted:
@@ -146,7 +138,7 @@ def test_an_fsdp_checkpoint_continues_under_tensor_parallelism(tp_run, tmp_path)
 
 
 def test_export_of_a_tensor_parallel_checkpoint_equals_the_runs_weights(tp_run, tmp_path):
-    subprocess.run([BIN / "accel-trainer", "export", str(step_folder(tp_run, STEPS)), "--output", str(tmp_path)],
+    subprocess.run([BIN / "accel-trainer", "export", str(checkpoint(tp_run, STEPS)), "--output", str(tmp_path)],
                    check=True, capture_output=True, timeout=300)  # fmt: skip
     exported, final = load_file(str(tmp_path / "model.safetensors")), final_parameters(tp_run)
     assert exported.keys() == final.keys()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import accel_trainer as at
 from accel_trainer.checkpoint.export import export
 from accel_trainer.stopping.nonfinite import NonfiniteSteps
-from conftest import WORKERS, accelerate_launch, read_metrics, slow, train_and_dump
+from conftest import WORKERS, accelerate_launch, assert_bitwise, read_metrics, slow, train_and_dump
 
 SAVE_EVERY_STEP = dict(save_every_steps=1, keep_last=0, show_progress_bar=False)
 
@@ -33,11 +33,6 @@ def saved(run_dir, step: int, name: str = "model.safetensors") -> dict[str, torc
     return load_file(str(folder / name))
 
 
-def assert_same_tensors(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> None:
-    assert first.keys() == second.keys()
-    assert all(torch.equal(first[name], second[name]) for name in first)
-
-
 def training_records(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(run_dir) if "lr" in r}
 
@@ -47,7 +42,7 @@ def test_a_non_finite_step_is_skipped_counted_and_changes_nothing(tmp_path, pois
     at.train("poisoned", poison_steps="5", poison=poison, output_dir=str(tmp_path), **SAVE_EVERY_STEP)
 
     for name in ("model.safetensors", "optimizer.safetensors", "trainer.safetensors"):  # weights, BN stats, Adam,
-        assert_same_tensors(saved(tmp_path, 4, name), saved(tmp_path, 5, name))  # schedule: as after step 4
+        assert_bitwise(saved(tmp_path, 4, name), saved(tmp_path, 5, name))  # schedule: as after step 4
     assert not torch.equal(saved(tmp_path, 5)["0.weight"], saved(tmp_path, 6)["0.weight"])  # and it trains on
     records = training_records(tmp_path)
     assert [records[s]["nonfinite_steps"] for s in (4, 5, 10)] == [0, 1, 1]
@@ -79,7 +74,7 @@ def test_too_many_in_a_row_stop_with_a_checkpoint_of_the_last_good_weights(tmp_p
     assert "NaN or Inf in steps 5-7 (3 in a row; max_nonfinite_in_a_row=3)" in str(stopped.value)
     assert "step_00000007 holds the weights of step 4" in str(stopped.value)
     assert "rerun the same command to go on past them" in str(stopped.value)
-    assert_same_tensors(saved(tmp_path, 4), saved(tmp_path, 7))
+    assert_bitwise(saved(tmp_path, 4), saved(tmp_path, 7))
     assert not (tmp_path / "checkpoints" / "step_00000008").exists()
     assert [r["step"] for r in training_records(tmp_path).values()] == [4, 7]  # the stop records steps 5-7
 
@@ -112,7 +107,7 @@ def test_a_nan_loss_on_one_process_is_skipped_by_every_process(tmp_path, layout)
     train_and_dump(layout, tmp_path, "poisoned", "poison_steps=5", "poison=loss", "poison_rank=1",
                    "global_batch_size=16", *[f"{k}={v}" for k, v in SAVE_EVERY_STEP.items()], world_size=2)  # fmt: skip
 
-    assert_same_tensors(saved(tmp_path, 4), saved(tmp_path, 5))
+    assert_bitwise(saved(tmp_path, 4), saved(tmp_path, 5))
     assert training_records(tmp_path)[10]["nonfinite_steps"] == 1
 
 

@@ -34,7 +34,21 @@ from accel_trainer.parallel.pipeline.split import (
     tied_groups,
     traced_pipeline,
 )
-from conftest import BIN, accelerate_launch, final_parameters, rank_summary, read_metrics, slow, train_and_dump
+from conftest import (
+    BIN,
+    PIPELINE_RECIPES,
+    PIPELINE_STEPS,
+    PIPELINE_WEIGHTS,
+    accelerate_launch,
+    assert_same_trajectory,
+    checkpoint,
+    final_parameters,
+    rank_summary,
+    read_metrics,
+    slow,
+    train_and_dump,
+    train_records,
+)
 
 
 class Block(nn.Module):
@@ -68,20 +82,26 @@ class BlockRecipe:
 
 @pytest.mark.parametrize(
     ("depth", "stages", "begins"),
-    [(2, 2, ["blocks.1"]), (3, 4, ["blocks.0", "blocks.1", "blocks.2"]), (6, 2, ["blocks.3"]),
-     (6, 4, ["blocks.1", "blocks.3", "blocks.5"])],
-)  # fmt: skip
+    [
+        (2, 2, ["blocks.1"]),
+        (3, 4, ["blocks.0", "blocks.1", "blocks.2"]),
+        (6, 2, ["blocks.3"]),
+        (6, 4, ["blocks.1", "blocks.3", "blocks.5"]),
+    ],
+)
 def test_blocks_are_spread_evenly_with_the_input_and_output_layers_counted_as_blocks(depth, stages, begins):
     assert split_spec(Stack(depth), BlockRecipe(), stages) == dict.fromkeys(begins, SplitPoint.BEGINNING)
 
 
 @pytest.mark.parametrize(
     ("recipe_split", "wrap", "stages", "message"),
-    [((), (Block,), 4, "2 blocks, too few for 4 pipeline stages"),
-     ((), (), 2, "give the recipe wrap_classes"),
-     (("blocks.7",), (Block,), 2, "'blocks.7', which is not a module of Stack"),
-     (("blocks.1",), (Block,), 3, "names 1 boundaries, but this layout has 3 pipeline stages")],
-)  # fmt: skip
+    [
+        ((), (Block,), 4, "2 blocks, too few for 4 pipeline stages"),
+        ((), (), 2, "give the recipe wrap_classes"),
+        (("blocks.7",), (Block,), 2, "'blocks.7', which is not a module of Stack"),
+        (("blocks.1",), (Block,), 3, "names 1 boundaries, but this layout has 3 pipeline stages"),
+    ],
+)
 def test_a_model_the_pipeline_cannot_cut_is_a_one_line_error(recipe_split, wrap, stages, message):
     recipe = type("R", (), {"wrap_classes": wrap, "pipeline_split": recipe_split})()
     with pytest.raises(ConfigError, match=message):
@@ -128,9 +148,13 @@ def test_optimizer_skeletons_merge_over_stages_and_split_back_with_tied_names_ta
 
 @pytest.mark.parametrize(
     ("settings", "world", "fsdp", "message"),
-    [({"pp_size": 2}, 4, False, "launch 2"), ({"pp_size": 2}, 2, True, "launch a multiple of pp_size above it"),
-     ({"pp_size": 2, "tp_size": 2}, 4, False, "combines with FSDP only"), ({"pp_size": 0}, 1, False, "at least 1")],
-)  # fmt: skip
+    [
+        ({"pp_size": 2}, 4, False, "launch 2"),
+        ({"pp_size": 2}, 2, True, "launch a multiple of pp_size above it"),
+        ({"pp_size": 2, "tp_size": 2}, 4, False, "combines with FSDP only"),
+        ({"pp_size": 0}, 1, False, "at least 1"),
+    ],
+)
 def test_a_pipeline_layout_that_does_not_fit_the_launch_is_a_one_line_error(settings, world, fsdp, message):
     with pytest.raises(LayoutError, match=message):
         mesh_shape(LayoutSettings(**settings), world, fsdp)
@@ -188,15 +212,6 @@ def test_canary_accelerates_loaders_know_no_pipeline_dimension():
 
 # -- real pipelines on 2 processes ------------------------------------------------------------------------------
 
-STEPS = 10
-COMMON = [f"max_steps={STEPS}", "global_batch_size=16", "micro_batch_size=4", "log_every_steps=1", "warmup_steps=2"]
-RECIPES = {
-    "gpt": [*COMMON, "n_layer=3", "d_model=32", "n_head=4", "block_size=32", "max_source_bytes=100000",
-            "eval_every_steps=5"],
-    "mlp_tp": [*COMMON, "eval_every_steps=5"],
-}  # fmt: skip
-GRADIENTS = dict(rtol=1e-6, atol=1e-7)
-WEIGHTS = dict(rtol=1e-4, atol=1e-5)
 
 pipelines = pytest.mark.multiprocess
 
@@ -204,43 +219,29 @@ pipelines = pytest.mark.multiprocess
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     runs = {}
-    for recipe, overrides in RECIPES.items():
+    for recipe, overrides in PIPELINE_RECIPES.items():
         out = tmp_path_factory.mktemp(f"{recipe}_cpu")
         runs[recipe] = out, train_and_dump("cpu", out, recipe, *overrides, world_size=1)
     return runs
 
 
-def train_records(records: list[dict]) -> list[dict]:
-    return [r for r in records if "loss" in r and "grad_norm" in r]
-
-
-def assert_same_trajectory(records, reference_records, run_dir, reference_dir, label: str) -> None:
-    expected, actual = train_records(reference_records), train_records(records)
-    assert [r["step"] for r in actual] == list(range(1, STEPS + 1))
-    for key in ("grad_norm", "loss"):
-        got, want = ([r[key] for r in records] for records in (actual, expected))
-        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
-                                   **GRADIENTS)  # fmt: skip
-    assert [r["items_seen"] for r in actual] == [r["items_seen"] for r in expected]  # stages counted once
-    reference, trained = final_parameters(reference_dir), final_parameters(run_dir)
-    assert trained.keys() == reference.keys()
-    worst = max((trained[k] - reference[k]).abs().max().item() for k in reference)
-    print(f"{label}: max |1 process - pipeline| after {STEPS} steps = {worst:.3g}")
-    for name in reference:
-        torch.testing.assert_close(trained[name], reference[name], **WEIGHTS)
-    evals = [r["eval/loss"] for r in records if "eval/loss" in r]
-    assert evals == pytest.approx([r["eval/loss"] for r in reference_records if "eval/loss" in r], rel=1e-5)
-
-
 @pipelines
 @pytest.mark.parametrize(
     ("recipe", "schedule"),
-    [("gpt", "1f1b"), slow("gpt", "gpipe"), slow("gpt", "interleaved_1f1b"), slow("gpt", "looped_bfs"),
-     slow("mlp_tp", "gpipe"), slow("mlp_tp", "1f1b")],
-)  # fmt: skip
+    [
+        ("gpt", "1f1b"),
+        slow("gpt", "gpipe"),
+        slow("gpt", "interleaved_1f1b"),
+        slow("gpt", "looped_bfs"),
+        slow("mlp_tp", "gpipe"),
+        slow("mlp_tp", "1f1b"),
+    ],
+)
 def test_a_pipeline_follows_the_one_process_trajectory_on_every_schedule(recipe, schedule, references, tmp_path):
     reference_dir, reference_records = references[recipe]
-    records = train_and_dump("cpu_pp", tmp_path, recipe, *RECIPES[recipe], f"pp_schedule={schedule}", world_size=2)
+    records = train_and_dump(
+        "cpu_pp", tmp_path, recipe, *PIPELINE_RECIPES[recipe], f"pp_schedule={schedule}", world_size=2
+    )
     assert_same_trajectory(records, reference_records, tmp_path, reference_dir, f"{recipe} {schedule}")
     if recipe == "mlp_tp":  # each process trains only its stage's weights: the last Linear on the second
         whole = final_parameters(reference_dir)
@@ -253,19 +254,15 @@ def test_a_pipeline_follows_the_one_process_trajectory_on_every_schedule(recipe,
 def pp_run(tmp_path_factory):
     """The GPT on 2 pipeline stages (1F1B), checkpointed at steps 5 and 10."""
     out = tmp_path_factory.mktemp("gpt_pp")
-    train_and_dump("cpu_pp", out, "gpt", *RECIPES["gpt"], "save_every_steps=5", "keep_last=0", world_size=2)
+    train_and_dump("cpu_pp", out, "gpt", *PIPELINE_RECIPES["gpt"], "save_every_steps=5", "keep_last=0", world_size=2)
     return out
-
-
-def step_folder(run_dir, step: int):
-    return run_dir / "checkpoints" / f"step_{step:08d}"
 
 
 @pipelines
 def test_a_pipeline_checkpoint_is_sharded_and_resumes_bitwise_on_its_layout(pp_run, tmp_path):
-    folder = step_folder(pp_run, 5)
+    folder = checkpoint(pp_run, 5)
     assert (folder / "distributed").is_dir() and not (folder / "model.safetensors").exists()
-    train_and_dump("cpu_pp", tmp_path, "gpt", *RECIPES["gpt"], f"resume={folder}", world_size=2)
+    train_and_dump("cpu_pp", tmp_path, "gpt", *PIPELINE_RECIPES["gpt"], f"resume={folder}", world_size=2)
 
     resumed, uninterrupted = final_parameters(tmp_path), final_parameters(pp_run)
     assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
@@ -275,28 +272,30 @@ def test_a_pipeline_checkpoint_is_sharded_and_resumes_bitwise_on_its_layout(pp_r
 
 @pipelines
 def test_a_pipeline_checkpoint_continues_on_one_process(pp_run, tmp_path):
-    train_and_dump("cpu", tmp_path, "gpt", *RECIPES["gpt"], f"resume={step_folder(pp_run, 5)}", world_size=1)
+    train_and_dump("cpu", tmp_path, "gpt", *PIPELINE_RECIPES["gpt"], f"resume={checkpoint(pp_run, 5)}", world_size=1)
     resumed, uninterrupted = final_parameters(tmp_path), final_parameters(pp_run)
     for name in uninterrupted:
-        torch.testing.assert_close(resumed[name], uninterrupted[name], **WEIGHTS)
+        torch.testing.assert_close(resumed[name], uninterrupted[name], **PIPELINE_WEIGHTS)
 
 
 @pipelines
 @pytest.mark.slow
 def test_a_one_process_checkpoint_continues_as_a_pipeline_its_tied_weights_state_on_both_stages(tmp_path):
     one = tmp_path / "one"
-    train_and_dump("cpu", one, "gpt", *RECIPES["gpt"], "save_every_steps=5", world_size=1)
-    train_and_dump("cpu_pp", tmp_path / "pp", "gpt", *RECIPES["gpt"], f"resume={step_folder(one, 5)}", world_size=2)
+    train_and_dump("cpu", one, "gpt", *PIPELINE_RECIPES["gpt"], "save_every_steps=5", world_size=1)
+    train_and_dump(
+        "cpu_pp", tmp_path / "pp", "gpt", *PIPELINE_RECIPES["gpt"], f"resume={checkpoint(one, 5)}", world_size=2
+    )
     resumed, uninterrupted = final_parameters(tmp_path / "pp"), final_parameters(one)
     for name in uninterrupted:
-        torch.testing.assert_close(resumed[name], uninterrupted[name], **WEIGHTS)
+        torch.testing.assert_close(resumed[name], uninterrupted[name], **PIPELINE_WEIGHTS)
 
 
 @pipelines
 @pytest.mark.slow
 def test_fp16_on_a_pipeline_is_a_one_line_error(tmp_path):
     result = accelerate_launch("cpu_pp", "-m", "accel_trainer", "train", "gpt", f"output_dir={tmp_path}",
-                               *RECIPES["gpt"], "mixed_precision=fp16", check=False)  # fmt: skip
+                               *PIPELINE_RECIPES["gpt"], "mixed_precision=fp16", check=False)  # fmt: skip
     assert result.returncode != 0
     assert "accel-trainer: error: a pipeline layout does not combine with" in result.stderr
     assert "Traceback" not in result.stderr.split("ChildFailedError")[0].split("accel-trainer: error")[0]
@@ -306,7 +305,7 @@ def test_fp16_on_a_pipeline_is_a_one_line_error(tmp_path):
 @pytest.mark.slow
 def test_a_bf16_pipeline_follows_the_one_process_bf16_trajectory(tmp_path):
     """Stages traced in fp32 gave NaN losses under bf16 autocast; traced under it, they match one process."""
-    bf16 = [*RECIPES["gpt"], "mixed_precision=bf16"]
+    bf16 = [*PIPELINE_RECIPES["gpt"], "mixed_precision=bf16"]
     one = train_and_dump("cpu", tmp_path / "one", "gpt", *bf16, world_size=1)
     pipeline = train_and_dump("cpu_pp", tmp_path / "pp", "gpt", *bf16, world_size=2)
     for key in ("loss", "grad_norm"):
@@ -316,8 +315,12 @@ def test_a_bf16_pipeline_follows_the_one_process_bf16_trajectory(tmp_path):
 
 @pipelines
 def test_export_of_a_pipeline_checkpoint_equals_the_runs_weights(pp_run, tmp_path):
-    subprocess.run([BIN / "accel-trainer", "export", str(step_folder(pp_run, STEPS)), "--output", str(tmp_path)],
-                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [BIN / "accel-trainer", "export", str(checkpoint(pp_run, PIPELINE_STEPS)), "--output", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     exported, final = load_file(str(tmp_path / "model.safetensors")), final_parameters(pp_run)
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[name], final[name]) for name in final)
@@ -329,9 +332,9 @@ def test_export_of_a_pipeline_checkpoint_equals_the_runs_weights(pp_run, tmp_pat
 def test_extending_max_steps_on_a_model_parallel_layout_continues_exactly(layout, tmp_path):
     """With a constant schedule, 10 steps then `max_steps=15` on the same run folder end bitwise where one run of
     15 steps ends: the extension resumes weights, optimizer state and data position exactly."""
-    gpt = [*RECIPES["gpt"], "lr_schedule=constant", "eval_every_steps=0"]
+    gpt = [*PIPELINE_RECIPES["gpt"], "lr_schedule=constant", "eval_every_steps=0"]
     train_and_dump(layout, tmp_path / "whole", "gpt", *gpt, "max_steps=15", world_size=2)
-    train_and_dump(layout, tmp_path / "extended", "gpt", *gpt, world_size=2)  # max_steps=10 (RECIPES)
+    train_and_dump(layout, tmp_path / "extended", "gpt", *gpt, world_size=2)  # max_steps=10 (PIPELINE_RECIPES)
     train_and_dump(layout, tmp_path / "extended", "gpt", *gpt, "max_steps=15", world_size=2)
     whole, extended = final_parameters(tmp_path / "whole"), final_parameters(tmp_path / "extended")
     assert all(torch.equal(whole[name], extended[name]) for name in whole)

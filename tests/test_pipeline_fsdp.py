@@ -15,14 +15,26 @@ import subprocess
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_pipeline import RECIPES, STEPS, WEIGHTS, assert_same_trajectory, step_folder, train_records
 
 from accel_trainer import LayoutError
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.parallel.mesh import MeshShape, mesh_shape
-from conftest import BIN, accelerate_launch, final_parameters, rank_summary, read_metrics, train_and_dump
+from conftest import (
+    BIN,
+    PIPELINE_RECIPES,
+    PIPELINE_STEPS,
+    PIPELINE_WEIGHTS,
+    accelerate_launch,
+    assert_same_trajectory,
+    checkpoint,
+    final_parameters,
+    rank_summary,
+    read_metrics,
+    train_and_dump,
+    train_records,
+)
 
-PADDED = {"gpt": [*RECIPES["gpt"], "pad_to_block_size=true"], "mlp_tp": RECIPES["mlp_tp"]}
+PADDED = {"gpt": [*PIPELINE_RECIPES["gpt"], "pad_to_block_size=true"], "mlp_tp": PIPELINE_RECIPES["mlp_tp"]}
 
 
 def test_a_pipeline_on_an_fsdp_layout_shards_each_stage_over_the_processes_left():
@@ -76,7 +88,7 @@ def pp_fsdp_run(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_pipeline_x_fsdp_checkpoint_resumes_bitwise_and_exports_the_runs_weights(pp_fsdp_run, tmp_path):
-    folder = step_folder(pp_fsdp_run, 5)
+    folder = checkpoint(pp_fsdp_run, 5)
     assert (folder / "distributed").is_dir() and not (folder / "model.safetensors").exists()
     train_and_dump("cpu_pp_fsdp", tmp_path / "resumed", "gpt", *PADDED["gpt"], f"resume={folder}", world_size=4)
     resumed, uninterrupted = final_parameters(tmp_path / "resumed"), final_parameters(pp_fsdp_run)
@@ -84,7 +96,7 @@ def test_a_pipeline_x_fsdp_checkpoint_resumes_bitwise_and_exports_the_runs_weigh
     losses = {r["step"]: r["loss"] for r in train_records(read_metrics(tmp_path / "resumed"))}
     assert losses == {r["step"]: r["loss"] for r in train_records(read_metrics(pp_fsdp_run)) if r["step"] > 5}
 
-    subprocess.run([BIN / "accel-trainer", "export", str(step_folder(pp_fsdp_run, STEPS)), "--output",
+    subprocess.run([BIN / "accel-trainer", "export", str(checkpoint(pp_fsdp_run, PIPELINE_STEPS)), "--output",
                     str(tmp_path / "export")], check=True, capture_output=True, timeout=300)  # fmt: skip
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert exported.keys() == uninterrupted.keys()
@@ -94,17 +106,17 @@ def test_a_pipeline_x_fsdp_checkpoint_resumes_bitwise_and_exports_the_runs_weigh
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_pipeline_x_fsdp_checkpoint_continues_on_fsdp_without_a_pipeline(pp_fsdp_run, tmp_path):
-    train_and_dump("cpu_fsdp", tmp_path, "gpt", *PADDED["gpt"], f"resume={step_folder(pp_fsdp_run, 5)}",
+    train_and_dump("cpu_fsdp", tmp_path, "gpt", *PADDED["gpt"], f"resume={checkpoint(pp_fsdp_run, 5)}",
                    world_size=2)  # fmt: skip
     resumed, uninterrupted = final_parameters(tmp_path), final_parameters(pp_fsdp_run)
     for name in uninterrupted:
-        torch.testing.assert_close(resumed[name], uninterrupted[name], **WEIGHTS)
+        torch.testing.assert_close(resumed[name], uninterrupted[name], **PIPELINE_WEIGHTS)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_training_batch_of_another_shape_is_a_one_line_error_naming_the_fix(tmp_path):
-    unpadded = [*RECIPES["gpt"], "block_size=512", "micro_batch_size=2"]  # most batches shorter than 512
+    unpadded = [*PIPELINE_RECIPES["gpt"], "block_size=512", "micro_batch_size=2"]  # most batches shorter than 512
     result = accelerate_launch("cpu_pp_fsdp", "-m", "accel_trainer", "train", "gpt", f"output_dir={tmp_path}",
                                *unpadded, check=False)  # fmt: skip
     assert result.returncode != 0

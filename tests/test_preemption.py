@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from accel_trainer.checkpoint import files as checkpoint_files
 from accel_trainer.stopping.signals import EXIT_PREEMPTED
@@ -27,40 +26,24 @@ from conftest import (
     BIN,
     LAUNCH_TIMEOUT_S,
     REPO,
+    SIGNALLED,
+    SLOW_STEP,
     TEST_OVERRIDES,
     WORKERS,
     accelerate_launch,
+    assert_bitwise,
     clean_env,
     dump_env,
     final_parameters,
     free_port,
+    logged_steps,
     read_metrics,
     slow,
     train_and_dump,
-)  # fmt: skip
+    wait_for,
+)
 
 pytestmark = pytest.mark.multiprocess
-# mlp_slow (tests/workers/recipes/slow_phases.py) is slowed by environment variables only: the interrupted run,
-# its resumption and the reference run share this config.
-SIGNALLED = ["max_steps=30", "log_every_steps=1", "eval_every_steps=10", "save_every_steps=10", "keep_last=0"]
-SLOW_STEP = {"ACCEL_TEST_SLOW_STEP_S": "0.25"}
-
-
-def wait_for(condition, timeout_s: float = 120.0, poll_s: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(poll_s)
-
-
-def logged_steps(run_dir) -> int:
-    path = run_dir / "metrics.jsonl"
-    return sum(1 for line in path.read_text().splitlines() if '"loss"' in line) if path.exists() else 0
-
-
-def assert_same_parameters(expected_dir, actual_dir) -> None:
-    expected, actual = final_parameters(expected_dir), final_parameters(actual_dir)
-    assert all(torch.equal(actual[name], expected[name]) for name in expected)
 
 
 def start_signalled_run(run_dir: Path, markers: Path, world_size: int, **slow: str) -> subprocess.Popen:
@@ -147,7 +130,7 @@ def test_a_signal_to_every_process_of_a_two_process_launch_saves_once_at_one_agr
         assert stopped_at == {"setup": 1, "evaluation": 10}.get(phase, stopped_at), output
     accelerate_launch("cpu_ddp", WORKERS / "signalled_run.py", "mlp_slow", *SIGNALLED, f"output_dir={run_dir}",
                       env=clean_env())  # fmt: skip  # resume=auto
-    assert_same_parameters(uninterrupted, run_dir)
+    assert_bitwise(final_parameters(uninterrupted), final_parameters(run_dir))
 
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM", slow("SIGINT")])
@@ -237,5 +220,5 @@ def test_a_worker_that_dies_is_restarted_elastically_and_ends_like_an_uninterrup
     assert "resuming from" in result.stdout and "step_00000010" in result.stdout
 
     train_and_dump("cpu_ddp", tmp_path / "uninterrupted", "vae_crash_once", *run, world_size=2)
-    assert_same_parameters(tmp_path / "uninterrupted", tmp_path / "elastic")
+    assert_bitwise(final_parameters(tmp_path / "uninterrupted"), final_parameters(tmp_path / "elastic"))
     assert [r["step"] for r in read_metrics(tmp_path / "elastic") if "loss" in r][-1] == 30

@@ -20,7 +20,7 @@ import torch
 import accel_trainer as at
 from accel_trainer import loop
 from accel_trainer.data.prefetch import CHECKED_FETCHES, PrefetchGate, _from_thread, prefetched
-from conftest import WORKERS, final_parameters, read_metrics, train_and_dump
+from conftest import WORKERS, assert_bitwise, final_parameters, read_metrics, train_and_dump
 
 at.registry.discover_recipes([WORKERS / "recipes"])
 
@@ -35,8 +35,7 @@ def losses(run_dir) -> list[tuple[int, float]]:
 
 def assert_same_training(a, b) -> None:
     assert losses(a) == losses(b)
-    expected, actual = final_parameters(a), final_parameters(b)
-    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+    assert_bitwise(final_parameters(a), final_parameters(b))
 
 
 def train(run_dir, **overrides) -> None:

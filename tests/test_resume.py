@@ -15,31 +15,19 @@ import torch
 
 import accel_trainer as at
 from accel_trainer.data import loaders as data
-from conftest import final_parameters, read_metrics, reset_accelerate_state, slow, train_and_dump
-
-STEPS = 30
-SAVE_ALL = [f"max_steps={STEPS}", "log_every_steps=1", "eval_every_steps=0", "save_every_steps=1", "keep_last=0",
-            "warmup_steps=5"]  # fmt: skip
-
-
-def losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
-
-
-def as_kwargs(overrides: list[str]) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in overrides)
-
-
-def assert_same_run(full_dir, resumed_dir, resumed_from: int) -> None:
-    full, resumed = losses(full_dir), losses(resumed_dir)
-    assert sorted(resumed) == list(range(resumed_from + 1, STEPS + 1))
-    assert [resumed[s] for s in resumed] == [full[s] for s in resumed]  # bitwise, every step
-    expected, actual = final_parameters(full_dir), final_parameters(resumed_dir)
-    assert all(torch.equal(actual[name], expected[name]) for name in expected)
-
-
-def checkpoint(run_dir, step: int):
-    return run_dir / "checkpoints" / f"step_{step:08d}"
+from conftest import (
+    RESUME_STEPS,
+    SAVE_ALL,
+    as_kwargs,
+    assert_same_run,
+    checkpoint,
+    final_parameters,
+    losses_by_step,
+    read_metrics,
+    reset_accelerate_state,
+    slow,
+    train_and_dump,
+)
 
 
 @pytest.fixture(scope="module", params=["sampling", "deterministic"])
@@ -76,7 +64,7 @@ def test_resume_auto_continues_a_run_folder_from_its_newest_checkpoint(one_proce
     full_dir, overrides = one_process_full_run
     run_dir = tmp_path / "run"
     shutil.copytree(full_dir, run_dir)
-    for later in range(14, STEPS + 1):
+    for later in range(14, RESUME_STEPS + 1):
         shutil.rmtree(checkpoint(run_dir, later))
     (run_dir / "metrics.jsonl").unlink()
     shutil.rmtree(run_dir / "final")
@@ -191,7 +179,7 @@ def test_how_often_a_run_evaluates_leaves_its_training_trajectory_unchanged(tmp_
     """An evaluation draws random numbers (its loader's seed); the VAE samples its latent in every training step."""
     at.train("vae", output_dir=str(tmp_path / "often"), max_steps=12, eval_every_steps=3, **CONSTANT)
     at.train("vae", output_dir=str(tmp_path / "once"), max_steps=12, eval_every_steps=0, **CONSTANT)
-    assert losses(tmp_path / "often") == losses(tmp_path / "once")
+    assert losses_by_step(tmp_path / "often") == losses_by_step(tmp_path / "once")
 
 
 def test_a_run_extended_past_its_end_continues_as_the_uninterrupted_run(tmp_path):
@@ -200,5 +188,5 @@ def test_a_run_extended_past_its_end_continues_as_the_uninterrupted_run(tmp_path
     at.train("vae", output_dir=str(tmp_path / "extended"), max_steps=7, eval_every_steps=6, **CONSTANT)
     with pytest.warns(UserWarning, match="max_steps 7 -> 12"):
         at.train("vae", output_dir=str(tmp_path / "extended"), max_steps=12, eval_every_steps=6, **CONSTANT)
-    assert {step: loss for step, loss in losses(tmp_path / "extended").items() if step > 7} == {
-        step: loss for step, loss in losses(tmp_path / "full").items() if step > 7}  # fmt: skip
+    assert {step: loss for step, loss in losses_by_step(tmp_path / "extended").items() if step > 7} == {
+        step: loss for step, loss in losses_by_step(tmp_path / "full").items() if step > 7}  # fmt: skip

@@ -16,11 +16,21 @@ import time
 from pathlib import Path
 
 import pytest
-from test_preemption import SIGNALLED, SLOW_STEP, logged_steps, wait_for
 
 from accel_trainer.checkpoint import files as checkpoint_files
 from accel_trainer.stopping.signals import EXIT_PREEMPTED
-from conftest import BIN, REPO, TEST_OVERRIDES, WORKERS, clean_env, final_parameters
+from conftest import (
+    BIN,
+    REPO,
+    SIGNALLED,
+    SLOW_STEP,
+    TEST_OVERRIDES,
+    WORKERS,
+    clean_env,
+    final_parameters,
+    logged_steps,
+    wait_for,
+)
 
 pytestmark = [
     pytest.mark.multiprocess,

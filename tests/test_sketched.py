@@ -9,12 +9,22 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_resume import SAVE_ALL, as_kwargs, assert_same_run, checkpoint
 
 import accel_trainer as at
 from accel_trainer.checkpoint.export import export
 from accel_trainer.config.train_config import resolve_config
-from conftest import final_parameters, rank_buffers, rank_summary, read_metrics, slow, train_and_dump
+from conftest import (
+    SAVE_ALL,
+    as_kwargs,
+    assert_same_run,
+    checkpoint,
+    final_parameters,
+    rank_buffers,
+    rank_summary,
+    read_metrics,
+    slow,
+    train_and_dump,
+)
 
 SKETCHES = ["0.sketch_in", "0.sketch_out", "2.sketch_in", "2.sketch_out"]
 RESUMABLE = [*SAVE_ALL, "save_every_steps=15"]  # 30 steps with a checkpoint at 15: resume 15 -> 30

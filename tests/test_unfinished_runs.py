@@ -13,14 +13,24 @@ import signal
 import subprocess
 
 import pytest
-from test_preemption import SIGNALLED, SLOW_STEP, logged_steps, wait_for
 
 import accel_trainer as at
 from accel_trainer.checkpoint import files as checkpoint_files
 from accel_trainer.checkpoint import run_folder
 from accel_trainer.config.train_config import resolve_config
 from accel_trainer.errors import ConfigError
-from conftest import BIN, LAUNCH_TIMEOUT_S, TEST_OVERRIDES, WORKERS, clean_env, read_metrics
+from conftest import (
+    BIN,
+    LAUNCH_TIMEOUT_S,
+    SIGNALLED,
+    SLOW_STEP,
+    TEST_OVERRIDES,
+    WORKERS,
+    clean_env,
+    logged_steps,
+    read_metrics,
+    wait_for,
+)
 
 
 def test_a_killed_run_without_output_dir_is_continued_by_the_same_command(tmp_path):

@@ -1,22 +1,12 @@
 """The verbs of one optimizer step for the current layout, chosen once at start.
 
 The loop calls `backward`, `clip_grad_norm`, `optimizer_step` and `zero_grad` on a `StepVerbs`, which speaks
-accelerate's verbs (`accelerator.backward`, `accelerator.clip_grad_norm_`, `AcceleratedOptimizer.step`) where
-they do work that matters: a gradient scaler to unscale and step through (fp16) or sharded gradients
-(FSDP). Elsewhere (no scaler; one process, DDP or CPU DDP) those verbs only add per-step overhead:
-`AcceleratedOptimizer.step` runs `importlib.util.find_spec` twice per step (its LOMO check), `zero_grad`
-runs `inspect.signature` every call, about 150 us per step on the CPU; `backward` and `clip_grad_norm_` add
-version checks and parameter scans (~16 us). There the same operations go to torch directly, measured
-bit-identical (tests/test_step.py), which lifted the tiny-model ratio from ~0.92 to ~0.97 of a plain loop.
-
-Clipping there is torch's own arithmetic without torch's per-call dispatch. `torch.nn.utils.clip_grad_norm_`
-groups the gradients by device and dtype and checks each for foreach support on every call (plus its no_grad
-wrappers): 25 of the 66 us it takes for a six-tensor MLP on the CPU, and 124 us of a 650 us step inside a run
-(benchmarks/overhead.py, case (b)). Where every parameter is a plain tensor in one dtype on one device with
-foreach kernels, which is decided once, `clip_one_group` runs the same kernels in the same order
-(`_foreach_norm`, `vector_norm` of their stack, the clamped coefficient, `_foreach_mul_`), bit-identical
-(tested, finite and non-finite norms); with no clipping asked (max_norm inf) it only measures, as the other
-direct layouts then do. A canary test fails when torch stops grouping on every call: then this should go.
+accelerate's verbs where they do work that matters: a gradient scaler to unscale and step through (fp16) or
+sharded gradients (FSDP). Elsewhere (no scaler; one process, DDP or CPU DDP) accelerate's verbs only add
+per-step overhead, so the same operations go to torch directly, bit-identical (tests/test_step.py); where every
+parameter is a plain tensor in one dtype on one device, `clip_one_group` runs torch's clipping kernels in
+torch's order without its per-call grouping (a canary test fails when torch stops grouping on every call).
+The measurements behind both choices are in docs/benchmarks.md ("Step verbs").
 
 DeepSpeed, XLA and Megatron-LM layouts are refused when the Accelerator is built (parallel/accelerator.py), so the
 fast choice is made only among layouts whose behaviour is known.
