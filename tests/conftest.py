@@ -9,9 +9,13 @@ Timeouts, chosen for a busy 2-core machine (a launch that takes 10 s alone took 
 - collective_timeout_s=60 in every launch (TEST_OVERRIDES): a peer that died fails the run in a minute, not
   in the default 30 minutes, while a slow peer under load is still waited for.
 
-Two tiers: `make test` runs everything except `slow` tests, which are a second layout or variant of a
-property another test already checks, or tests that must wait out a timeout; `make test-slow` runs those,
+Two tiers: `make test` runs everything except `slow` tests, the ones that must wait out a timeout (a hung
+peer's collective timeout and torchrun's grace period); `make test-slow` runs those,
 and CI (.ci/run) runs both.
+
+`make test` runs on both cores (`pytest -n 2 --dist loadgroup`): the tests that start processes form one
+group (`pytest_collection_modifyitems`), which one pytest worker runs one after another, so launches never
+compete with each other for the two cores, while the other worker runs in-process tests beside them.
 """
 
 from __future__ import annotations
@@ -39,11 +43,6 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 LAUNCH_TIMEOUT_S = 300
-
-
-def slow(*values: object) -> object:
-    """A parametrize entry that only `make test-slow` runs (see the module docstring)."""
-    return pytest.param(*values, marks=pytest.mark.slow)
 
 
 # Options every test run passes: a quick failure instead of a 30-minute hang, and no progress bar.
@@ -223,6 +222,13 @@ def reset_accelerate_state() -> None:
     from accel_trainer.parallel.launch_fixes import forget_accelerate_state
 
     forget_accelerate_state()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Launches run one at a time on one pytest worker under `-n 2 --dist loadgroup` (module docstring)."""
+    for item in items:
+        if item.get_closest_marker("multiprocess") is not None:
+            item.add_marker(pytest.mark.xdist_group("launches"))
 
 
 @pytest.fixture(autouse=True)

@@ -79,7 +79,6 @@ def test_auto_is_refused_where_an_unsharded_probe_cannot_measure_the_run(where):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_on_two_processes_every_process_takes_the_size_the_tightest_one_fits(tmp_path):
     overrides = [f"{k}={v}" for k, v in QUICK.items()]
     auto = train_and_dump("cpu_ddp", tmp_path / "auto", "tight_memory", *overrides, "micro_batch_size=auto",

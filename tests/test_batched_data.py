@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset, default_collate
 import accel_trainer as at
 from accel_trainer.data.columns import ColumnBatches, column_batches
 from accel_trainer.data.loaders import as_torch
-from conftest import final_parameters, read_metrics, slow, train_and_dump
+from conftest import final_parameters, read_metrics, train_and_dump
 
 
 class DefaultCollate(at.Recipe):
@@ -102,7 +102,8 @@ def train_vae(layout: str, out, cache_gb: int, world: int) -> list[dict]:
     return train_and_dump(layout, out, "vae", *VAE, f"data_cache_gb={cache_gb}", world_size=world)
 
 
-@pytest.mark.parametrize(("layout", "world"), [("cpu", 1), slow("cpu_ddp", 2)])
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("layout", "world"), [("cpu", 1), ("cpu_ddp", 2)])
 def test_training_on_batched_columns_ends_bitwise_where_the_per_row_path_ends(layout, world, tmp_path):
     runs = {cache_gb: (tmp_path / f"cache{cache_gb}", train_vae(layout, tmp_path / f"cache{cache_gb}", cache_gb, world))
             for cache_gb in (1, 0)}  # fmt: skip

@@ -14,7 +14,7 @@ from safetensors.torch import load_model
 
 import accel_trainer as at
 from accel_trainer.errors import ConfigError
-from conftest import read_metrics, slow, train_and_dump
+from conftest import read_metrics, train_and_dump
 
 
 def evaluate_saved_model(run_dir) -> dict[str, float]:
@@ -31,7 +31,7 @@ def evaluate_saved_model(run_dir) -> dict[str, float]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [slow("cpu_ddp"), "cpu_fsdp"])
+@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
 def test_the_logged_eval_metrics_are_the_saved_models(layout, tmp_path):
     train_and_dump(layout, tmp_path, "batchnorm", world_size=2)
 

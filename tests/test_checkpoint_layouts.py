@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, REPO, WORKERS, checkpoint, clean_env, final_parameters, read_metrics, slow, train_and_dump
+from conftest import BIN, REPO, WORKERS, checkpoint, clean_env, final_parameters, read_metrics, train_and_dump
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,7 +31,7 @@ def fsdp_run(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize(("layout", "world_size"), [("cpu", 1), slow("cpu_ddp", 2)])
+@pytest.mark.parametrize(("layout", "world_size"), [("cpu", 1), ("cpu_ddp", 2)])
 def test_fsdp_checkpoint_resumes_on_another_layout_and_continues_the_trajectory(fsdp_run, layout, world_size,
                                                                                   tmp_path):  # fmt: skip
     assert (checkpoint(fsdp_run, 10) / "distributed").is_dir()  # really a sharded checkpoint
@@ -56,7 +56,6 @@ def test_a_sharded_checkpoint_holds_no_pickle(fsdp_run):
     assert all(p.name.endswith((".safetensors", ".json", ".yaml")) for p in folder.rglob("*") if p.is_file())
 
 
-@pytest.mark.slow  # the other direction of the FSDP -> 1 process test above
 def test_ddp_checkpoint_resumes_under_fsdp(fsdp_run, tmp_path):
     train_and_dump("cpu_ddp", tmp_path / "ddp", "vae", *RUN, "max_steps=20", world_size=2)
     assert (checkpoint(tmp_path / "ddp", 10) / "model.safetensors").is_file()

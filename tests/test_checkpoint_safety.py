@@ -146,7 +146,6 @@ def test_a_checkpoint_of_the_earlier_pickle_format_is_refused_and_its_weights_st
     assert not marker.exists()
 
 
-@pytest.mark.slow  # the unsharded export refusal stays in make test
 def test_export_refuses_a_sharded_checkpoint_of_the_earlier_format_without_running_it(checkpoint_copy, tmp_path):
     marker = tmp_path / "pwned"
     (checkpoint_copy / "model.safetensors").unlink()

@@ -84,7 +84,6 @@ def test_every_compiled_region_gets_dynamos_default_allowance(monkeypatch):
     assert torch._dynamo.config.recompile_limit == 3 * RECOMPILES_PER_REGION
 
 
-@pytest.mark.slow
 def test_a_compiled_gpt_follows_the_eager_trajectory_and_saves_plain_names(tmp_path):
     at.train("gpt", **GPT, output_dir=str(tmp_path / "eager"))
     at.train("gpt", **GPT, compile=True, output_dir=str(tmp_path / "compiled"))

@@ -93,7 +93,6 @@ NO_ATTENTION_GPT = ["n_layer=0", "max_steps=6", "d_model=32", "block_size=32", "
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_two_cp_processes_each_see_half_of_every_sequence_and_follow_the_one_process_trajectory(tmp_path):
     (tmp_path / "cpu_fsdp_cp.yaml").write_text(TWO_PROCESS_CP_LAYOUT)
     one = train_and_dump("cpu", tmp_path / "one", "gpt", *NO_ATTENTION_GPT, world_size=1)

@@ -28,7 +28,6 @@ def test_a_crash_in_recipe_code_shows_only_the_recipes_frames(tmp_path):
     assert "accel_trainer" not in result.stderr.replace("accel-trainer:", "") and "site-packages" not in result.stderr
 
 
-@pytest.mark.slow  # a second-order switch; the one-report tests stay in make test
 def test_the_full_traceback_is_one_variable_away(tmp_path):
     result = subprocess.run([str(BIN / "python"), str(SCRIPT), *RUN, f"output_dir={tmp_path}"],
                             env=clean_env(ACCEL_TRAINER_FULL_TRACEBACK="1"), capture_output=True, text=True,
@@ -38,7 +37,6 @@ def test_the_full_traceback_is_one_variable_away(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # the one-process report tests stay in make test
 def test_on_two_processes_the_report_appears_once(tmp_path):
     result = accelerate_launch("cpu_ddp", SCRIPT, *RUN, f"output_dir={tmp_path}", check=False)
 

@@ -16,7 +16,7 @@ import accel_trainer as at
 from accel_trainer.data.batching import plan_batches
 from accel_trainer.data.streams import TrainStream
 from accel_trainer.errors import ConfigError, RecipeError
-from conftest import WORKERS, final_parameters, read_metrics, slow, train_and_dump
+from conftest import WORKERS, final_parameters, read_metrics, train_and_dump
 
 STREAMS = ["hf_sharded", "hf_generator", "torch_stream"]
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
@@ -77,9 +77,7 @@ def test_loader_workers_on_a_stream_are_warned_about(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "source", [slow("hf_map"), slow("torch_map"), slow("hf_sharded"), slow("hf_generator"), slow("torch_stream")]
-)
+@pytest.mark.parametrize("source", ["hf_map", "torch_map", "hf_sharded", "hf_generator", "torch_stream"])
 def test_every_kind_of_dataset_trains_to_the_same_weights_on_one_and_two_processes(source, tmp_path):
     one = train_and_dump("cpu", tmp_path / "one", "sources", f"source={source}", world_size=1)
     two = train_and_dump("cpu_ddp", tmp_path / "two", "sources", f"source={source}", world_size=2)
@@ -112,7 +110,6 @@ def test_a_stream_resumes_bitwise(source, stop_step, tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # the one-process stream resumes stay in make test
 def test_a_sharded_stream_resumes_bitwise_on_two_processes(tmp_path):
     run = ["source=hf_sharded", "save_every_steps=5", "keep_last=0"]
     train_and_dump("cpu_ddp", tmp_path / "full", "sources", *run, world_size=2)
@@ -128,7 +125,6 @@ def test_a_sharded_stream_resumes_bitwise_on_two_processes(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_the_main_process_builds_the_datasets_before_the_others_so_a_datasets_cache_is_written_once(tmp_path):
     """build_datasets runs under main_process_first: what the main process maps or tokenizes into a datasets
     cache, the others read from it instead of computing it again."""

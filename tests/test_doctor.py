@@ -27,6 +27,7 @@ def check_lines(output: str) -> dict[str, str]:
     return {line[5:].split(":")[0]: line for line in lines}
 
 
+@pytest.mark.multiprocess
 def test_doctor_passes_on_the_two_process_cpu_layout_and_names_each_check():
     result = doctor(CPU_DDP)
 
@@ -42,6 +43,7 @@ def test_doctor_passes_on_the_two_process_cpu_layout_and_names_each_check():
     assert "process 0 cpu" in checks["devices"] and "process 1 cpu" in checks["devices"]
 
 
+@pytest.mark.multiprocess
 def test_a_taken_port_that_the_layout_pins_fails_with_one_line_naming_the_port_and_the_fix(tmp_path):
     layout = tmp_path / "pinned.yaml"
     with socket.socket() as holder:
@@ -70,6 +72,7 @@ def test_the_launchers_own_address_in_use_failure_is_named_as_the_port_fault():
     assert port_in_output("ok\nall good\n", 29611) is None
 
 
+@pytest.mark.multiprocess
 def test_a_multi_cpu_layout_that_starts_one_process_fails_at_the_rendezvous_with_the_frameworks_refusal(tmp_path):
     layout = tmp_path / "multi_cpu.yaml"  # accelerate's CPU launcher starts one process without mpirun
     layout.write_text(CPU_DDP.read_text().replace("distributed_type: MULTI_GPU", "distributed_type: MULTI_CPU"))

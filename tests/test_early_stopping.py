@@ -88,7 +88,6 @@ def test_an_unknown_metric_name_is_a_one_line_error_at_the_first_evaluation(tmp_
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_two_processes_stop_at_the_same_evaluation(tmp_path):
     overrides = [f"{key}={value}" for key, value in EARLY.items()]
     records = train_and_dump("cpu_ddp", tmp_path, "mlp", *overrides, world_size=2)

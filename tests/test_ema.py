@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import accel_trainer as at
 from accel_trainer import ConfigError
 from accel_trainer.ema import WeightAverage
-from conftest import read_metrics, slow, train_and_dump
+from conftest import read_metrics, train_and_dump
 
 DECAY = 0.75
 EVERY_STEP = dict(max_steps=6, global_batch_size=32, micro_batch_size=16, log_every_steps=1, save_every_steps=1,
@@ -90,7 +90,7 @@ def test_ema_settings_that_cannot_work_are_one_line_errors(tmp_path, settings, m
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["cpu_fsdp", slow("cpu_ddp")])
+@pytest.mark.parametrize("layout", ["cpu_fsdp", "cpu_ddp"])
 def test_on_two_processes_the_ema_follows_the_one_process_run_and_resumes_bitwise(tmp_path, layout):
     overrides = [f"{key}={value}" for key, value in EVERY_STEP.items()]
     train_and_dump(layout, tmp_path / "full", "mlp", *overrides, world_size=2)

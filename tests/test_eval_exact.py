@@ -19,7 +19,7 @@ import accel_trainer as at
 from accel_trainer.checkpoint import files as checkpoint_files
 from accel_trainer.errors import RecipeError
 from accel_trainer.eval_outputs import metric_sums
-from conftest import WORKERS, final_parameters, read_metrics, slow, train_and_dump
+from conftest import WORKERS, final_parameters, read_metrics, train_and_dump
 
 at.registry.discover_recipes([WORKERS / "recipes"])
 digits = sys.modules[at.get_recipe("eval_forms").__module__].digits
@@ -60,8 +60,9 @@ def test_one_process_eval_is_the_exact_mean_of_every_form(num_eval, tmp_path):
 
 @pytest.mark.parametrize(
     ("layout", "num_eval"),
-    [("cpu_ddp", 63), ("cpu_fsdp", 52), slow("cpu_fsdp", 63), slow("cpu_ddp", 52)],
+    [("cpu_ddp", 63), ("cpu_fsdp", 52), ("cpu_fsdp", 63), ("cpu_ddp", 52)],
 )
+@pytest.mark.multiprocess
 def test_two_process_eval_is_the_exact_mean_despite_the_padding_duplicates(layout, num_eval, tmp_path):
     """63 samples leave one duplicate in process 1's last batch; 52 leave process 1 a last batch of duplicates
     only, which it must still run (FSDP's forward is collective) and count for nothing."""
@@ -69,6 +70,7 @@ def test_two_process_eval_is_the_exact_mean_despite_the_padding_duplicates(layou
     assert_exact(last_eval(records), recomputed(tmp_path, num_eval))
 
 
+@pytest.mark.multiprocess
 def test_the_default_eval_of_a_mean_loss_is_exact_on_two_processes(tmp_path):
     records = train_and_dump("cpu_ddp", tmp_path, "eval_forms", "forms=false", world_size=2)
     reported = last_eval(records)

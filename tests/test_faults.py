@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from accel_trainer.checkpoint import files as checkpoint_files
-from conftest import BIN, REPO, TEST_OVERRIDES, WORKERS, clean_env, free_port, read_metrics, run_command, slow
+from conftest import BIN, REPO, TEST_OVERRIDES, WORKERS, clean_env, free_port, read_metrics, run_command
 
 RUN = ["save_every_steps=2", "keep_last=0", "warmup_steps=0", "eval_every_steps=0", "log_every_steps=1",
        "sample_latent=false"]  # fmt: skip
@@ -45,7 +45,7 @@ def read_only_for(folder: Path, command: list) -> list:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [slow("cpu"), slow("cpu_fsdp")])
+@pytest.mark.parametrize("layout", ["cpu", "cpu_fsdp"])
 def test_a_save_that_fails_midway_stops_the_run_and_loses_nothing(layout, tmp_path):
     launch(layout, tmp_path, "max_steps=4")
 
@@ -68,7 +68,6 @@ def test_a_save_that_fails_midway_stops_the_run_and_loses_nothing(layout, tmp_pa
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # a second way for a save to fail midway (the EFBIG test above runs in make test)
 def test_a_checkpoints_folder_that_became_read_only_stops_the_run_in_one_line_and_loses_nothing(tmp_path):
     launch("cpu", tmp_path, "max_steps=4")
     checkpoints = tmp_path / "checkpoints"

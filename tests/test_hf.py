@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import final_parameters, read_metrics, slow, train_and_dump
+from conftest import final_parameters, read_metrics, train_and_dump
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,7 +31,7 @@ def one_big_batch(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("layout", "extra"),
-    [("cpu", []), slow("cpu_ddp", []), ("cpu_fsdp", []), slow("cpu_fsdp", ["activation_checkpointing=true"])],
+    [("cpu", []), ("cpu_ddp", []), ("cpu_fsdp", []), ("cpu_fsdp", ["activation_checkpointing=true"])],
     ids=["accumulation", "ddp", "fsdp", "fsdp-gradient-checkpointing"],
 )
 def test_a_transformers_model_trains_to_the_weights_of_one_big_batch(layout, extra, one_big_batch, tmp_path):

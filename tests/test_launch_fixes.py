@@ -68,7 +68,6 @@ def test_fsdp_loads_the_weights_on_every_process(monkeypatch):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_an_fsdp_config_that_leaves_ram_efficient_loading_on_trains_tied_weights_like_one_that_turns_it_off(tmp_path):
     default = "\n".join(line for line in (REPO / "accelerate_configs" / "cpu_fsdp.yaml").read_text().splitlines()
                          if "fsdp_cpu_ram_efficient_loading" not in line)  # fmt: skip

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import final_parameters, rank_summary, slow, train_and_dump, two_node_train_and_dump
+from conftest import final_parameters, rank_summary, train_and_dump, two_node_train_and_dump
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,7 +47,7 @@ def vae_reference(tmp_path_factory):
     return out, records
 
 
-@pytest.mark.parametrize("layout", [slow("cpu_ddp"), "cpu_fsdp", "2node_cpu"])
+@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp", "2node_cpu"])
 def test_vae_trains_to_the_same_parameters_on_every_cpu_layout(layout, vae_reference, tmp_path):
     reference_dir, reference_records = vae_reference
     records = run_layout(layout, tmp_path, "vae", VAE)
@@ -89,7 +89,7 @@ def gpt_reference(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", ["cpu", slow("cpu_ddp"), "cpu_fsdp", slow("2node_cpu")])
+@pytest.mark.parametrize("layout", ["cpu", "cpu_ddp", "cpu_fsdp", "2node_cpu"])
 def test_token_loss_gradient_equals_one_big_batch_on_every_layout(layout, gpt_reference, tmp_path):
     run_layout(layout, tmp_path, "gpt", [*GPT, ACCUMULATE])
 
@@ -101,7 +101,6 @@ def test_token_loss_gradient_equals_one_big_batch_on_every_layout(layout, gpt_re
         assert rank_summary(tmp_path, rank)["optimizer_steps"] == [STEPS]
 
 
-@pytest.mark.slow  # the negative control of the token-loss test above
 def test_naive_per_micro_batch_mean_fails_the_same_comparison(gpt_reference, tmp_path):
     run_layout("cpu", tmp_path, "gpt_naive", [*GPT, ACCUMULATE])
 
@@ -112,7 +111,7 @@ def test_naive_per_micro_batch_mean_fails_the_same_comparison(gpt_reference, tmp
             torch.testing.assert_close(actual[name], expected[name], **GPT_TOLERANCE)
 
 
-@pytest.mark.parametrize("layout", [slow("cpu_ddp"), "cpu_fsdp"])
+@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
 def test_activation_checkpointing_trains_identically_under_ddp_and_fsdp(layout, gpt_reference, tmp_path):
     run_layout(layout, tmp_path, "gpt", [*GPT, ACCUMULATE, "activation_checkpointing=true"])
 

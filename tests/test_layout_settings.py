@@ -116,7 +116,6 @@ def test_canary_accelerate_does_not_tell_workers_its_config_file(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # the settings-file mechanism stays in make test through the other layouts
 def test_a_layout_file_that_names_powersgd_runs_powersgd_under_a_plain_accelerate_launch(tmp_path):
     config = shutil.copy(REPO / "accelerate_configs" / "cpu_ddp.yaml", tmp_path / "cpu_ddp_powersgd.yaml")
     write_yaml(settings_file_of(config), {"ddp_comm_hook": "powersgd", "ddp_powersgd_rank": 3,

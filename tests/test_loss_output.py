@@ -73,7 +73,7 @@ def test_a_tuple_return_stops_a_real_run_before_any_step(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("per_item", [False, True], ids=["batch-mean", "num-items"])
-@pytest.mark.parametrize(("layout", "world_size"), [("cpu", 1), pytest.param("cpu_ddp", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("layout", "world_size"), [("cpu", 1), ("cpu_ddp", 2)])
 def test_extra_terms_are_logged_with_the_losss_normalisation(layout, world_size, per_item, tmp_path):
     from workers.recipes.terms import NUM_SAMPLES, term_data
 

@@ -58,7 +58,6 @@ def test_a_budget_is_bookkeeping_so_the_next_job_may_have_another():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_two_processes_spend_their_budget_together(tmp_path):
     result = accelerate_launch("cpu_ddp", *MLP, "max_time=4s", f"output_dir={tmp_path}", check=False)
     assert result.returncode != 0

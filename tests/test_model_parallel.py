@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, checkpoint, final_parameters, rank_summary, read_metrics, slow, train_and_dump, train_records
+from conftest import BIN, checkpoint, final_parameters, rank_summary, read_metrics, train_and_dump, train_records
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,8 +50,8 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("recipe", "layout"),
-    [("gpt", "cpu_tp"), slow("mlp_tp", "cpu_tp"), slow("gpt", "cpu_fsdp_tp"), ("mlp_tp", "cpu_fsdp_tp"),
-     slow("gpt", "cpu_hsdp"), slow("mlp_tp", "cpu_hsdp")],
+    [("gpt", "cpu_tp"), ("mlp_tp", "cpu_tp"), ("gpt", "cpu_fsdp_tp"), ("mlp_tp", "cpu_fsdp_tp"),
+     ("gpt", "cpu_hsdp"), ("mlp_tp", "cpu_hsdp")],
 )  # fmt: skip
 def test_a_mesh_layout_follows_the_one_process_trajectory(recipe, layout, references, tmp_path):
     reference_dir, reference_records = references[recipe]
@@ -84,7 +84,7 @@ def test_a_mesh_layout_follows_the_one_process_trajectory(recipe, layout, refere
 ROWWISE_BIASES = ("proj.bias", "mlp.2.bias", "3.bias")  # added once after the sum: replicated, not split
 
 
-@pytest.mark.parametrize("recipe", ["gpt", slow("mlp_tp")])
+@pytest.mark.parametrize("recipe", ["gpt", "mlp_tp"])
 def test_each_tensor_parallel_rank_holds_its_half_of_the_split_layers(recipe, references, tmp_path):
     train_and_dump("cpu_tp", tmp_path, recipe, *RECIPES[recipe], "max_steps=1", world_size=2)
     # final/ holds a tied weight under each name: the GPT's LM head is its token embedding, counted once
@@ -117,7 +117,7 @@ def test_a_tensor_parallel_checkpoint_is_sharded_and_resumes_bitwise_on_its_layo
     assert losses == {r["step"]: r["loss"] for r in train_records(read_metrics(tp_run)) if r["step"] > 5}
 
 
-@pytest.mark.parametrize(("layout", "world_size"), [("cpu", 1), slow("cpu_fsdp_tp", 4)])
+@pytest.mark.parametrize(("layout", "world_size"), [("cpu", 1), ("cpu_fsdp_tp", 4)])
 def test_a_tensor_parallel_checkpoint_continues_on_another_layout(tp_run, layout, world_size, tmp_path):
     train_and_dump(layout, tmp_path, "gpt", *RECIPES["gpt"], f"resume={checkpoint(tp_run, 5)}",
                    world_size=world_size)  # fmt: skip
@@ -126,7 +126,6 @@ def test_a_tensor_parallel_checkpoint_continues_on_another_layout(tp_run, layout
         torch.testing.assert_close(resumed[name], uninterrupted[name], **WEIGHTS)
 
 
-@pytest.mark.slow
 def test_an_fsdp_checkpoint_continues_under_tensor_parallelism(tp_run, tmp_path):
     fsdp = tmp_path / "fsdp"
     train_and_dump("cpu_fsdp", fsdp, "gpt", *RECIPES["gpt"], "save_every_steps=5", world_size=2)

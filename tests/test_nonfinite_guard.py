@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import accel_trainer as at
 from accel_trainer.checkpoint.export import export
 from accel_trainer.stopping.nonfinite import NonfiniteSteps
-from conftest import WORKERS, accelerate_launch, assert_bitwise, read_metrics, slow, train_and_dump
+from conftest import WORKERS, accelerate_launch, assert_bitwise, read_metrics, train_and_dump
 
 SAVE_EVERY_STEP = dict(save_every_steps=1, keep_last=0, show_progress_bar=False)
 
@@ -101,7 +101,7 @@ def test_two_skipped_steps_apart_do_not_add_up_to_a_stop(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["cpu_ddp", slow("cpu_fsdp")])
+@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
 def test_a_nan_loss_on_one_process_is_skipped_by_every_process(tmp_path, layout):
     """Process 1's loss alone is NaN and every gradient is finite: only an agreement makes process 0 skip too."""
     train_and_dump(layout, tmp_path, "poisoned", "poison_steps=5", "poison=loss", "poison_rank=1",
@@ -112,7 +112,6 @@ def test_a_nan_loss_on_one_process_is_skipped_by_every_process(tmp_path, layout)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_the_stop_on_two_processes_is_one_line_per_process(tmp_path):
     result = accelerate_launch("cpu_ddp", WORKERS / "run_recipe.py", "poisoned", "poison_steps=2,3",
                                "max_nonfinite_in_a_row=2", "global_batch_size=16", f"output_dir={tmp_path}",

@@ -45,7 +45,6 @@ from conftest import (
     final_parameters,
     rank_summary,
     read_metrics,
-    slow,
     train_and_dump,
     train_records,
 )
@@ -230,11 +229,11 @@ def references(tmp_path_factory):
     ("recipe", "schedule"),
     [
         ("gpt", "1f1b"),
-        slow("gpt", "gpipe"),
-        slow("gpt", "interleaved_1f1b"),
-        slow("gpt", "looped_bfs"),
-        slow("mlp_tp", "gpipe"),
-        slow("mlp_tp", "1f1b"),
+        ("gpt", "gpipe"),
+        ("gpt", "interleaved_1f1b"),
+        ("gpt", "looped_bfs"),
+        ("mlp_tp", "gpipe"),
+        ("mlp_tp", "1f1b"),
     ],
 )
 def test_a_pipeline_follows_the_one_process_trajectory_on_every_schedule(recipe, schedule, references, tmp_path):
@@ -279,7 +278,6 @@ def test_a_pipeline_checkpoint_continues_on_one_process(pp_run, tmp_path):
 
 
 @pipelines
-@pytest.mark.slow
 def test_a_one_process_checkpoint_continues_as_a_pipeline_its_tied_weights_state_on_both_stages(tmp_path):
     one = tmp_path / "one"
     train_and_dump("cpu", one, "gpt", *PIPELINE_RECIPES["gpt"], "save_every_steps=5", world_size=1)
@@ -292,7 +290,6 @@ def test_a_one_process_checkpoint_continues_as_a_pipeline_its_tied_weights_state
 
 
 @pipelines
-@pytest.mark.slow
 def test_fp16_on_a_pipeline_is_a_one_line_error(tmp_path):
     result = accelerate_launch("cpu_pp", "-m", "accel_trainer", "train", "gpt", f"output_dir={tmp_path}",
                                *PIPELINE_RECIPES["gpt"], "mixed_precision=fp16", check=False)  # fmt: skip
@@ -302,7 +299,6 @@ def test_fp16_on_a_pipeline_is_a_one_line_error(tmp_path):
 
 
 @pipelines
-@pytest.mark.slow
 def test_a_bf16_pipeline_follows_the_one_process_bf16_trajectory(tmp_path):
     """Stages traced in fp32 gave NaN losses under bf16 autocast; traced under it, they match one process."""
     bf16 = [*PIPELINE_RECIPES["gpt"], "mixed_precision=bf16"]
@@ -327,7 +323,6 @@ def test_export_of_a_pipeline_checkpoint_equals_the_runs_weights(pp_run, tmp_pat
 
 
 @pipelines
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["cpu_tp", "cpu_pp"])
 def test_extending_max_steps_on_a_model_parallel_layout_continues_exactly(layout, tmp_path):
     """With a constant schedule, 10 steps then `max_steps=15` on the same run folder end bitwise where one run of

@@ -63,7 +63,6 @@ def references(tmp_path_factory):
 
 @pytest.mark.parametrize("recipe", ["gpt", "mlp_tp"])
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_pipeline_x_fsdp_follows_the_one_process_trajectory(recipe, references, tmp_path):
     reference_dir, reference_records = references[recipe]
     records = train_and_dump("cpu_pp_fsdp", tmp_path, recipe, *PADDED[recipe], world_size=4)
@@ -86,7 +85,6 @@ def pp_fsdp_run(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_a_pipeline_x_fsdp_checkpoint_resumes_bitwise_and_exports_the_runs_weights(pp_fsdp_run, tmp_path):
     folder = checkpoint(pp_fsdp_run, 5)
     assert (folder / "distributed").is_dir() and not (folder / "model.safetensors").exists()
@@ -104,7 +102,6 @@ def test_a_pipeline_x_fsdp_checkpoint_resumes_bitwise_and_exports_the_runs_weigh
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_a_pipeline_x_fsdp_checkpoint_continues_on_fsdp_without_a_pipeline(pp_fsdp_run, tmp_path):
     train_and_dump("cpu_fsdp", tmp_path, "gpt", *PADDED["gpt"], f"resume={checkpoint(pp_fsdp_run, 5)}",
                    world_size=2)  # fmt: skip
@@ -114,7 +111,6 @@ def test_a_pipeline_x_fsdp_checkpoint_continues_on_fsdp_without_a_pipeline(pp_fs
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_a_training_batch_of_another_shape_is_a_one_line_error_naming_the_fix(tmp_path):
     unpadded = [*PIPELINE_RECIPES["gpt"], "block_size=512", "micro_batch_size=2"]  # most batches shorter than 512
     result = accelerate_launch("cpu_pp_fsdp", "-m", "accel_trainer", "train", "gpt", f"output_dir={tmp_path}",
@@ -127,7 +123,6 @@ def test_a_training_batch_of_another_shape_is_a_one_line_error_naming_the_fix(tm
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 @pytest.mark.parametrize(("layout", "world_size"), [("cpu_pp", 2), ("cpu_pp_fsdp", 4)])
 def test_activation_checkpointing_on_a_pipeline_recomputes_the_same_gradients(layout, world_size, tmp_path):
     """Each stage's blocks run under torch's checkpoint (applied after tracing, before fully_shard): the same

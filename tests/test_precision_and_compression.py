@@ -11,7 +11,7 @@ QUICK_VAE = ["sample_latent=false", "max_steps=40", "log_every_steps=10", "eval_
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("hook", ["powersgd", pytest.param("fp16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("hook", ["powersgd", "fp16"])
 def test_ddp_gradient_compression_hooks_train_on_cpu_gloo(hook, tmp_path):
     records = train_and_dump(
         "cpu_ddp", tmp_path, "vae", *QUICK_VAE, f"ddp_comm_hook={hook}", "ddp_powersgd_rank=2",
@@ -67,7 +67,6 @@ def test_powersgd_needs_at_least_two_plain_steps_first():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # option plumbing; the PowerSGD hook test stays in make test
 def test_ddp_runs_with_every_tuning_option_set(tmp_path):
     records = train_and_dump(
         "cpu_ddp", tmp_path, "vae", *QUICK_VAE, "ddp_find_unused_parameters=true", "ddp_static_graph=true",

@@ -38,7 +38,6 @@ from conftest import (
     free_port,
     logged_steps,
     read_metrics,
-    slow,
     train_and_dump,
     wait_for,
 )
@@ -95,11 +94,11 @@ WAIT_FOR = {  # each phase: how the run is slowed, and the moment the signal is 
     [
         # every phase, both signals and both orders at least once (CI time: each case is a 40 s launch)
         ("SIGTERM", "workers, then the launcher", "mid-step"),
-        slow("SIGINT", "the launcher, then the workers", "mid-step"),
-        slow("SIGTERM", "the launcher", "mid-step"),  # only what the launcher forwards
-        slow("SIGTERM", "the launcher, then the workers", "evaluation"),
-        slow("SIGINT", "workers, then the launcher", "setup"),
-        slow("SIGTERM", "workers, then the launcher", "save"),
+        ("SIGINT", "the launcher, then the workers", "mid-step"),
+        ("SIGTERM", "the launcher", "mid-step"),  # only what the launcher forwards
+        ("SIGTERM", "the launcher, then the workers", "evaluation"),
+        ("SIGINT", "workers, then the launcher", "setup"),
+        ("SIGTERM", "workers, then the launcher", "save"),
     ],
 )
 def test_a_signal_to_every_process_of_a_two_process_launch_saves_once_at_one_agreed_step_and_resumes_exactly(
@@ -133,7 +132,7 @@ def test_a_signal_to_every_process_of_a_two_process_launch_saves_once_at_one_agr
     assert_bitwise(final_parameters(uninterrupted), final_parameters(run_dir))
 
 
-@pytest.mark.parametrize("signal_name", ["SIGTERM", slow("SIGINT")])
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
 def test_the_second_copy_of_a_signal_within_a_moment_is_not_a_second_press_the_run_saves_and_exits_75(
     signal_name, tmp_path
 ):
@@ -154,7 +153,6 @@ def test_the_second_copy_of_a_signal_within_a_moment_is_not_a_second_press_the_r
     checkpoint_files.verify(saved)
 
 
-@pytest.mark.slow  # the same handler as the copy test; waits out the window
 def test_a_second_ctrl_c_after_the_window_quits_at_once_and_leaves_the_last_checkpoint_intact(tmp_path):
     run_dir = tmp_path / "run"
     run = start_signalled_run(run_dir, tmp_path / "markers", 1, **SLOW_STEP, ACCEL_TEST_SLOW_SAVE_S="6")
@@ -175,7 +173,6 @@ def test_a_second_ctrl_c_after_the_window_quits_at_once_and_leaves_the_last_chec
     checkpoint_files.verify(saved)
 
 
-@pytest.mark.slow  # kill -9 mid-save; the SIGTERM and elastic-restart tests stay in make test
 def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     run = ["max_steps=1000", "save_every_steps=5", "keep_last=1", "log_every_steps=1", "eval_every_steps=0"]
     worker = subprocess.Popen(
@@ -200,7 +197,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable
     assert not second_save.exists()  # the interrupted save was cleaned up
 
 
-@pytest.mark.parametrize("launcher", [slow("torchrun"), "accelerate"])
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_a_worker_that_dies_is_restarted_elastically_and_ends_like_an_uninterrupted_run(launcher, tmp_path):
     run = ["max_steps=30", "save_every_steps=5", "log_every_steps=5", "eval_every_steps=0", "sample_latent=false",
            "micro_batch_size=16"]  # fmt: skip

@@ -154,7 +154,6 @@ def test_a_stream_refuses_prefetching_in_one_line_before_any_work(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_two_processes_prefetching_train_bitwise_as_without(tmp_path):
     overrides = ["max_steps=12", "micro_batch_size=2"]  # accumulation 2 on each of 2 processes
     train_and_dump("cpu_ddp", tmp_path / "inline", "rows_with_dropout", *overrides, world_size=2)

@@ -5,14 +5,12 @@ recipes/mlp.py (the template) is tested in test_new_recipe.py, the VAE in test_v
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import accel_trainer as at
 from conftest import read_metrics
 
 
-@pytest.mark.slow  # 600 steps of a small ResNet: 20 s
 def test_the_resnet_reaches_097_eval_accuracy_on_a_shortened_run(tmp_path):
     at.train("resnet", max_steps=600, eval_every_steps=300, log_every_steps=300, show_progress_bar=False,
              output_dir=str(tmp_path))  # fmt: skip

@@ -25,7 +25,6 @@ from conftest import (
     losses_by_step,
     read_metrics,
     reset_accelerate_state,
-    slow,
     train_and_dump,
 )
 
@@ -75,7 +74,7 @@ def test_resume_auto_continues_a_run_folder_from_its_newest_checkpoint(one_proce
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [slow("cpu_ddp"), "cpu_fsdp"])
+@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
 def test_two_process_resume_is_bitwise_identical_mid_epoch_and_at_an_epoch_boundary(layout, tmp_path):
     overrides = [*SAVE_ALL, "sample_latent=true", "micro_batch_size=16"]  # accumulation 2, sampling noise
     train_and_dump(layout, tmp_path / "full", "vae", *overrides, world_size=2)
@@ -155,7 +154,6 @@ def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # the one-process async test runs in make test; this repeats it on two processes
 def test_async_saves_on_two_processes_publish_verified_checkpoints_and_resume(tmp_path):
     from accel_trainer.checkpoint import files as checkpoint_files
 

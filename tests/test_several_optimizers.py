@@ -17,7 +17,7 @@ import torch
 
 import accel_trainer as at
 from accel_trainer.errors import ConfigError, RecipeError
-from conftest import final_parameters, read_metrics, reset_accelerate_state, slow, train_and_dump
+from conftest import final_parameters, read_metrics, reset_accelerate_state, train_and_dump
 
 # The whole training split (1437 digits) as each step's batch: the plain loop needs no sampler to match.
 SMALL = dict(hidden=16, max_steps=6, log_every_steps=1, eval_every_steps=0, show_progress_bar=False)
@@ -86,7 +86,7 @@ def one_process_gan(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("layout", "micro", "world_size"),
-    [("cpu", 8, 1), ("cpu_ddp", 16, 2), ("cpu_fsdp", 8, 2), slow("cpu_ddp", 8, 2)],
+    [("cpu", 8, 1), ("cpu_ddp", 16, 2), ("cpu_fsdp", 8, 2), ("cpu_ddp", 8, 2)],
     ids=["accumulation", "ddp", "fsdp-with-accumulation", "ddp-with-accumulation"],
 )
 def test_alternating_phases_follow_the_one_process_trajectory_on_every_layout(layout, micro, world_size,

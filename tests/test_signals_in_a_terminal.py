@@ -34,7 +34,6 @@ from conftest import (
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.slow,  # a real terminal around the property test_preemption.py checks under accelerate launch
     pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux"),
 ]
 

@@ -22,7 +22,6 @@ from conftest import (
     rank_buffers,
     rank_summary,
     read_metrics,
-    slow,
     train_and_dump,
 )
 
@@ -103,7 +102,7 @@ def test_one_process_resume_is_bitwise_identical_and_every_saved_copy_holds_the_
     assert_seed_built(load_file(str(export(tmp_path / "resumed", tmp_path / "export") / "model.safetensors")))
 
 
-@pytest.fixture(scope="module", params=["cpu_fsdp", slow("cpu_ddp")])
+@pytest.fixture(scope="module", params=["cpu_fsdp", "cpu_ddp"])
 def two_process_run(request, tmp_path_factory):
     """30 steps, a checkpoint at 15. FSDP is the layout that would show per-process sketches (a rank-dependent
     seed fails this test there); DDP broadcasts rank 0's buffers at every forward, which would hide them."""
@@ -130,7 +129,6 @@ def test_every_process_holds_the_seed_built_sketches_whole_and_fsdp_shards_only_
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # a second launch: 2-process resume equality itself is the VAE's test in test_resume.py
 def test_two_process_resume_is_bitwise_identical_and_keeps_the_seed_built_sketches(two_process_run, tmp_path):
     layout, out = two_process_run
     train_and_dump(layout, tmp_path, "sketched", *RESUMABLE, f"resume={checkpoint(out, 15)}", world_size=2)
