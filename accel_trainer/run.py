@@ -64,7 +64,7 @@ def train(
             return the main process's result. Recipes defined in the notebook work: the processes are forked.
         keep_process_group: for a script that trains several runs in one launch (a sweep, the test suite's
             scenario workers): the launcher's process group stays up for the next `train`, which then trains
-            exactly as in a fresh launch (tests/test_scenario_launches.py). By default the run ends the group.
+            exactly as in a fresh launch (tests/layouts/test_scenario_launches.py). By default the run ends the group.
         **overrides: config values, typed (`max_steps=100`) or as strings (`max_steps="100"`).
 
     Returns:

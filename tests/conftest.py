@@ -1,4 +1,10 @@
-"""Shared fixtures: real process launches, a clean accelerate state, files only under tmp_path.
+"""Shared fixtures and helpers: real process launches, a clean accelerate state, files only under tmp_path.
+
+The suite mirrors the package: tests/unit/<package>/ holds each package's rules, checked in process where
+they can be; tests/layouts/ the properties of runs trained on every layout (most as scenarios of one launch per
+layout, below); tests/processes/ the tests whose property is a launch itself (exit statuses, signals,
+launchers, the doctor); the top level the recipe contract, the recipes and the command. Helpers that several
+test modules use live here, and no test module imports another.
 
 Multi-process tests start real workers through the real launchers (accelerate launch, torchrun) with a free
 port per launch, one thread per worker, a short collective timeout and a hard timeout around the launch, so
@@ -118,7 +124,7 @@ class LayoutLaunches:
     A launch costs 10-15 s on 2 cores before it trains anything (a launcher and each worker importing torch,
     accelerate and datasets, then forming the process group); most multi-process tests train for a few seconds.
     The workers (`tests/workers/train_and_dump.py --serve`) keep the process group between scenarios
-    (`at.train(keep_process_group=True)`); tests/test_scenario_launches.py proves a scenario trained second in a
+    (`at.train(keep_process_group=True)`); tests/layouts/test_scenario_launches.py proves a scenario trained second in a
     launch bitwise equal to the same scenario in a fresh launch. A failed scenario ends its launch (the next
     request starts a fresh one) and fails its test with the launch's output. At most `MAX_PROCESSES` workers
     stay up, the least recently used launch ending first, so idle layouts do not hold the machine's memory.
@@ -132,6 +138,7 @@ class LayoutLaunches:
 
     def train(self, config: str, out: Path, recipe: str, arguments: list[str], world_size: int) -> None:
         launch = self._launch(config, world_size)
+        LAUNCH_COUNTS["scenarios"] += 1
         number = launch["requests"]
         launch["requests"] += 1
         request = {"recipe": recipe, "overrides": arguments, "out": str(out), "world_size": world_size}
@@ -222,6 +229,58 @@ def reset_accelerate_state() -> None:
     from accel_trainer.parallel.launch_fixes import forget_accelerate_state
 
     forget_accelerate_state()
+
+
+LAUNCH_COUNTS = {"layout launches": 0, "scenarios": 0, "own launches": 0}
+"""This process's launches: of layouts (`LayoutLaunches`), the scenarios they trained, and every other
+`accelerate launch`, torchrun or `make train-*` a test started; the session's totals close its summary."""
+
+
+def _is_launch(words: list[str]) -> bool:
+    text = " ".join(words)
+    return (
+        any(word.endswith("accelerate") for word in words)
+        and "launch" in words
+        or "torchrun" in text
+        or "torch.distributed.run" in text
+        or "accelerate.commands.launch" in text
+        or (any(word.endswith("make") for word in words) and any(word.startswith("train") for word in words))
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def count_launches(tmp_path_factory):
+    """Count the launches the tests start (LAUNCH_COUNTS), written beside this process's temporary files."""
+    original = subprocess.Popen.__init__
+
+    def counting(self, args, *more, **options):
+        words = [str(arg) for arg in args] if isinstance(args, list | tuple) else str(args).split()
+        if "--serve" in words:
+            LAUNCH_COUNTS["layout launches"] += 1
+        elif _is_launch(words):
+            LAUNCH_COUNTS["own launches"] += 1
+        original(self, args, *more, **options)
+
+    subprocess.Popen.__init__ = counting  # type: ignore[method-assign]
+    yield
+    subprocess.Popen.__init__ = original  # type: ignore[method-assign]
+    (tmp_path_factory.getbasetemp() / "launch_counts.json").write_text(json.dumps(LAUNCH_COUNTS))
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """The session's launch counts, summed over the pytest workers."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller sums
+        return
+    base = config._tmp_path_factory.getbasetemp()
+    totals = dict.fromkeys(LAUNCH_COUNTS, 0)
+    for counts in [base / "launch_counts.json", *base.glob("*/launch_counts.json")]:
+        if counts.is_file():
+            for key, value in json.loads(counts.read_text()).items():
+                totals[key] += value
+    terminalreporter.write_line(
+        f"launches: {totals['layout launches']} layout launches trained {totals['scenarios']} scenarios;"
+        f" {totals['own launches']} other launches"
+    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -13,8 +13,9 @@ import pytest
 import accel_trainer as at
 from accel_trainer import registry
 from accel_trainer.errors import RecipeError
+from conftest import REPO
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = REPO / "recipes"
 
 
 @pytest.fixture(autouse=True)
@@ -217,6 +218,7 @@ def test_discovering_a_folder_twice_registers_its_recipes_once(tmp_path):
 
 SAME_STEM_RECIPE = """
 import accel_trainer as at
+from conftest import REPO
 
 @at.register_recipe("{name}")
 class SameStem(at.Recipe):

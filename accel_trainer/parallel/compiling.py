@@ -52,7 +52,7 @@ def allow_recompiles_per_region(model: torch.nn.Module) -> None:
     `external_utils.inner`), whose cache holds at most `recompile_limit` (8) variants for the whole model: the
     GPT's five other regions in train and eval mode used them up at its first evaluation, after which new
     variants ran eager, each with a block of torch warnings (found by a new-user trial). The canary in
-    tests/test_compiling.py fails when two compiled modules stop sharing that cache; this can go then.
+    tests/unit/parallel/test_compiling.py fails when two compiled modules stop sharing that cache; this can go then.
     """
     regions = sum(isinstance(module, OptimizedModule) for module in model.modules())
     limit = torch._dynamo.config.recompile_limit

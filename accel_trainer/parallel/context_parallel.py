@@ -12,7 +12,7 @@ included), a sequence length divisible by 2 x cp_size (the load balancer's chunk
 `F.scaled_dot_product_attention`, and a token loss (`num_items`): each process sums the loss over its slice
 and the exact normalisation counts the items of all slices, while the mean of a slice is not the mean of the
 sequence. Each missing piece is a one-line error. torch has no CPU kernel for ring attention, so a CPU
-layout with cp_size > 1 is refused (parallel/mesh.py); the CUDA test is in tests/test_gpu.py.
+layout with cp_size > 1 is refused (parallel/mesh.py); the CUDA test is in tests/layouts/test_gpu.py.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The loop calls `backward`, `clip_grad_norm`, `optimizer_step` and `zero_grad` on a `StepVerbs`, which speaks
 accelerate's verbs where they do work that matters: a gradient scaler to unscale and step through (fp16) or
 sharded gradients (FSDP). Elsewhere (no scaler; one process, DDP or CPU DDP) accelerate's verbs only add
-per-step overhead, so the same operations go to torch directly, bit-identical (tests/test_step.py); where every
-parameter is a plain tensor in one dtype on one device, `clip_one_group` runs torch's clipping kernels in
+per-step overhead, so the same operations go to torch directly, bit-identical (tests/unit/parallel/test_step.py);
+where every parameter is a plain tensor in one dtype on one device, `clip_one_group` runs torch's clipping kernels in
 torch's order without its per-call grouping (a canary test fails when torch stops grouping on every call).
 The measurements behind both choices are in docs/benchmarks.md ("Step verbs").
 

@@ -21,7 +21,7 @@ of `DIR/request_<n>.json` ({recipe, overrides, out, world_size}) with `at.train(
 the order n = 0, 1, ..., writes the same files as above and then `DIR/done_<n>_rank<r>`. A failed scenario
 writes its error there and ends the launch; the test suite starts a fresh one for the next request. Starting
 torch, accelerate and the process group once per layout instead of once per scenario is most of what a
-launch costs on 2 cores; tests/test_scenario_launches.py proves that a scenario trained second in a launch is
+launch costs on 2 cores; tests/layouts/test_scenario_launches.py proves that a scenario trained second in a launch is
 bitwise the same as in a fresh launch.
 """
 

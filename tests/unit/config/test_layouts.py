@@ -1,6 +1,6 @@
 """Every accelerate config in accelerate_configs/ parses, says what it is, and is used by a Makefile target.
 
-The CPU layouts are also run for real by tests/test_multiprocess.py (cpu.yaml and cpu_ddp.yaml); the GPU
+The CPU layouts are also run for real by tests/processes/test_multiprocess.py (cpu.yaml and cpu_ddp.yaml); the GPU
 layouts are validated here against the machine their header describes.
 """
 

@@ -2,7 +2,7 @@
 
 The `tight_memory` test recipe (tests/workers/recipes) raises the CUDA out-of-memory error for micro-batches
 above `fits_up_to` samples, after its forward pass has moved the BatchNorm statistics, so the search and its
-clean-up run on the CPU; tests/test_gpu.py runs it into a real out-of-memory on a GPU.
+clean-up run on the CPU; tests/layouts/test_gpu.py runs it into a real out-of-memory on a GPU.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def test_auto_finds_the_largest_that_fits_and_trains_bitwise_like_that_size_set_
     auto, by_hand = final_parameters(tmp_path / "auto"), final_parameters(tmp_path / "by_hand")
     assert all(torch.equal(auto[k], by_hand[k]) for k in by_hand)  # the tries left no trace (BatchNorm stats)
     # That micro-batches with accumulation follow the whole batch's trajectory is the accumulation property
-    # (tests/test_layout_equivalence.py); BatchNorm, like this model's, normalises over each micro-batch, auto or not.
+    # (tests/layouts/test_layout_equivalence.py); BatchNorm, like this model's, normalises over each micro-batch,
+    # auto or not.
     assert (tmp_path / "auto" / "config.yaml").read_text().count("micro_batch_size: auto") == 1
 
 

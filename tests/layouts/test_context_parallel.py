@@ -5,7 +5,7 @@ dimension gives, the one-line errors (a CPU launch, no `sequence_dims`, a length
 loss), and, on a model without attention (the GPT with n_layer=0), a 2-process run whose processes each see
 half of every sequence and still follow the one-process trajectory: the same gradient norms and losses, and
 the same items counted (which a run that did not slice would count twice). The GPT with attention on CUDA GPUs
-is tests/test_gpu.py's.
+is tests/layouts/test_gpu.py's.
 """
 
 from __future__ import annotations

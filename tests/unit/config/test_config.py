@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +19,9 @@ from accel_trainer.config.fields import (
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig, config_to_yaml, resolve_config, resolve_settings
 from accel_trainer.errors import ConfigError
+from conftest import REPO
 
-SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
+SNAPSHOTS = REPO / "tests" / "snapshots"
 
 
 @dataclass
