@@ -11,7 +11,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from accel_trainer.batch_rows import batch_size, first_rows
-from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.config.train_config import TrainConfig, evaluates_after
 from accel_trainer.errors import UserError
 from accel_trainer.eval_outputs import metric_sums
 from accel_trainer.observe.breadcrumb import note_where
@@ -23,11 +23,6 @@ from accel_trainer.rng import rng_untouched
 
 if TYPE_CHECKING:
     from accel_trainer.prepared_run import Run
-
-
-def evaluates_after(cfg: TrainConfig, step: int) -> bool:
-    """Whether an evaluation follows `step`: every eval_every_steps, and at the end."""
-    return step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)
 
 
 def describe_nonfinite(cfg: TrainConfig, scores: dict[str, float], step: int) -> str:

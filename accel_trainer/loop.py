@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +23,11 @@ from accelerate import Accelerator
 
 from accel_trainer.checkpoint.save import RunIdentity
 from accel_trainer.config.layout import LayoutSettings
-from accel_trainer.config.train_config import TrainConfig, config_to_yaml, layout_to_yaml
-from accel_trainer.data.loaders import describe_path
+from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.evaluation import evaluate_after, evaluate_baseline
 from accel_trainer.observe.breadcrumb import note_where
-from accel_trainer.observe.flops import flops_per_sample
-from accel_trainer.observe.header import header, parameters_held, write_run_info
-from accel_trainer.observe.metrics import drop_records_after, format_metric
 from accel_trainer.observe.observer import Observer
 from accel_trainer.observe.profiling import dump_out_of_memory
-from accel_trainer.observe.window import Speed
-from accel_trainer.parallel.mesh import tensor_parallel_size
 from accel_trainer.prepared_run import Run, prepare_run
 from accel_trainer.recipe import Recipe
 from accel_trainer.stopping.early import check_early_stop
@@ -61,9 +54,9 @@ def train_loop(
     state = run.restore()
     check_early_stop(cfg, run.data.eval_set is not None)
     if state.step >= cfg.max_steps or state.stopped_early:  # the run's files stay as they are: nothing trains
-        return _already_trained(run)
-    _write_run_files(run, cfg, layout, recipe_name)
-    observer = _observer(run, cfg, setup_started)  # the config as asked (micro_batch_size=auto stays auto)
+        return run.already_trained()
+    run.write_start_files(cfg, layout, recipe_name)
+    observer = run.observer(cfg, setup_started)
     try:
         timeout_s = layout.collective_timeout_s
         preemption = PreemptionWatcher(accelerator.num_processes, timeout_s, cfg.max_time, setup_started)
@@ -111,54 +104,3 @@ def _train_steps(run: Run, batches: Any, observe: Observer, stopping: Stopping) 
         if stop is not None:
             return stopping.end(stop, state, folder, observe)
     return state.metrics
-
-
-def _already_trained(run: Run) -> dict[str, Any]:
-    """Say that a resumed run has nothing left to train; write its final weights if they are missing."""
-    state, max_steps = run.checkpointer.state, run.cfg.max_steps
-    if run.accelerator.is_main_process:
-        summary = " | ".join(format_metric(key, value) for key, value in state.metrics.items())
-        reached = "stopped early at" if state.stopped_early else "already reached"
-        print(
-            f"{run.run_dir} {reached} step {state.step} of max_steps={max_steps}: nothing to train;"
-            f" its final metrics: {summary}",
-            flush=True,
-        )
-    if not (run.run_dir / "final").is_dir():  # stopped between its last checkpoint and its final weights
-        run.final_weights()
-    return state.metrics
-
-
-def _write_run_files(run: Run, cfg: TrainConfig, layout: LayoutSettings, recipe_name: str) -> None:
-    """config.yaml, layout.yaml, model_summary.txt and run_info.json, once the checkpoint (if any) is accepted,
-    and the header on the console; records after the resumed step go (a later run rewrites them)."""
-    accelerator, run_dir, state = run.accelerator, run.run_dir, run.checkpointer.state
-    held = parameters_held(run.model, accelerator)  # a collective: on every process
-    if not accelerator.is_main_process:
-        return
-    ran = replace(layout, tp_size=tensor_parallel_size(accelerator))  # also when the accelerate config set it
-    (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
-    (run_dir / "layout.yaml").write_text(layout_to_yaml(ran))
-    (run_dir / "model_summary.txt").write_text(run.model_summary)
-    write_run_info(run_dir, accelerator, ran, state.step, held)
-    drop_records_after(run_dir, state.step)
-    data_path = describe_path(run.data.train_loader, run.recipe)
-    print(header(accelerator, recipe_name, run.num_parameters, held, run.plan, data_path, run_dir), flush=True)
-
-
-def _observer(run: Run, cfg: TrainConfig, setup_started: float) -> Observer:
-    phases = tuple(p.name for p in run.optimizers.phases) if run.optimizers.alternate else (None,)
-
-    def count_flops(first_batch: Any) -> tuple[float, str]:
-        return flops_per_sample(run.recipe, run.cfg, first_batch, run.num_parameters, phases)
-
-    return Observer(
-        accelerator=run.accelerator,
-        cfg=cfg,
-        run_dir=run.run_dir,
-        state=run.checkpointer.state,
-        setup_started=setup_started,
-        speed=Speed(peak_tflops=run.peak_tflops),
-        compiled=run.compiled,
-        count_flops=count_flops,
-    )

@@ -7,35 +7,37 @@ the per-process seed after `accelerator.prepare`) and hands the loop a `Run`.
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
 from accelerate.utils import DynamoBackend, set_seed
-from torch.distributed.fsdp import CPUOffloadPolicy
 
 from accel_trainer.checkpoint.checkpointer import Checkpointer
 from accel_trainer.checkpoint.final_weights import save_final
 from accel_trainer.checkpoint.save import RunIdentity, Trained
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.config.layout import LayoutSettings
-from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.config.train_config import TrainConfig, config_to_yaml, layout_to_yaml
 from accel_trainer.data import loaders as data
 from accel_trainer.data.auto_batch import check_auto_layout, choose_micro_batch_size
 from accel_trainer.data.batching import BatchPlan, plan_batches
+from accel_trainer.data.loaders import describe_path
 from accel_trainer.data.run_data import RunData, build_loaders
 from accel_trainer.ema import WeightAverage
-from accel_trainer.errors import LayoutError
 from accel_trainer.hf_loss import ModelItems, model_items
 from accel_trainer.model_calls import ModelCalls
-from accel_trainer.observe.flops import peak_for_mfu
-from accel_trainer.observe.header import model_summary
+from accel_trainer.observe.flops import flops_per_sample, peak_for_mfu
+from accel_trainer.observe.header import header, model_summary, parameters_held, write_run_info
+from accel_trainer.observe.metrics import drop_records_after, format_metric
+from accel_trainer.observe.observer import Observer
+from accel_trainer.observe.window import Speed
 from accel_trainer.optimizers import Optimizers, check_layout_for_several, read_optimizers
-from accel_trainer.parallel import launch_fixes
+from accel_trainer.parallel.accelerator import prepare_for_training
 from accel_trainer.parallel.compiling import allow_recompiles_per_region
-from accel_trainer.parallel.mesh import DataRanks, data_ranks, mesh_shape
+from accel_trainer.parallel.mesh import DataRanks, data_ranks, mesh_shape, tensor_parallel_size
+from accel_trainer.parallel.pipeline.build import build_pipeline
 from accel_trainer.parallel.pipeline.stages import Pipeline
 from accel_trainer.parallel.verbs import StepVerbs
 from accel_trainer.parallel.wrapping import split_and_wrap
@@ -95,6 +97,55 @@ class Run:
         """This process's training micro-batches from the restored state on (RunData.micro_batches)."""
         state = self.checkpointer.state
         return self.data.micro_batches(state.step, state.data_position, self.accelerator, self.checkpointer.resume_rng)
+
+    def write_start_files(self, cfg: TrainConfig, layout: LayoutSettings, recipe_name: str) -> None:
+        """config.yaml, layout.yaml, model_summary.txt and run_info.json, once the checkpoint (if any) is accepted,
+        and the header on the console; records after the resumed step go (a later run rewrites them)."""
+        accelerator, run_dir, state = self.accelerator, self.run_dir, self.checkpointer.state
+        held = parameters_held(self.model, accelerator)  # a collective: on every process
+        if not accelerator.is_main_process:
+            return
+        ran = replace(layout, tp_size=tensor_parallel_size(accelerator))  # also when the accelerate config set it
+        (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        (run_dir / "layout.yaml").write_text(layout_to_yaml(ran))
+        (run_dir / "model_summary.txt").write_text(self.model_summary)
+        write_run_info(run_dir, accelerator, ran, state.step, held)
+        drop_records_after(run_dir, state.step)
+        data_path = describe_path(self.data.train_loader, self.recipe)
+        print(header(accelerator, recipe_name, self.num_parameters, held, self.plan, data_path, run_dir), flush=True)
+
+    def observer(self, cfg: TrainConfig, setup_started: float) -> Observer:
+        """The run's observer, once its state is restored; `cfg` as asked (micro_batch_size=auto stays auto)."""
+        phases = tuple(p.name for p in self.optimizers.phases) if self.optimizers.alternate else (None,)
+
+        def count_flops(first_batch: Any) -> tuple[float, str]:
+            return flops_per_sample(self.recipe, self.cfg, first_batch, self.num_parameters, phases)
+
+        return Observer(
+            accelerator=self.accelerator,
+            cfg=cfg,
+            run_dir=self.run_dir,
+            state=self.checkpointer.state,
+            setup_started=setup_started,
+            speed=Speed(peak_tflops=self.peak_tflops),
+            compiled=self.compiled,
+            count_flops=count_flops,
+        )
+
+    def already_trained(self) -> dict[str, Any]:
+        """Say that a resumed run has nothing left to train; write its final weights if they are missing."""
+        state, max_steps = self.checkpointer.state, self.cfg.max_steps
+        if self.accelerator.is_main_process:
+            summary = " | ".join(format_metric(key, value) for key, value in state.metrics.items())
+            reached = "stopped early at" if state.stopped_early else "already reached"
+            print(
+                f"{self.run_dir} {reached} step {state.step} of max_steps={max_steps}: nothing to train;"
+                f" its final metrics: {summary}",
+                flush=True,
+            )
+        if not (self.run_dir / "final").is_dir():  # stopped between its last checkpoint and its final weights
+            self.final_weights()
+        return state.metrics
 
     def final_weights(self) -> None:
         """final/model.safetensors and the recipe's artifacts, and final/ema/model.safetensors with an EMA."""
@@ -161,11 +212,13 @@ def _prepared(
     """The model (or this process's pipeline stages), optimizers and loaders through `accelerator.prepare`."""
     pipeline = None
     if layout.pp_size > 1:  # the stages of this process; the optimizer and checkpoints see only their weights
-        pipeline = _pipeline(recipe, model.to(accelerator.device), train_set, plan, layout, accelerator)
+        first_examples = functools.partial(data.first_examples, train_set, plan.micro_batch_size)
+        stages = model.to(accelerator.device)
+        pipeline = build_pipeline(recipe, stages, first_examples, plan.accumulation_steps, layout, accelerator)
         model = pipeline.view
     optimizers = _optimizers(recipe, cfg, model, accelerator, layout)  # their schedules are not prepared
     train_loader, eval_loader = build_loaders(recipe, cfg, train_set, eval_set, plan, ranks, accelerator)
-    model, *prepared, train_loader, eval_loader = _prepare(
+    model, *prepared, train_loader, eval_loader = prepare_for_training(
         accelerator, pipeline, ranks, model, *(p.optimizer for p in optimizers.phases), train_loader, eval_loader
     )
     optimizers = optimizers.with_verbs(functools.partial(StepVerbs, accelerator), prepared, model)
@@ -230,59 +283,6 @@ def _model_items(accelerator: Accelerator, model: Any, plan: BatchPlan, ranks: D
     return model_items(accelerator.unwrap_model(model), countable, warn=several and accelerator.is_main_process)
 
 
-def _prepare(accelerator: Accelerator, pipeline: Pipeline | None, ranks: DataRanks, *objects: Any) -> tuple[Any, ...]:
-    """`accelerator.prepare` the model, optimizers and loaders; a None loader (a stream, no eval set) stays None."""
-    model, *optimizers, train_loader, eval_loader = objects
-    if pipeline is not None:  # not wrapped (there is no gradient to average); loaders for the data ranks
-        (optimizer,) = optimizers  # several are refused on a pipeline layout (optimizers.py)
-        optimizer = accelerator.prepare_optimizer(optimizer)  # alone: prepare() refuses that under FSDP2
-        if train_loader is not None:
-            train_loader = launch_fixes.prepare_loader_for_data_ranks(accelerator, train_loader, ranks.rank, ranks.size)
-        return model, optimizer, train_loader, eval_loader
-    # On the CPU a batch is already where it belongs: no device placement (a send_to_device walk per step).
-    placement = False if accelerator.device.type == "cpu" else None
-    return tuple(accelerator.prepare(*objects, device_placement=[None] * (1 + len(optimizers)) + [placement] * 2))
-
-
 def _fixed_micro_batch_size(cfg: TrainConfig) -> int:
     """The micro-batch size set; 1 for auto, whose size is found later (the global batch is checked now)."""
     return 1 if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
-
-
-def _pipeline(
-    recipe: Recipe, model: Any, train_set: Any, plan: BatchPlan, layout: LayoutSettings, accelerator: Accelerator
-) -> Pipeline:
-    """Cut the model into this process's stages, traced on the shapes of a first micro-batch."""
-    if recipe.cfg.ema_decay:
-        raise LayoutError(
-            "a pipeline layout does not keep an EMA of the weights yet: set ema_decay=0, or train on a"
-            " data-parallel, FSDP or tensor-parallel layout"
-        )
-    if layout.sync_batchnorm or accelerator.mixed_precision == "fp16":
-        raise LayoutError(
-            "a pipeline layout does not combine with sync_batchnorm or fp16 yet (fp16's"
-            " loss scaler is not wired into the schedules): turn them off, or use mixed_precision=bf16"
-        )
-    if layout.activation_checkpointing and not recipe.wrap_classes and accelerator.is_main_process:
-        warnings.warn(
-            f"accel-trainer: activation_checkpointing has no effect: {type(recipe).__name__} names no"
-            " wrap_classes to checkpoint",
-            stacklevel=3,
-        )
-    sample = data.first_examples(train_set, plan.micro_batch_size)
-    fsdp = accelerator.state.fsdp_plugin if accelerator.is_fsdp2 else None
-    if fsdp is not None and isinstance(fsdp.cpu_offload, CPUOffloadPolicy):
-        raise LayoutError("a pipeline layout does not offload parameters yet: set fsdp_offload_params: false")
-    return Pipeline(
-        recipe,
-        model,
-        recipe.collate(sample),
-        schedule=layout.pp_schedule,
-        microbatches=layout.pp_microbatches,
-        accumulation_steps=plan.accumulation_steps,
-        device=accelerator.device,
-        autocast=accelerator.autocast,
-        mesh=accelerator.torch_device_mesh,
-        reshard_after_forward=bool(fsdp is not None and fsdp.reshard_after_forward),
-        activation_checkpointing=layout.activation_checkpointing,
-    )

@@ -280,3 +280,8 @@ def metric_of(setting: str, name: str, scores: dict[str, Any]) -> float:
             " use one of those"
         )
     return float(scores[name])
+
+
+def evaluates_after(cfg: TrainConfig, step: int) -> bool:
+    """Whether an evaluation follows `step`: every eval_every_steps, and at the end."""
+    return step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)

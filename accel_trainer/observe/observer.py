@@ -18,7 +18,7 @@ from accelerate import Accelerator
 
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.config.fields import parse_steps
-from accel_trainer.config.train_config import TrainConfig, config_to_dict
+from accel_trainer.config.train_config import TrainConfig, config_to_dict, evaluates_after
 from accel_trainer.losses import LossOutput
 from accel_trainer.observe.events import EventLog
 from accel_trainer.observe.flops import to_meta
@@ -83,11 +83,10 @@ class Observer:
         """Whether `step` ends with a training record: every log_every_steps, at the end, and before an
         evaluation that may stop the run early."""
         cfg = self.cfg
-        evaluates = step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)
         return (
             step == cfg.max_steps
             or (cfg.log_every_steps > 0 and step % cfg.log_every_steps == 0)
-            or (bool(cfg.early_stop_metric) and evaluates)
+            or (bool(cfg.early_stop_metric) and evaluates_after(cfg, step))
         )
 
     def step_started(self, step: int) -> None:

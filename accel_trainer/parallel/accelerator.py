@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -30,7 +31,8 @@ from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.errors import ConfigError, LayoutError
 from accel_trainer.parallel import launch_fixes
 from accel_trainer.parallel.compiling import dynamo_plugin
-from accel_trainer.parallel.mesh import set_up_mesh
+from accel_trainer.parallel.mesh import DataRanks, set_up_mesh
+from accel_trainer.parallel.pipeline.stages import Pipeline
 
 _DDP_TYPES = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
 SUPPORTED_LAYOUTS = (DistributedType.NO, *_DDP_TYPES, DistributedType.FSDP)
@@ -176,3 +178,19 @@ def launch_settings_file() -> Path | None:
         return None
     settings = settings_file_of(config)
     return settings if settings.is_file() else None
+
+
+def prepare_for_training(
+    accelerator: Accelerator, pipeline: Pipeline | None, ranks: DataRanks, *objects: Any
+) -> tuple[Any, ...]:
+    """`accelerator.prepare` the model, optimizers and loaders; a None loader (a stream, no eval set) stays None."""
+    model, *optimizers, train_loader, eval_loader = objects
+    if pipeline is not None:  # not wrapped (there is no gradient to average); loaders for the data ranks
+        (optimizer,) = optimizers  # several are refused on a pipeline layout (optimizers.py)
+        optimizer = accelerator.prepare_optimizer(optimizer)  # alone: prepare() refuses that under FSDP2
+        if train_loader is not None:
+            train_loader = launch_fixes.prepare_loader_for_data_ranks(accelerator, train_loader, ranks.rank, ranks.size)
+        return model, optimizer, train_loader, eval_loader
+    # On the CPU a batch is already where it belongs: no device placement (a send_to_device walk per step).
+    placement = False if accelerator.device.type == "cpu" else None
+    return tuple(accelerator.prepare(*objects, device_placement=[None] * (1 + len(optimizers)) + [placement] * 2))
