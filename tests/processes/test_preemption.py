@@ -30,7 +30,6 @@ from conftest import (
     SLOW_STEP,
     TEST_OVERRIDES,
     WORKERS,
-    accelerate_launch,
     assert_bitwise,
     clean_env,
     dump_env,
@@ -74,8 +73,7 @@ def stopped_step(output: str, signal_name: str) -> int:
 def uninterrupted(tmp_path_factory) -> Path:
     """The reference: mlp_slow's config on 2 processes, never signalled (and not slowed)."""
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    accelerate_launch("cpu_ddp", WORKERS / "signalled_run.py", "mlp_slow", *SIGNALLED, f"output_dir={run_dir}",
-                      env=clean_env())  # fmt: skip
+    train_and_dump("cpu_ddp", run_dir, "mlp_slow", *SIGNALLED, world_size=2)
     return run_dir
 
 
@@ -127,8 +125,7 @@ def test_a_signal_to_every_process_of_a_two_process_launch_saves_once_at_one_agr
     else:
         assert len(saved) == 1, output
         assert stopped_at == {"setup": 1, "evaluation": 10}.get(phase, stopped_at), output
-    accelerate_launch("cpu_ddp", WORKERS / "signalled_run.py", "mlp_slow", *SIGNALLED, f"output_dir={run_dir}",
-                      env=clean_env())  # fmt: skip  # resume=auto
+    train_and_dump("cpu_ddp", run_dir, "mlp_slow", *SIGNALLED, world_size=2)  # resume=auto: the rest of the run
     assert_bitwise(final_parameters(uninterrupted), final_parameters(run_dir))
 
 

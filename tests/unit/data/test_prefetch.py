@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import accel_trainer as at
-from accel_trainer import loop
 from accel_trainer.data.prefetch import CHECKED_FETCHES, PrefetchGate, _from_thread, prefetched
+from accel_trainer.prepared_run import Run
 from conftest import WORKERS, assert_bitwise, final_parameters, read_metrics, train_and_dump
 
 at.registry.discover_recipes([WORKERS / "recipes"])
@@ -53,8 +53,8 @@ def test_negative_control_a_thread_running_ahead_across_epochs_changes_the_losse
     """Why each epoch's loader iterator is created in the training thread: it draws a seed from the global
     generator, and drawn ahead of time it shifts every dropout mask after it."""
     train(tmp_path / "inline")
-    whole_run = loop.micro_batches
-    monkeypatch.setattr(loop, "micro_batches", lambda run: _from_thread(whole_run(run), 10**6, 3, PrefetchGate(), None))
+    whole_run = Run.micro_batches
+    monkeypatch.setattr(Run, "micro_batches", lambda run: _from_thread(whole_run(run), 10**6, 3, PrefetchGate(), None))
     train(tmp_path / "ahead")
     assert losses(tmp_path / "ahead") != losses(tmp_path / "inline")
 

@@ -77,11 +77,14 @@ def test_canary_modules_compiled_separately_share_one_dynamo_cache():
     torch._dynamo.reset()
 
 
-def test_every_compiled_region_gets_dynamos_default_allowance(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    model = torch.nn.Sequential(*(torch.compile(torch.nn.Linear(2, 2), backend="eager") for _ in range(3)))
-    allow_recompiles_per_region(model)
-    assert torch._dynamo.config.recompile_limit == 3 * RECOMPILES_PER_REGION
+def test_every_compiled_region_gets_dynamos_default_allowance():
+    # dynamo's own patch, not monkeypatch: undoing a monkeypatch deletes the setting, which hides it from every
+    # later torch.compile in the process ("recompile_limit does not exist")
+    with torch._dynamo.config.patch(recompile_limit=8):
+        model = torch.nn.Sequential(*(torch.compile(torch.nn.Linear(2, 2), backend="eager") for _ in range(3)))
+        allow_recompiles_per_region(model)
+        assert torch._dynamo.config.recompile_limit == 3 * RECOMPILES_PER_REGION
+    assert torch._dynamo.config.recompile_limit == 8
 
 
 def test_a_compiled_gpt_follows_the_eager_trajectory_and_saves_plain_names(tmp_path):
