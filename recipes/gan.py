@@ -18,17 +18,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.linear_model import LogisticRegression
 from torch import nn
 
 import accel_trainer as at
+
+if TYPE_CHECKING:
+    from sklearn.linear_model import LogisticRegression
 
 NOISE_DIM, NUM_CLASSES, PIXELS = 16, 10, 64
 
@@ -82,6 +83,8 @@ class ConditionalGAN(nn.Module):
 
 def digit_splits(seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
     """The digits in [-1, 1] with their labels and a noise vector per sample (drawn from the seed), split 80/20."""
+    from sklearn.datasets import load_digits  # here, not above: listing a recipe imports its file
+
     digits = load_digits()
     noise = torch.randn(len(digits.target), NOISE_DIM, generator=torch.Generator().manual_seed(seed))
     table = datasets.Dataset.from_dict(
@@ -145,6 +148,8 @@ class Gan(at.Recipe):
     def judge(self) -> LogisticRegression:
         """The classifier trained on the real training digits (fitted once, deterministic)."""
         if not hasattr(self, "_judge"):
+            from sklearn.linear_model import LogisticRegression
+
             train, _ = digit_splits(self.cfg.seed)
             self._judge = LogisticRegression(max_iter=2000).fit(
                 np.asarray(train["images"]), np.asarray(train["labels"])

@@ -27,12 +27,6 @@ import torch
 
 import accel_trainer as at
 
-try:
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-except ImportError:  # without the hf extra the recipe is still listed, and says what to install when used
-    GPT2Config = GPT2LMHeadModel = GPT2Block = None
-
 ByteGPT = at.get_recipe("gpt")
 PAD_ID, VOCAB_SIZE, IGNORE_INDEX = 256, 257, -100  # as in recipes/gpt.py
 
@@ -53,18 +47,22 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
     """transformers GPT2LMHeadModel (random init) on Python's stdlib bytes, with the exact token loss."""
 
     Config = HFCausalLMConfig
-    wrap_classes = (GPT2Block,) if GPT2Block is not None else ()
     tp_plan: dict[str, str] = {}  # not the GPT's: GPT-2's fused qkv (c_attn, a Conv1D) has no column split here
 
+    @property
+    def wrap_classes(self) -> tuple[type[torch.nn.Module], ...]:  # type: ignore[override]
+        """GPT-2's decoder block. transformers is imported when the recipe is used, not when it is listed:
+        every process imports every recipe of the folder, and transformers takes a second to import."""
+        return (_transformers().models.gpt2.modeling_gpt2.GPT2Block,)
+
     def build_model(self, cfg: HFCausalLMConfig) -> Any:
-        if GPT2Config is None:
-            raise at.RecipeError("recipe hf_causal_lm needs transformers: pip install -e '.[hf]'")
-        config = GPT2Config(
+        transformers = _transformers()
+        config = transformers.GPT2Config(
             vocab_size=VOCAB_SIZE, n_positions=cfg.block_size, n_embd=cfg.d_model, n_layer=cfg.n_layer,
             n_head=cfg.n_head, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
             bos_token_id=PAD_ID, eos_token_id=PAD_ID, pad_token_id=PAD_ID,
         )  # fmt: skip
-        return GPT2LMHeadModel(config)
+        return transformers.GPT2LMHeadModel(config)
 
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Padding is only at the end of a sequence, so causal attention never lets a real token see it.
@@ -101,6 +99,15 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
             )  # fmt: skip
             samples.append(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
         (run_dir / "samples.txt").write_text("\n\n----------\n\n".join(samples) + "\n")
+
+
+def _transformers() -> Any:
+    """The transformers package, or a one-line error saying how to install it (the recipe is listed without it)."""
+    try:
+        import transformers.models.gpt2.modeling_gpt2  # noqa: F401 - GPT2Block's module, for wrap_classes
+    except ImportError as error:
+        raise at.RecipeError("recipe hf_causal_lm needs transformers: pip install -e '.[hf]'") from error
+    return transformers
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@
 from dataclasses import dataclass
 
 import datasets
-from sklearn.datasets import load_digits
 from torch import nn
 
 import accel_trainer as at
@@ -34,6 +33,8 @@ class Mlp(at.Recipe):
         return nn.Sequential(nn.Linear(64, cfg.hidden), nn.ReLU(), nn.Linear(cfg.hidden, 10))
 
     def build_datasets(self, cfg):
+        from sklearn.datasets import load_digits  # here, not above: listing a recipe imports its file
+
         digits = load_digits()
         table = datasets.Dataset.from_dict({"x": digits.data.astype("float32") / 16, "y": digits.target})
         splits = table.train_test_split(test_size=0.2, seed=0)

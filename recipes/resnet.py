@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import datasets
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import nn
 
 import accel_trainer as at
@@ -91,6 +90,8 @@ class DigitsResNet(at.Recipe):
         return ResNet(cfg.channels, cfg.num_blocks)
 
     def build_datasets(self, cfg: ResNetConfig) -> tuple[datasets.Dataset, datasets.Dataset]:
+        from sklearn.datasets import load_digits  # here, not above: listing a recipe imports its file
+
         digits = load_digits()
         images = (digits.images / 16).astype("float32")
         table = datasets.Dataset.from_dict({"images": images, "labels": digits.target})

@@ -27,7 +27,6 @@ import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import nn
 
 import accel_trainer as at
@@ -104,6 +103,8 @@ class Sketched(at.Recipe):
         return nn.Sequential(layer(0, 64, cfg.hidden), nn.ReLU(), layer(1, cfg.hidden, 10))
 
     def build_datasets(self, cfg: SketchedConfig) -> tuple[datasets.Dataset, datasets.Dataset]:
+        from sklearn.datasets import load_digits  # here, not above: listing a recipe imports its file
+
         digits = load_digits()  # the mlp recipe's data and split, so that accuracies compare directly
         table = datasets.Dataset.from_dict({"x": digits.data.astype("float32") / 16, "y": digits.target})
         splits = table.train_test_split(test_size=0.2, seed=0)
