@@ -17,6 +17,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -122,7 +123,9 @@ def _import_file(path: Path) -> None:
     resolved = path.resolve()
     for module in list(sys.modules.values()):
         module_file = getattr(module, "__file__", None)
-        if module_file and Path(module_file).resolve() == resolved:
+        # The file name first, as a string: resolving the paths of the thousands of loaded modules (torch's) took
+        # seconds per recipe folder.
+        if module_file and os.path.basename(module_file) == path.name and Path(module_file).resolve() == resolved:
             return  # already imported, e.g. the script being run; its decorators have run
     # Keyed by the full path: a module of the same stem elsewhere must never replace this one's classes.
     module_name = f"accel_trainer_recipes.{path.stem}_{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}"
