@@ -164,15 +164,19 @@ def _goodput(run_dir: Path) -> str:
 
 
 def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str) -> bool:
-    """Draw the panels for every run into `path`; False when matplotlib is not installed."""
-    try:
-        import matplotlib
+    """Draw the panels for every run into `path`; False when matplotlib is not installed.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    A `Figure` of its own, without pyplot: no global state, no backend to choose, one import less. Fixed margins
+    instead of `tight_layout`, which measured every label again and took half of the drawing time (0.35 of
+    0.7 s) at the end of every run. Evaluations are marked points: a run evaluated once has a curve of one.
+    """
+    try:
+        from matplotlib.figure import Figure
     except ImportError:
         return False
-    figure, axes = plt.subplots(2, 3, figsize=(15, 8))
+    figure = Figure(figsize=(15, 8))
+    figure.subplots_adjust(left=0.05, right=0.98, bottom=0.07, top=0.95, wspace=0.2, hspace=0.3)
+    axes = figure.subplots(2, 3)
     for axis, (title, key) in zip(axes.flat, _PANELS, strict=True):
         for name, (training, evaluations) in runs.items():
             records = evaluations if key == "eval/" else training
@@ -188,6 +192,8 @@ def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str
                         *zip(*points, strict=True),
                         label=f"{name} {k}" if len(runs) > 1 else k,
                         linestyle="--" if k.startswith("eval_ema/") else "-",
+                        marker="o" if key == "eval/" else None,
+                        markersize=3,
                     )
         axis.set_title(title)
         axis.set_xlabel(x_key)
@@ -201,9 +207,7 @@ def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str
                 ha="center",
                 transform=axis.transAxes,
             )
-    figure.tight_layout()
     figure.savefig(path, dpi=80)
-    plt.close(figure)
     return True
 
 
