@@ -213,9 +213,10 @@ def launch(path: Path, port: int | None, folder: Path, timeout_s: float) -> tupl
     A launch still running after `timeout_s` is ended whole (the launcher, torchrun's agent and every worker).
     The workers' collectives time out a little earlier, so that a process stuck in one reports where it was.
     """
-    # The `accelerate` command's own entry point: its `launch` word is how the workers find the layout's
-    # settings file (launch_fixes.launch_config_path), as in a training launch.
-    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(path)]
+    # accelerate's launch command alone: the `accelerate` command imports all its commands, and `estimate` imports
+    # transformers (docs/accelerate-traps.md). The workers find the layout's settings file from this command
+    # line (launch_fixes.launch_config_path), as in a training launch.
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path)]
     command += ["--main_process_port", str(port)] if port else []
     command += ["-m", "accel_trainer.doctor.worker", str(folder), str(0.75 * timeout_s)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -271,7 +271,8 @@ _CONFIG_FLAGS = ("--config_file", "--config-file")
 
 
 def launch_config_path(max_ancestors: int = 4) -> Path | None:
-    """The `--config_file` of the `accelerate launch` that started this process, or None.
+    """The `--config_file` of the `accelerate launch` (or `python -m accelerate.commands.launch`) that started
+    this process, or None.
 
     The launcher is this process's parent (one process) or grandparent-in-process (torchrun's agent runs
     inside `accelerate launch`); mpirun adds a level. Its command line and working directory are read from
@@ -287,8 +288,8 @@ def launch_config_path(max_ancestors: int = 4) -> Path | None:
             return None
         if pid <= 1:
             return None
-        if "launch" not in words:
-            continue
+        if "launch" not in words and "accelerate.commands.launch" not in words:  # `accelerate launch`, or
+            continue  # `python -m accelerate.commands.launch` (the launcher without the CLI's other commands)
         for index, word in enumerate(words):
             if word in _CONFIG_FLAGS and index + 1 < len(words):
                 return cwd / words[index + 1]

@@ -18,7 +18,18 @@ from accel_trainer.config.layout import LayoutSettings, settings_file_of
 from accel_trainer.config.train_config import resolve_settings
 from accel_trainer.parallel.accelerator import check_fsdp_options
 from accel_trainer.recipe import Recipe
-from conftest import BIN, REPO, TEST_OVERRIDES, WORKERS, clean_env, dump_env, free_port, rank_summary, run_command
+from conftest import (
+    ACCELERATE_LAUNCH,
+    BIN,
+    REPO,
+    TEST_OVERRIDES,
+    WORKERS,
+    clean_env,
+    dump_env,
+    free_port,
+    rank_summary,
+    run_command,
+)
 
 QUICK_VAE = ["sample_latent=false", "max_steps=4", "log_every_steps=2", "eval_every_steps=0"]
 
@@ -105,10 +116,11 @@ def test_fsdp_options_that_would_be_a_second_switch_or_do_nothing_are_refused(pl
 
 @pytest.mark.multiprocess
 def test_canary_accelerate_does_not_tell_workers_its_config_file(tmp_path):
-    """Why launch_fixes.launch_config_path reads the launcher's command line; it still finds the file."""
+    """Why launch_fixes.launch_config_path reads the launcher's command line; it still finds the file, here under
+    `python -m accelerate.commands.launch` (the powersgd test below launches with `accelerate launch`)."""
     config = shutil.copy(REPO / "accelerate_configs" / "cpu_ddp.yaml", tmp_path / "my_layout.yaml")
     result = run_command(
-        [BIN / "accelerate", "launch", "--config_file", config, "--main_process_port", str(free_port()),
+        [*ACCELERATE_LAUNCH, "--config_file", config, "--main_process_port", str(free_port()),
          WORKERS / "launch_config.py", "my_layout.yaml"],
         env=clean_env(),
     )  # fmt: skip

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -80,3 +82,14 @@ def test_an_fsdp_config_that_leaves_ram_efficient_loading_on_trains_tied_weights
         accelerate_launch(config, "-m", "accel_trainer", "train", "gpt", f"output_dir={out}", *gpt)
         norms.append([r["grad_norm"] for r in read_metrics(out) if "grad_norm" in r])
     assert norms[0] == pytest.approx(norms[1], rel=1e-6)
+
+
+def test_canary_the_accelerate_command_imports_transformers_and_its_launch_module_does_not():
+    """Why the doctor and the test suite launch with `python -m accelerate.commands.launch`."""
+    script = "import sys, importlib; importlib.import_module(sys.argv[1]); print('transformers' in sys.modules)"
+    imported = {
+        module: subprocess.run([sys.executable, "-c", script, module], capture_output=True, text=True, timeout=120)
+        for module in ("accelerate.commands.accelerate_cli", "accelerate.commands.launch")
+    }
+    assert imported["accelerate.commands.accelerate_cli"].stdout.strip() == "True"
+    assert imported["accelerate.commands.launch"].stdout.strip() == "False"
