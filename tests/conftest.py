@@ -19,10 +19,11 @@ Two tiers: `make test` runs everything except `slow` tests, the ones that must w
 peer's collective timeout and torchrun's grace period); `make test-slow` runs those,
 and CI (.ci/run) runs both.
 
-`make test` runs on two pytest workers (`pytest -n 2`, pytest-xdist): tests go to whichever worker is free, so a
-launch may run beside another test; each worker keeps its own layout launches. (Grouping every launching test on
-one worker was tried: xdist reads its group marker before a conftest hook can add it, so it never applied; the
-measured CI times are of this plain distribution.)
+`make test` runs on three pytest workers (`pytest -n 3 --dist loadfile`, pytest-xdist), each taking whole test
+modules: a module's fixtures (its reference runs) are trained once, not once per worker that runs one of its
+tests, and the layout launches and `trajectory` runs a module asks for stay on one worker. Three workers, not
+two: with two, the machine's 2 cores were partly idle while tests waited on signals, sleeps and launches; with
+three it is busy (vmstat: under 1% idle).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ BIN = Path(sys.executable).parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 LAUNCH_TIMEOUT_S = 300
 
+
+ACCELERATE_LAUNCH = [str(BIN / "python"), "-m", "accelerate.commands.launch"]
+"""`accelerate launch` without the accelerate command's other commands, whose `estimate` imports transformers:
+1-2 s of every launch (docs/accelerate-traps.md). Tests of what a user types run `accelerate launch` itself."""
 
 # Options every test run passes: a quick failure instead of a 30-minute hang, and no progress bar.
 TEST_OVERRIDES = ["collective_timeout_s=60", "show_progress_bar=false"]
@@ -85,8 +90,7 @@ def accelerate_launch(config: str, script: Path | str, *arguments: str, **kwargs
     """`accelerate launch --config_file accelerate_configs/<config>.yaml` on a free port."""
     return run_command(
         [
-            BIN / "accelerate",
-            "launch",
+            *ACCELERATE_LAUNCH,
             "--config_file",
             REPO / "accelerate_configs" / f"{config}.yaml",
             "--main_process_port",
@@ -119,6 +123,23 @@ def train_and_dump(config: str, out: Path, recipe: str, *overrides: str, world_s
     return read_metrics(out)
 
 
+_TRAJECTORIES: dict[tuple, tuple[Path, list[dict]]] = {}
+
+
+def trajectory(config: str, recipe: str, *overrides: str, world_size: int) -> tuple[Path, list[dict]]:
+    """A run that several tests read, trained once per pytest worker: its run folder and metrics records.
+
+    Tests that compare against the same run (a reference trajectory, a checkpointed run to resume from or
+    export) share it instead of each training its own copy. They only read the folder: a resume goes into a
+    folder of the test's own.
+    """
+    key = (config, recipe, overrides, world_size)
+    if key not in _TRAJECTORIES:
+        out = layout_launches.root / f"trajectory_{len(_TRAJECTORIES)}"
+        _TRAJECTORIES[key] = out, train_and_dump(config, out, recipe, *overrides, world_size=world_size)
+    return _TRAJECTORIES[key]
+
+
 class LayoutLaunches:
     """One `accelerate launch` per layout that trains every scenario asked of that layout, one after another.
 
@@ -131,7 +152,7 @@ class LayoutLaunches:
     stay up, the least recently used launch ending first, so idle layouts do not hold the machine's memory.
     """
 
-    MAX_PROCESSES = 12
+    MAX_PROCESSES = 10  # per pytest worker (3 of them): a worker process holds about 0.55 GB, its launcher 0.25 GB
 
     def __init__(self) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="accel-trainer-layouts-"))
@@ -169,7 +190,7 @@ class LayoutLaunches:
         folder = Path(tempfile.mkdtemp(prefix=f"{config}-", dir=self.root))
         layout_file = REPO / "accelerate_configs" / f"{config}.yaml"
         port = str(free_port())
-        command = [BIN / "accelerate", "launch", "--config_file", layout_file, "--main_process_port", port]
+        command = [*ACCELERATE_LAUNCH, "--config_file", layout_file, "--main_process_port", port]
         command += [WORKERS / "train_and_dump.py", "--serve", folder]
         with open(folder / "launch.log", "w") as log:
             process = subprocess.Popen(
@@ -297,8 +318,7 @@ def two_node_train_and_dump(out: Path, recipe: str, *overrides: str) -> list[dic
     nodes = [
         subprocess.Popen(
             [
-                str(BIN / "accelerate"),
-                "launch",
+                *ACCELERATE_LAUNCH,
                 "--config_file",
                 str(REPO / "accelerate_configs" / "2node_cpu.yaml"),
                 "--machine_rank",

@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 
 from accel_trainer.checkpoint import files as checkpoint_files
-from conftest import BIN, REPO, TEST_OVERRIDES, WORKERS, clean_env, free_port, read_metrics, run_command
+from conftest import (
+    ACCELERATE_LAUNCH,
+    REPO,
+    TEST_OVERRIDES,
+    WORKERS,
+    clean_env,
+    free_port,
+    read_metrics,
+    run_command,
+)
 
 RUN = ["save_every_steps=2", "keep_last=0", "warmup_steps=0", "eval_every_steps=0", "log_every_steps=1",
        "sample_latent=false"]  # fmt: skip
@@ -24,7 +33,7 @@ LIMIT_KB = 64  # the VAE's model.safetensors has 685 kB; metrics.jsonl and the s
 
 
 def launch(layout: str, out, *overrides: str, limit_kb: int | None = None, read_only: Path | None = None):
-    command = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / f"{layout}.yaml",
+    command = [*ACCELERATE_LAUNCH, "--config_file", REPO / "accelerate_configs" / f"{layout}.yaml",
                "--main_process_port", str(free_port()), WORKERS / "run_recipe.py", "vae", f"output_dir={out}",
                *RUN, *overrides, *TEST_OVERRIDES]  # fmt: skip
     if limit_kb is not None:
@@ -112,7 +121,7 @@ def test_a_hung_peer_ends_every_process_within_the_collective_timeout_with_a_lin
     import time
 
     timeout_s = 10
-    command = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / "cpu_ddp.yaml",
+    command = [*ACCELERATE_LAUNCH, "--config_file", REPO / "accelerate_configs" / "cpu_ddp.yaml",
                "--main_process_port", str(free_port()), WORKERS / "run_recipe.py", "vae_hang",
                f"output_dir={tmp_path}", "max_steps=20", "hang_at_micro_batch=3", *RUN, *TEST_OVERRIDES,
                f"collective_timeout_s={timeout_s}"]  # fmt: skip
