@@ -10,10 +10,12 @@ nothing but memory.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from conftest import final_parameters, rank_summary, train_and_dump, two_node_train_and_dump
+from conftest import final_parameters, rank_summary, train_and_dump, trajectory, two_node_train_and_dump
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,37 +38,42 @@ def run_layout(layout: str, out, recipe: str, overrides: list[str]) -> list[dict
     return train_and_dump(layout, out, recipe, *overrides, world_size=1 if layout == "cpu" else 2)
 
 
+def vae_run(layout: str, tmp_path) -> tuple[Path, list[dict]]:
+    """The VAE run of a layout, which the sharding test reads too (the 2-"node" job is a launch of its own)."""
+    if layout == "2node_cpu":
+        return tmp_path, run_layout(layout, tmp_path, "vae", VAE)
+    return trajectory(layout, "vae", *VAE, world_size=1 if layout == "cpu" else 2)
+
+
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")
-def vae_reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("vae_cpu")
-    records = run_layout("cpu", out, "vae", VAE)
-    return out, records
+def vae_reference():
+    return trajectory("cpu", "vae", *VAE, world_size=1)
 
 
 @pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp", "2node_cpu"])
 def test_vae_trains_to_the_same_parameters_on_every_cpu_layout(layout, vae_reference, tmp_path):
     reference_dir, reference_records = vae_reference
-    records = run_layout(layout, tmp_path, "vae", VAE)
+    run_dir, records = vae_run(layout, tmp_path)
 
-    expected, actual = final_parameters(reference_dir), final_parameters(tmp_path)
+    expected, actual = final_parameters(reference_dir), final_parameters(run_dir)
     print(f"vae: max |1 process - {layout}| = {max_difference(expected, actual):.3g}")
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], **TOLERANCE)
     assert [r["lr"] for r in records if "loss" in r] == [r["lr"] for r in reference_records if "loss" in r]
     for rank in (0, 1):
-        assert rank_summary(tmp_path, rank)["optimizer_steps"] == [STEPS]
+        assert rank_summary(run_dir, rank)["optimizer_steps"] == [STEPS]
     assert rank_summary(reference_dir, 0)["optimizer_steps"] == [STEPS]
 
 
-def test_cpu_fsdp_really_shards_the_parameters(vae_reference, tmp_path):
-    run_layout("cpu_fsdp", tmp_path, "vae", [*VAE, "max_steps=2"])
+def test_cpu_fsdp_really_shards_the_parameters(tmp_path):
+    run_dir = vae_run("cpu_fsdp", tmp_path)[0]
 
-    total = sum(t.numel() for t in final_parameters(tmp_path).values())
-    held = [rank_summary(tmp_path, rank)["local_elements"] for rank in (0, 1)]
+    total = sum(t.numel() for t in final_parameters(run_dir).values())
+    held = [rank_summary(run_dir, rank)["local_elements"] for rank in (0, 1)]
     assert sum(held) == total
     for elements in held:
         assert abs(elements - total / 2) < 0.05 * total, held

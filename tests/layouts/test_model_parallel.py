@@ -15,12 +15,22 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, checkpoint, final_parameters, rank_summary, read_metrics, train_and_dump, train_records
+from conftest import (
+    BIN,
+    checkpoint,
+    final_parameters,
+    rank_summary,
+    read_metrics,
+    train_and_dump,
+    train_records,
+    trajectory,
+)
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 10
-COMMON = [f"max_steps={STEPS}", "global_batch_size=16", "micro_batch_size=4", "log_every_steps=1", "warmup_steps=2"]
+COMMON = [f"max_steps={STEPS}", "global_batch_size=16", "micro_batch_size=4", "log_every_steps=1", "warmup_steps=2",
+          "save_every_steps=5", "keep_last=0"]  # fmt: skip
 RECIPES = {
     "gpt": [
         *COMMON,
@@ -39,13 +49,9 @@ WEIGHTS = dict(rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
+def references():
     """Each recipe on one process: the global batch of 16 as 4 accumulated micro-batches of 4."""
-    runs = {}
-    for recipe, overrides in RECIPES.items():
-        out = tmp_path_factory.mktemp(f"{recipe}_cpu")
-        runs[recipe] = out, train_and_dump("cpu", out, recipe, *overrides, world_size=1)
-    return runs
+    return {recipe: trajectory("cpu", recipe, *overrides, world_size=1) for recipe, overrides in RECIPES.items()}
 
 
 @pytest.mark.parametrize(
@@ -53,9 +59,9 @@ def references(tmp_path_factory):
     [("gpt", "cpu_tp"), ("mlp_tp", "cpu_tp"), ("gpt", "cpu_fsdp_tp"), ("mlp_tp", "cpu_fsdp_tp"),
      ("gpt", "cpu_hsdp"), ("mlp_tp", "cpu_hsdp")],
 )  # fmt: skip
-def test_a_mesh_layout_follows_the_one_process_trajectory(recipe, layout, references, tmp_path):
+def test_a_mesh_layout_follows_the_one_process_trajectory(recipe, layout, references):
     reference_dir, reference_records = references[recipe]
-    records = train_and_dump(layout, tmp_path, recipe, *RECIPES[recipe], world_size=WORLD[layout])
+    run_dir, records = trajectory(layout, recipe, *RECIPES[recipe], world_size=WORLD[layout])
 
     expected, actual = train_records(reference_records), train_records(records)
     assert [r["step"] for r in actual] == list(range(1, STEPS + 1))
@@ -70,7 +76,7 @@ def test_a_mesh_layout_follows_the_one_process_trajectory(recipe, layout, refere
         **GRADIENTS,
     )
     assert [r["items_seen"] for r in actual] == [r["items_seen"] for r in expected]  # TP ranks counted once
-    reference, trained = final_parameters(reference_dir), final_parameters(tmp_path)
+    reference, trained = final_parameters(reference_dir), final_parameters(run_dir)
     assert trained.keys() == reference.keys()
     worst = max((trained[k] - reference[k]).abs().max().item() for k in reference)
     print(f"{recipe}: max |1 process - {layout}| after {STEPS} steps = {worst:.3g}")
@@ -85,25 +91,23 @@ ROWWISE_BIASES = ("proj.bias", "mlp.2.bias", "3.bias")  # added once after the s
 
 
 @pytest.mark.parametrize("recipe", ["gpt", "mlp_tp"])
-def test_each_tensor_parallel_rank_holds_its_half_of_the_split_layers(recipe, references, tmp_path):
-    train_and_dump("cpu_tp", tmp_path, recipe, *RECIPES[recipe], "max_steps=1", world_size=2)
+def test_each_tensor_parallel_rank_holds_its_half_of_the_split_layers(recipe, references):
+    run_dir = trajectory("cpu_tp", recipe, *RECIPES[recipe], world_size=2)[0]
     # final/ holds a tied weight under each name: the GPT's LM head is its token embedding, counted once
     reference = {k: v for k, v in final_parameters(references[recipe][0]).items() if k != "lm_head.weight"}
     whole = sum(t.numel() for name, t in reference.items()
                 if ".ln" in f".{name}" or name.startswith("0.") or name.endswith(ROWWISE_BIASES))  # fmt: skip
     split = sum(t.numel() for t in reference.values()) - whole
-    local = [rank_summary(tmp_path, rank)["local_elements"] for rank in (0, 1)]
+    local = [rank_summary(run_dir, rank)["local_elements"] for rank in (0, 1)]
     assert sum(local) == split + 2 * whole
     # an even split, but for the GPT's 257-row vocabulary: 129 rows of d_model=32 on one rank, 128 on the other
     assert abs(local[0] - local[1]) == (32 if recipe == "gpt" else 0)
 
 
 @pytest.fixture(scope="module")
-def tp_run(tmp_path_factory):
-    """The GPT on 2 tensor-parallel processes, checkpointed at steps 5 and 10."""
-    out = tmp_path_factory.mktemp("gpt_tp")
-    train_and_dump("cpu_tp", out, "gpt", *RECIPES["gpt"], "save_every_steps=5", "keep_last=0", world_size=2)
-    return out
+def tp_run():
+    """The GPT on 2 tensor-parallel processes (the mesh test's run), checkpointed at steps 5 and 10."""
+    return trajectory("cpu_tp", "gpt", *RECIPES["gpt"], world_size=2)[0]
 
 
 def test_a_tensor_parallel_checkpoint_is_sharded_and_resumes_bitwise_on_its_layout(tp_run, tmp_path):
@@ -127,8 +131,7 @@ def test_a_tensor_parallel_checkpoint_continues_on_another_layout(tp_run, layout
 
 
 def test_an_fsdp_checkpoint_continues_under_tensor_parallelism(tp_run, tmp_path):
-    fsdp = tmp_path / "fsdp"
-    train_and_dump("cpu_fsdp", fsdp, "gpt", *RECIPES["gpt"], "save_every_steps=5", world_size=2)
+    fsdp = trajectory("cpu_fsdp", "gpt", *RECIPES["gpt"], world_size=2)[0]
     train_and_dump("cpu_tp", tmp_path / "tp", "gpt", *RECIPES["gpt"], f"resume={checkpoint(fsdp, 5)}",
                    world_size=2)  # fmt: skip
     resumed, uninterrupted = final_parameters(tmp_path / "tp"), final_parameters(tp_run)

@@ -47,6 +47,7 @@ from conftest import (
     read_metrics,
     train_and_dump,
     train_records,
+    trajectory,
 )
 
 
@@ -215,13 +216,17 @@ def test_canary_accelerates_loaders_know_no_pipeline_dimension():
 pipelines = pytest.mark.multiprocess
 
 
+SAVED = ["save_every_steps=5", "keep_last=0"]  # checkpoints at steps 5 and 10, for the resume and export tests
+GPT = [*PIPELINE_RECIPES["gpt"], *SAVED]
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    runs = {}
-    for recipe, overrides in PIPELINE_RECIPES.items():
-        out = tmp_path_factory.mktemp(f"{recipe}_cpu")
-        runs[recipe] = out, train_and_dump("cpu", out, recipe, *overrides, world_size=1)
-    return runs
+def references():
+    """Each recipe on one process (the GPT's run also resumed as a pipeline below)."""
+    return {
+        "gpt": trajectory("cpu", "gpt", *GPT, world_size=1),
+        "mlp_tp": trajectory("cpu", "mlp_tp", *PIPELINE_RECIPES["mlp_tp"], world_size=1),
+    }
 
 
 @pipelines
@@ -236,25 +241,22 @@ def references(tmp_path_factory):
         ("mlp_tp", "1f1b"),
     ],
 )
-def test_a_pipeline_follows_the_one_process_trajectory_on_every_schedule(recipe, schedule, references, tmp_path):
+def test_a_pipeline_follows_the_one_process_trajectory_on_every_schedule(recipe, schedule, references):
     reference_dir, reference_records = references[recipe]
-    records = train_and_dump(
-        "cpu_pp", tmp_path, recipe, *PIPELINE_RECIPES[recipe], f"pp_schedule={schedule}", world_size=2
-    )
-    assert_same_trajectory(records, reference_records, tmp_path, reference_dir, f"{recipe} {schedule}")
+    overrides = GPT if recipe == "gpt" else PIPELINE_RECIPES[recipe]
+    run_dir, records = trajectory("cpu_pp", recipe, *overrides, f"pp_schedule={schedule}", world_size=2)
+    assert_same_trajectory(records, reference_records, run_dir, reference_dir, f"{recipe} {schedule}")
     if recipe == "mlp_tp":  # each process trains only its stage's weights: the last Linear on the second
         whole = final_parameters(reference_dir)
         last_stage = whole["3.weight"].numel() + whole["3.bias"].numel()
-        trained = [rank_summary(tmp_path, rank)["optimizer_elements"] for rank in (0, 1)]
+        trained = [rank_summary(run_dir, rank)["optimizer_elements"] for rank in (0, 1)]
         assert trained == [sum(t.numel() for t in whole.values()) - last_stage, last_stage]
 
 
 @pytest.fixture(scope="module")
-def pp_run(tmp_path_factory):
-    """The GPT on 2 pipeline stages (1F1B), checkpointed at steps 5 and 10."""
-    out = tmp_path_factory.mktemp("gpt_pp")
-    train_and_dump("cpu_pp", out, "gpt", *PIPELINE_RECIPES["gpt"], "save_every_steps=5", "keep_last=0", world_size=2)
-    return out
+def pp_run():
+    """The GPT on 2 pipeline stages (1F1B, the schedule test's run), checkpointed at steps 5 and 10."""
+    return trajectory("cpu_pp", "gpt", *GPT, "pp_schedule=1f1b", world_size=2)[0]
 
 
 @pipelines
@@ -278,12 +280,9 @@ def test_a_pipeline_checkpoint_continues_on_one_process(pp_run, tmp_path):
 
 
 @pipelines
-def test_a_one_process_checkpoint_continues_as_a_pipeline_its_tied_weights_state_on_both_stages(tmp_path):
-    one = tmp_path / "one"
-    train_and_dump("cpu", one, "gpt", *PIPELINE_RECIPES["gpt"], "save_every_steps=5", world_size=1)
-    train_and_dump(
-        "cpu_pp", tmp_path / "pp", "gpt", *PIPELINE_RECIPES["gpt"], f"resume={checkpoint(one, 5)}", world_size=2
-    )
+def test_a_one_process_checkpoint_continues_as_a_pipeline_its_tied_weights_state_on_both_stages(references, tmp_path):
+    one = references["gpt"][0]
+    train_and_dump("cpu_pp", tmp_path / "pp", "gpt", *GPT, f"resume={checkpoint(one, 5)}", world_size=2)
     resumed, uninterrupted = final_parameters(tmp_path / "pp"), final_parameters(one)
     for name in uninterrupted:
         torch.testing.assert_close(resumed[name], uninterrupted[name], **PIPELINE_WEIGHTS)

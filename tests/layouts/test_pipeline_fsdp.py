@@ -32,9 +32,11 @@ from conftest import (
     read_metrics,
     train_and_dump,
     train_records,
+    trajectory,
 )
 
-PADDED = {"gpt": [*PIPELINE_RECIPES["gpt"], "pad_to_block_size=true"], "mlp_tp": PIPELINE_RECIPES["mlp_tp"]}
+SAVED = ["save_every_steps=5", "keep_last=0"]  # checkpoints at steps 5 and 10, for the resume and export tests
+PADDED = {"gpt": [*PIPELINE_RECIPES["gpt"], "pad_to_block_size=true", *SAVED], "mlp_tp": PIPELINE_RECIPES["mlp_tp"]}
 
 
 def test_a_pipeline_on_an_fsdp_layout_shards_each_stage_over_the_processes_left():
@@ -53,35 +55,29 @@ def test_a_pipeline_fsdp_launch_that_does_not_fit_is_a_one_line_error(settings, 
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    runs = {}
-    for recipe, overrides in PADDED.items():
-        out = tmp_path_factory.mktemp(f"{recipe}_cpu")
-        runs[recipe] = out, train_and_dump("cpu", out, recipe, *overrides, world_size=1)
-    return runs
+def references():
+    return {recipe: trajectory("cpu", recipe, *overrides, world_size=1) for recipe, overrides in PADDED.items()}
 
 
 @pytest.mark.parametrize("recipe", ["gpt", "mlp_tp"])
 @pytest.mark.multiprocess
-def test_pipeline_x_fsdp_follows_the_one_process_trajectory(recipe, references, tmp_path):
+def test_pipeline_x_fsdp_follows_the_one_process_trajectory(recipe, references):
     reference_dir, reference_records = references[recipe]
-    records = train_and_dump("cpu_pp_fsdp", tmp_path, recipe, *PADDED[recipe], world_size=4)
-    assert_same_trajectory(records, reference_records, tmp_path, reference_dir, f"{recipe} pp x fsdp")
+    run_dir, records = trajectory("cpu_pp_fsdp", recipe, *PADDED[recipe], world_size=4)
+    assert_same_trajectory(records, reference_records, run_dir, reference_dir, f"{recipe} pp x fsdp")
     if recipe == "mlp_tp":  # processes 0, 1 shard the first stage; 2, 3 the last Linear
         whole = final_parameters(reference_dir)
         last_stage = whole["3.weight"].numel() + whole["3.bias"].numel()
-        trained = [rank_summary(tmp_path, rank)["optimizer_elements"] for rank in range(4)]
+        trained = [rank_summary(run_dir, rank)["optimizer_elements"] for rank in range(4)]
         first_stage = sum(t.numel() for t in whole.values()) - last_stage
         assert trained[0] + trained[1] == first_stage and trained[2] + trained[3] == last_stage
         assert max(trained[:2]) < first_stage and max(trained[2:]) < last_stage
 
 
 @pytest.fixture(scope="module")
-def pp_fsdp_run(tmp_path_factory):
-    """The padded GPT on cpu_pp_fsdp, checkpointed at steps 5 and 10."""
-    out = tmp_path_factory.mktemp("gpt_pp_fsdp")
-    train_and_dump("cpu_pp_fsdp", out, "gpt", *PADDED["gpt"], "save_every_steps=5", "keep_last=0", world_size=4)
-    return out
+def pp_fsdp_run():
+    """The padded GPT on cpu_pp_fsdp (the trajectory test's run), checkpointed at steps 5 and 10."""
+    return trajectory("cpu_pp_fsdp", "gpt", *PADDED["gpt"], world_size=4)[0]
 
 
 @pytest.mark.multiprocess
@@ -127,15 +123,12 @@ def test_a_training_batch_of_another_shape_is_a_one_line_error_naming_the_fix(tm
 def test_activation_checkpointing_on_a_pipeline_recomputes_the_same_gradients(layout, world_size, tmp_path):
     """Each stage's blocks run under torch's checkpoint (applied after tracing, before fully_shard): the same
     losses, gradient norms and weights as without it."""
-    runs = {}
-    for checkpointing in (False, True):
-        out = tmp_path / str(checkpointing)
-        records = train_and_dump(layout, out, "gpt", *PADDED["gpt"], f"activation_checkpointing={checkpointing}",
-                                 world_size=world_size)  # fmt: skip
-        runs[checkpointing] = out, train_records(records)
+    plain_dir, plain_records = trajectory(layout, "gpt", *PADDED["gpt"], world_size=world_size)  # off: the default
+    checkpointed_records = train_and_dump(layout, tmp_path, "gpt", *PADDED["gpt"], "activation_checkpointing=true",
+                                          world_size=world_size)  # fmt: skip
     for key in ("loss", "grad_norm"):
-        plain, checkpointed = ([r[key] for r in runs[flag][1]] for flag in (False, True))
+        plain, checkpointed = ([r[key] for r in train_records(rs)] for rs in (plain_records, checkpointed_records))
         assert checkpointed == pytest.approx(plain, rel=1e-6)
-    plain, checkpointed = (final_parameters(runs[flag][0]) for flag in (False, True))
+    plain, checkpointed = final_parameters(plain_dir), final_parameters(tmp_path)
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6)
