@@ -152,5 +152,7 @@ class PreemptionWatcher:
         flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         if flag.item() and not self.signal_name:
-            self.signal_name = "a signal to another process"
+            # This process's own copy may have arrived while it waited in the collective: Python runs the handler
+            # only once the call returns (a terminal's Ctrl-C reaches every process, not always at the same time).
+            self.signal_name = received_signal() or "a signal to another process"
         return bool(flag.item())
