@@ -73,9 +73,9 @@ class Observer:
         self.log.close()
 
     def finish(self) -> None:
-        """The run trained to its end: say so in events.jsonl and draw its report."""
+        """The run trained to its end: say so in events.jsonl and draw its report (unless report=false)."""
         self.events.write("end", step=self.state.step)
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process and self.cfg.report:
             write_report_or_warn(self.run_dir)
 
     # -- a training step ------------------------------------------------------------------------------------

@@ -77,6 +77,15 @@ def test_report_redraws_from_the_run_folder(two_runs, capsys):
     assert (run / "report.png").is_file()
 
 
+def test_report_false_draws_nothing_at_the_end_and_the_command_draws_it_later(tmp_path, capsys):
+    at.train("vae", output_dir=str(tmp_path), report=False, **QUICK)
+    assert not (tmp_path / "report.md").exists() and not (tmp_path / "report.png").exists()
+
+    cli(["report", str(tmp_path)])
+    assert "- steps: 6 of max_steps=6" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "report.png").is_file()
+
+
 def test_compare_prints_both_runs_and_the_config_keys_that_differ(two_runs, tmp_path, capsys):
     first, second = two_runs
     cli(["compare", str(first), str(second), "--output", str(tmp_path / "curves.png"), "--x", "samples"])
