@@ -1,6 +1,6 @@
 """Workarounds for measured accelerate 1.15 problems, all in this one module; docs/accelerate-traps.md tells each
 trap in full, with its canary test (test_launch_fixes.py, test_multiprocess.py, test_layout_equivalence.py,
-test_preemption.py).
+test_killed_workers.py).
 
 - CPU launches: `--cpu --num_processes N` (or a MULTI_CPU config) starts one process without mpirun, and
   `--multi_gpu` without a GPU starts N worlds of 1. torchrun's launch with `cpu=True` in the workers gives

@@ -1,13 +1,10 @@
-"""Runs that are interrupted for real lose nothing.
+"""Runs stopped by a signal lose nothing (processes killed outright: test_killed_workers.py).
 
 - A stop signal (SIGTERM, SIGINT) to every process at once, as a scheduler or a terminal's Ctrl-C sends it,
   with the launcher forwarding its own copy a moment later: at set-up, mid-step, during an evaluation or a
   save, every rank stops at one agreed step, saves once, exits 75, and `resume=auto` ends with the parameters
   of the uninterrupted run. A copy that arrives within preemption.REPEAT_WINDOW_S of the first is not a
   second press; a second signal after it quits at once, leaving the last checkpoint intact.
-- SIGKILL in the middle of a save: the previous checkpoint still verifies and `resume=auto` continues from it.
-- A worker that dies under `torchrun --max_restarts 1` (or `accelerate launch --max_restarts 1`): the group
-  restarts, resumes from the latest checkpoint and finishes with the uninterrupted run's parameters.
 """
 
 from __future__ import annotations
@@ -33,11 +30,9 @@ from conftest import (
     WORKERS,
     assert_bitwise,
     clean_env,
-    dump_env,
     final_parameters,
     free_port,
     logged_steps,
-    read_metrics,
     train_and_dump,
     wait_for,
 )
@@ -170,51 +165,3 @@ def test_a_second_ctrl_c_after_the_window_quits_at_once_and_leaves_the_last_chec
     [saved] = checkpoint_files.complete_checkpoints(run_dir)  # the step-10 checkpoint, and no other
     assert checkpoint_files.recorded_step(saved) == 10
     checkpoint_files.verify(saved)
-
-
-def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    run = ["max_steps=1000", "save_every_steps=5", "keep_last=1", "log_every_steps=1", "eval_every_steps=0"]
-    worker = subprocess.Popen(
-        [str(BIN / "python"), str(WORKERS / "train_and_dump.py"), "vae_heavy", *run, f"output_dir={tmp_path}",
-         *TEST_OVERRIDES],
-        cwd=REPO, env=dump_env(tmp_path, 1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
-    second_save = checkpoint_files.temporary_folder(tmp_path, 10)
-    try:
-        wait_for(lambda: (second_save / "model.safetensors").exists())
-        os.killpg(worker.pid, signal.SIGKILL)
-    finally:
-        worker.wait(timeout=60)
-    assert not (second_save.parent / "step_00000010").exists()  # killed before it was published
-
-    newest = checkpoint_files.newest_valid_checkpoint(tmp_path)
-    assert newest is not None and newest.name == "step_00000005"
-    checkpoint_files.verify(newest)
-    records = train_and_dump("cpu", tmp_path, "vae_heavy", *run, "max_steps=7", world_size=1)  # resume=auto
-    assert [r["step"] for r in records if "loss" in r][-2:] == [6, 7]
-    assert not second_save.exists()  # the interrupted save was cleaned up
-
-
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
-def test_a_worker_that_dies_is_restarted_elastically_and_ends_like_an_uninterrupted_run(launcher, tmp_path):
-    run = ["max_steps=30", "save_every_steps=5", "log_every_steps=5", "eval_every_steps=0", "sample_latent=false",
-           "micro_batch_size=16"]  # fmt: skip
-    crash = "crash_at_micro_batch=27"  # process 1 dies during step 14, after the step-10 checkpoint
-    port = str(free_port())
-    if launcher == "torchrun":
-        command = [BIN / "torchrun", "--nproc_per_node", "2", "--max_restarts", "1", "--master_port", port]
-    else:
-        command = [*ACCELERATE_LAUNCH, "--config_file", REPO / "accelerate_configs/cpu_ddp.yaml",
-                   "--max_restarts", "1", "--main_process_port", port]  # fmt: skip
-    result = subprocess.run(
-        [str(c) for c in command] + [str(WORKERS / "train_and_dump.py"), "vae_crash_once", *run, crash,
-                                     f"output_dir={tmp_path / 'elastic'}", *TEST_OVERRIDES],
-        cwd=REPO, env=dump_env(tmp_path / "elastic", 2), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "resuming from" in result.stdout and "step_00000010" in result.stdout
-
-    train_and_dump("cpu_ddp", tmp_path / "uninterrupted", "vae_crash_once", *run, world_size=2)
-    assert_bitwise(final_parameters(tmp_path / "uninterrupted"), final_parameters(tmp_path / "elastic"))
-    assert [r["step"] for r in read_metrics(tmp_path / "elastic") if "loss" in r][-1] == 30
