@@ -3,8 +3,9 @@
 A file-size limit (`ulimit -f`, so writes fail with EFBIG, as on a full disk or a quota) makes the save of
 step 6 fail on 1 process and under 2-process FSDP (whose sharded save is collective): every process stops
 with one line naming the checkpoints folder and the cause, no temporary folder is left for `resume=auto`
-to trip on, the checkpoint of step 4 still verifies, and the same command without the limit continues the
-run from it to the end. A checkpoints folder that became read-only (a read-only bind mount when the tests run as
+to trip on, the checkpoint of step 4 still verifies, and the same run without the limit continues from it
+to the end. The failing run is a launch of its own (its exit and its lines are the property); the runs before
+and after it are scenarios of the layout's launch. A checkpoints folder that became read-only (a read-only bind mount when the tests run as
 root, whom permission bits do not stop) fails the same way.
 """
 
@@ -25,6 +26,7 @@ from conftest import (
     free_port,
     read_metrics,
     run_command,
+    train_and_dump,
 )
 
 RUN = ["save_every_steps=2", "keep_last=0", "warmup_steps=0", "eval_every_steps=0", "log_every_steps=1",
@@ -33,6 +35,8 @@ LIMIT_KB = 64  # the VAE's model.safetensors has 685 kB; metrics.jsonl and the s
 
 
 def launch(layout: str, out, *overrides: str, limit_kb: int | None = None, read_only: Path | None = None):
+    """The failing run: a launch of its own, under a file-size limit or with the checkpoints folder read-only. The
+    runs before and after it are scenarios of the layout's launch (the run folder is what they share)."""
     command = [*ACCELERATE_LAUNCH, "--config_file", REPO / "accelerate_configs" / f"{layout}.yaml",
                "--main_process_port", str(free_port()), WORKERS / "run_recipe.py", "vae", f"output_dir={out}",
                *RUN, *overrides, *TEST_OVERRIDES]  # fmt: skip
@@ -40,7 +44,7 @@ def launch(layout: str, out, *overrides: str, limit_kb: int | None = None, read_
         command = ["bash", "-c", f'ulimit -f {limit_kb}; exec "$@"', "bash", *command]
     if read_only is not None:
         command = read_only_for(read_only, command)
-    return run_command(command, env=clean_env(), check=limit_kb is None and read_only is None)
+    return run_command(command, env=clean_env(), check=False)
 
 
 def read_only_for(folder: Path, command: list) -> list:
@@ -56,7 +60,8 @@ def read_only_for(folder: Path, command: list) -> list:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", ["cpu", "cpu_fsdp"])
 def test_a_save_that_fails_midway_stops_the_run_and_loses_nothing(layout, tmp_path):
-    launch(layout, tmp_path, "max_steps=4")
+    world_size = 1 if layout == "cpu" else 2
+    train_and_dump(layout, tmp_path, "vae", *RUN, "max_steps=4", world_size=world_size)  # checkpoints 2 and 4
 
     failed = launch(layout, tmp_path, "max_steps=8", limit_kb=LIMIT_KB)
 
@@ -71,14 +76,14 @@ def test_a_save_that_fails_midway_stops_the_run_and_loses_nothing(layout, tmp_pa
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".tmp")]
     checkpoint_files.verify(tmp_path / "checkpoints" / "step_00000004")
 
-    launch(layout, tmp_path, "max_steps=8")  # the same command, with room on the disk
+    train_and_dump(layout, tmp_path, "vae", *RUN, "max_steps=8", world_size=world_size)  # with room on the disk
 
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == list(range(1, 9))
 
 
 @pytest.mark.multiprocess
 def test_a_checkpoints_folder_that_became_read_only_stops_the_run_in_one_line_and_loses_nothing(tmp_path):
-    launch("cpu", tmp_path, "max_steps=4")
+    train_and_dump("cpu", tmp_path, "vae", *RUN, "max_steps=4", world_size=1)  # checkpoints 2 and 4
     checkpoints = tmp_path / "checkpoints"
 
     failed = launch("cpu", tmp_path, "max_steps=8", read_only=checkpoints)  # a remount, a quota, another user
@@ -92,7 +97,7 @@ def test_a_checkpoints_folder_that_became_read_only_stops_the_run_in_one_line_an
     assert not [p for p in checkpoints.iterdir() if p.name.startswith(".tmp")]
     checkpoint_files.verify(checkpoints / "step_00000004")
 
-    launch("cpu", tmp_path, "max_steps=8")  # the same command, once the folder is writable again
+    train_and_dump("cpu", tmp_path, "vae", *RUN, "max_steps=8", world_size=1)  # once the folder is writable again
 
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == list(range(1, 9))
 
