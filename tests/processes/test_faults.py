@@ -4,9 +4,9 @@ A file-size limit (`ulimit -f`, so writes fail with EFBIG, as on a full disk or 
 step 6 fail on 1 process and under 2-process FSDP (whose sharded save is collective): every process stops
 with one line naming the checkpoints folder and the cause, no temporary folder is left for `resume=auto`
 to trip on, the checkpoint of step 4 still verifies, and the same run without the limit continues from it
-to the end. The failing run is a launch of its own (its exit and its lines are the property); the runs before
-and after it are scenarios of the layout's launch. A checkpoints folder that became read-only (a read-only bind mount when the tests run as
-root, whom permission bits do not stop) fails the same way.
+to the end. A checkpoints folder that became read-only (a read-only bind mount when the tests run as root,
+whom permission bits do not stop) fails the same way. The failing run is a launch of its own (its exit and
+its lines are the property); the runs before and after it are scenarios of the layout's launch.
 """
 
 from __future__ import annotations
