@@ -21,9 +21,9 @@ and CI (.ci/run) runs both.
 
 `make test` runs on three pytest workers (`pytest -n 3 --dist loadfile`, pytest-xdist), each taking whole test
 modules: a module's fixtures (its reference runs) are trained once, not once per worker that runs one of its
-tests, and the layout launches and `trajectory` runs a module asks for stay on one worker. Three workers, not
-two: with two, the machine's 2 cores were partly idle while tests waited on signals, sleeps and launches; with
-three it is busy (vmstat: under 1% idle).
+tests, and the layout launches and `trajectory` runs a module asks for stay on one worker. Three workers on two
+cores: a third keeps the cores busy while a test waits on slowed steps, signals or a launch (vmstat: under 1 %
+idle in the middle of a run, 7-10 % over the whole run, the tail; -n 2 was not measured with vmstat).
 """
 
 from __future__ import annotations
