@@ -20,7 +20,7 @@ from accel_trainer.errors import ConfigError, RecipeError
 from conftest import final_parameters, read_metrics, reset_accelerate_state, train_and_dump
 
 # The whole training split (1437 digits) as each step's batch: the plain loop needs no sampler to match.
-SMALL = dict(hidden=16, max_steps=6, log_every_steps=1, eval_every_steps=0, show_progress_bar=False)
+SMALL = dict(hidden=16, max_steps=6, log_every_steps=1, eval_every_steps=0, show_progress_bar=False, report=False)
 WHOLE_SET = dict(SMALL, global_batch_size=1437, micro_batch_size=1437)
 LAYOUT_RUN = [f"{k}={v}" for k, v in dict(SMALL, global_batch_size=32).items()]
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)

@@ -14,7 +14,7 @@ import accel_trainer as at
 from accel_trainer.checkpoint.train_state import TrainState
 from conftest import read_metrics
 
-QUIET = {"show_progress_bar": False, "log_every_steps": 0}
+QUIET = {"show_progress_bar": False, "report": False, "log_every_steps": 0}
 
 
 def kept_steps(run_dir) -> list[int]:

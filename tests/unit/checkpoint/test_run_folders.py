@@ -21,7 +21,7 @@ from accel_trainer.errors import UserError
 from accel_trainer.stopping.signals import Preempted
 from conftest import read_metrics
 
-QUICK = dict(max_steps=4, warmup_steps=0, eval_every_steps=0, log_every_steps=1, show_progress_bar=False)
+QUICK = dict(max_steps=4, warmup_steps=0, eval_every_steps=0, log_every_steps=1, show_progress_bar=False, report=False)
 
 
 def logged_steps(run_dir) -> list[int]:

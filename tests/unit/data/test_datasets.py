@@ -95,7 +95,7 @@ def test_every_kind_of_dataset_trains_to_the_same_weights_on_one_and_two_process
 @pytest.mark.parametrize("stop_step", [5, 12], ids=["mid-epoch", "end-of-epoch"])
 def test_a_stream_resumes_bitwise(source, stop_step, tmp_path):
     at.registry.discover_recipes([WORKERS / "recipes"])
-    settings = dict(source=source, save_every_steps=1, keep_last=0, show_progress_bar=False)
+    settings = dict(source=source, save_every_steps=1, keep_last=0, show_progress_bar=False, report=False)
     at.train("sources", output_dir=str(tmp_path / "full"), **settings)
     checkpoint = tmp_path / "full" / "checkpoints" / f"step_{stop_step:08d}"
 

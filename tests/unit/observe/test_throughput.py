@@ -20,7 +20,7 @@ from accel_trainer.data import loaders as data
 from accel_trainer.observe.flops import flops_per_sample, table_peak_tflops
 from conftest import read_metrics
 
-QUIET = {"show_progress_bar": False}
+QUIET = {"show_progress_bar": False, "report": False}
 
 
 def first_micro_batch(name: str, **overrides):

@@ -14,7 +14,7 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
 import accel_trainer as at
 from conftest import read_metrics
 
-QUIET = {"show_progress_bar": False}
+QUIET = {"show_progress_bar": False, "report": False}
 
 
 def tensorboard_scalars(run_dir, tag: str) -> dict[int, float]:
