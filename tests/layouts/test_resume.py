@@ -31,7 +31,7 @@ from conftest import (
 
 @pytest.fixture(scope="module", params=["sampling", "deterministic"])
 def one_process_full_run(request, tmp_path_factory):
-    overrides = [*SAVE_ALL, f"sample_latent={request.param == 'sampling'}"]
+    overrides = [*SAVE_ALL, f"sample_latent={request.param == 'sampling'}", "report=false"]  # nothing reads the report
     run_dir = tmp_path_factory.mktemp(f"full_{request.param}")
     at.train("vae", output_dir=str(run_dir), show_progress_bar=False, **as_kwargs(overrides))
     reset_accelerate_state()
