@@ -92,7 +92,7 @@ def test_the_sketched_mlp_reaches_096_eval_accuracy_on_a_shortened_run_with_unde
 
 
 def test_one_process_resume_is_bitwise_identical_and_every_saved_copy_holds_the_seed_built_sketches(tmp_path):
-    kwargs = dict(show_progress_bar=False, **as_kwargs(RESUMABLE))
+    kwargs = dict(show_progress_bar=False, report=False, **as_kwargs(RESUMABLE))
     at.train("sketched", output_dir=str(tmp_path / "full"), **kwargs)
     at.train("sketched", output_dir=str(tmp_path / "resumed"), resume=str(checkpoint(tmp_path / "full", 15)), **kwargs)
 

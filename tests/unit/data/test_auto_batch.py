@@ -20,7 +20,9 @@ from accel_trainer.data.batching import halved_micro_batch, per_process_batch
 from accel_trainer.parallel.mesh import DataRanks
 from conftest import WORKERS, final_parameters, read_metrics, reset_accelerate_state, train_and_dump
 
-QUICK = dict(max_steps=6, log_every_steps=1, eval_every_steps=0, global_batch_size=16, show_progress_bar=False)
+QUICK = dict(
+    max_steps=6, log_every_steps=1, eval_every_steps=0, global_batch_size=16, show_progress_bar=False, report=False
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
