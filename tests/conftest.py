@@ -88,7 +88,7 @@ def run_command(
 
 
 def accelerate_launch(config: str, script: Path | str, *arguments: str, **kwargs) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/<config>.yaml` on a free port."""
+    """`ACCELERATE_LAUNCH --config_file accelerate_configs/<config>.yaml` on a free port."""
     return run_command(
         [
             *ACCELERATE_LAUNCH,
