@@ -4,7 +4,9 @@ Whoever can write a run folder (a shared file system, a downloaded run) can also
 checksums stop corruption, not tampering. These tests play that writer: they plant pickles whose loading
 would create a file, re-sign the manifest, and show that `resume=` refuses the checkpoint with one line and
 `export` reads only safetensors, while the planted file is never created. A control shows each payload is
-live: `torch.load(..., weights_only=False)` of it does create the file.
+live: `torch.load(..., weights_only=False)` of it does create the file. The commands run in the test's process
+(`run.main`, `cli.main`: the entry points of a recipe script and of `accel-trainer`), which would run a payload
+just as a process of their own would; tests/test_cli.py shows that a command's one-line error is the same there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import json
 import math
 import pickle
 import random
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +24,10 @@ import torch
 from safetensors import safe_open
 
 import accel_trainer as at
+from accel_trainer import cli, run
 from accel_trainer.checkpoint import state_files
 from accel_trainer.checkpoint.files import MANIFEST
-from conftest import BIN, REPO, clean_env, reset_accelerate_state
+from conftest import reset_accelerate_state
 
 
 class Payload:
@@ -57,16 +59,33 @@ def resign_manifest(folder: Path) -> None:
     (folder / MANIFEST).write_text(json.dumps({"files": manifest}))
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(a) for a in args], env=clean_env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
+def exit_status(command, *arguments) -> int:
+    """Run a command's entry point here, as its process would run it; its exit status (0 when it returned)."""
+    try:
+        command(*arguments)
+    except SystemExit as exit:
+        return exit.code
+    finally:
+        reset_accelerate_state()
+    return 0
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess, pattern: str) -> None:
-    assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("accel-trainer: error:")]
-    assert len(errors) == 1 and pattern in errors[0], result.stderr
-    assert "Traceback" not in result.stderr
+def resume_status(checkpoint: Path, tmp_path: Path) -> int:
+    """`python recipes/vae.py resume=CHECKPOINT max_steps=6 output_dir=...`, in this process."""
+    overrides = [f"resume={checkpoint}", "max_steps=6", f"output_dir={tmp_path / 'resumed'}", "show_progress_bar=false"]
+    return exit_status(run.main, "vae", overrides)
+
+
+def export_status(checkpoint: Path, output: Path) -> int:
+    """`accel-trainer export CHECKPOINT --output OUTPUT`, in this process."""
+    return exit_status(cli.main, ["export", str(checkpoint), "--output", str(output)])
+
+
+def assert_one_line_error(status: int, stderr: str, pattern: str) -> None:
+    assert status == 2, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("accel-trainer: error:")]
+    assert len(errors) == 1 and pattern in errors[0], stderr
+    assert "Traceback" not in stderr
 
 
 @pytest.fixture(scope="module")
@@ -113,19 +132,20 @@ def test_the_payload_is_live_when_unpickled(name, tmp_path):
 
 
 @pytest.mark.parametrize("planted", ["optimizer.pt", "distributed/.metadata", "rng_rank0.pt"])
-def test_a_checkpoint_holding_a_pickle_is_refused_without_running_it(checkpoint_copy, planted, tmp_path):
+def test_a_checkpoint_holding_a_pickle_is_refused_without_running_it(checkpoint_copy, planted, tmp_path, capsys):
     marker = tmp_path / "pwned"
     plant(checkpoint_copy / planted, marker)
     resign_manifest(checkpoint_copy)
 
-    result = run_cli(BIN / "python", REPO / "recipes" / "vae.py", f"resume={checkpoint_copy}", "max_steps=6",
-                     f"output_dir={tmp_path / 'resumed'}", "show_progress_bar=false")  # fmt: skip
+    status = resume_status(checkpoint_copy, tmp_path)
 
-    assert_one_line_error(result, f"holds {planted}, which accel-trainer never writes")
+    assert_one_line_error(status, capsys.readouterr().err, f"holds {planted}, which accel-trainer never writes")
     assert not marker.exists()
 
 
-def test_a_checkpoint_of_the_earlier_pickle_format_is_refused_and_its_weights_still_export(checkpoint_copy, tmp_path):
+def test_a_checkpoint_of_the_earlier_pickle_format_is_refused_and_its_weights_still_export(
+    checkpoint_copy, tmp_path, capsys
+):
     marker = tmp_path / "pwned"
     for name in ("optimizer.pt", "trainer.pt", "rng_rank0.pt"):  # the file names of format 1
         plant(checkpoint_copy / name, marker)
@@ -136,26 +156,28 @@ def test_a_checkpoint_of_the_earlier_pickle_format_is_refused_and_its_weights_st
     (checkpoint_copy / "train_state.json").write_text(json.dumps(state))
     resign_manifest(checkpoint_copy)
 
-    resumed = run_cli(BIN / "python", REPO / "recipes" / "vae.py", f"resume={checkpoint_copy}", "max_steps=6",
-                      f"output_dir={tmp_path / 'resumed'}", "show_progress_bar=false")  # fmt: skip
-    exported = run_cli(BIN / "accel-trainer", "export", checkpoint_copy, "--output", tmp_path / "export")
+    resumed = resume_status(checkpoint_copy, tmp_path)
+    resume_stderr = capsys.readouterr().err
+    exported = export_status(checkpoint_copy, tmp_path / "export")
 
-    assert_one_line_error(resumed, "has the format of accel-trainer 0.1")
-    assert exported.returncode == 0, exported.stderr
+    assert_one_line_error(resumed, resume_stderr, "has the format of accel-trainer 0.1")
+    assert exported == 0, capsys.readouterr().err
     assert (tmp_path / "export" / "model.safetensors").is_file()
     assert not marker.exists()
 
 
-def test_export_refuses_a_sharded_checkpoint_of_the_earlier_format_without_running_it(checkpoint_copy, tmp_path):
+def test_export_refuses_a_sharded_checkpoint_of_the_earlier_format_without_running_it(
+    checkpoint_copy, tmp_path, capsys
+):
     marker = tmp_path / "pwned"
     (checkpoint_copy / "model.safetensors").unlink()
     plant(checkpoint_copy / "distributed" / ".metadata", marker)  # DCP's default format: a pickled index
     plant(checkpoint_copy / "distributed" / "__0_0.distcp", marker)
     resign_manifest(checkpoint_copy)
 
-    result = run_cli(BIN / "accel-trainer", "export", checkpoint_copy, "--output", tmp_path / "export")
+    status = export_status(checkpoint_copy, tmp_path / "export")
 
-    assert_one_line_error(result, "sharded checkpoint of accel-trainer 0.1")
+    assert_one_line_error(status, capsys.readouterr().err, "sharded checkpoint of accel-trainer 0.1")
     assert not marker.exists()
 
 
