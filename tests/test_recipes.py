@@ -12,11 +12,12 @@ from conftest import read_metrics
 
 
 def test_the_resnet_reaches_097_eval_accuracy_on_a_shortened_run(tmp_path):
-    at.train("resnet", max_steps=600, eval_every_steps=300, log_every_steps=300, show_progress_bar=False,
-             output_dir=str(tmp_path))  # fmt: skip
+    # measured: 0.992 at step 300 of this run; 0.983 at step 200 of a 600-step run
+    at.train("resnet", max_steps=300, eval_every_steps=300, log_every_steps=300, show_progress_bar=False,
+             report=False, output_dir=str(tmp_path))  # fmt: skip
     evaluations = [r for r in read_metrics(tmp_path) if "eval/accuracy" in r]
     assert evaluations[0]["step"] == 0 and evaluations[0]["eval/accuracy"] < 0.3
-    assert evaluations[-1]["step"] == 600 and evaluations[-1]["eval/accuracy"] >= 0.97
+    assert evaluations[-1]["step"] == 300 and evaluations[-1]["eval/accuracy"] >= 0.97
 
 
 def test_the_resnets_augmentation_shifts_by_at_most_max_shift_and_brings_zeros_in():

@@ -111,7 +111,9 @@ def test_a_resume_restores_every_optimizer_and_schedule_and_continues_bitwise(on
 
 
 def test_the_gan_draws_digits_a_real_digit_classifier_recognises(tmp_path):
-    result = at.train("gan", output_dir=str(tmp_path), max_steps=2000, eval_every_steps=2000, show_progress_bar=False)
+    # measured: a class accuracy of 0.93 at step 1000 (the recipe trains 3000 steps)
+    result = at.train("gan", output_dir=str(tmp_path), max_steps=1000, eval_every_steps=1000, show_progress_bar=False,
+                      report=False)  # fmt: skip
     assert result.metrics["eval/class_accuracy"] >= 0.8
     assert (tmp_path / "samples.png").is_file()
 
