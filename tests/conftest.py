@@ -188,7 +188,7 @@ class LayoutLaunches:
             return self.launches[key]
         while self.launches and sum(k[1] for k in self.launches) + world_size > self.MAX_PROCESSES:
             self._end(next(iter(self.launches)))
-        folder = Path(tempfile.mkdtemp(prefix=f"{config}-", dir=self.root))
+        folder = Path(tempfile.mkdtemp(prefix=f"{Path(config).name}-", dir=self.root))  # a name or a path
         layout_file = REPO / "accelerate_configs" / f"{config}.yaml"
         port = str(free_port())
         command = [*ACCELERATE_LAUNCH, "--config_file", layout_file, "--main_process_port", port]
@@ -245,6 +245,25 @@ def rank_buffers(out: Path, rank: int) -> dict[str, torch.Tensor]:
 def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
     """The consolidated weights a run exported (the same whether it trained plain, DDP or sharded)."""
     return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
+
+
+def export_checkpoint(source: Path, output: Path) -> None:
+    """`accel-trainer export SOURCE --output OUTPUT`, through the command's entry point in this process."""
+    from accel_trainer import cli
+
+    cli.main(["export", str(source), "--output", str(output)])
+
+
+def exit_status(entry_point, *arguments) -> int:
+    """Run a command's entry point (`run.main`, `cli.main`) in this process as its own process would run it: its
+    exit status, 0 when it returned. What it printed is the test's to read (capsys)."""
+    try:
+        entry_point(*arguments)
+    except SystemExit as exit:
+        return exit.code
+    finally:
+        reset_accelerate_state()
+    return 0
 
 
 def reset_accelerate_state() -> None:

@@ -14,7 +14,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, REPO, WORKERS, checkpoint, clean_env, final_parameters, read_metrics, train_and_dump
+from accel_trainer import run
+from conftest import (
+    BIN,
+    REPO,
+    WORKERS,
+    checkpoint,
+    clean_env,
+    exit_status,
+    export_checkpoint,
+    final_parameters,
+    read_metrics,
+    train_and_dump,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -69,8 +81,7 @@ def test_ddp_checkpoint_resumes_under_fsdp(fsdp_run, tmp_path):
 
 
 def test_export_of_a_sharded_checkpoint_equals_the_runs_consolidated_weights(fsdp_run, tmp_path):
-    subprocess.run([BIN / "accel-trainer", "export", str(fsdp_run), "--output", str(tmp_path)], check=True,
-                   env=clean_env(), cwd=REPO, timeout=120)  # fmt: skip
+    export_checkpoint(fsdp_run, tmp_path)
 
     exported, final = load_file(str(tmp_path / "model.safetensors")), final_parameters(fsdp_run)
     assert exported.keys() == final.keys()
@@ -78,38 +89,38 @@ def test_export_of_a_sharded_checkpoint_equals_the_runs_consolidated_weights(fsd
     assert (tmp_path / "config.yaml").is_file()
 
 
-@pytest.mark.parametrize(
-    ("script", "overrides", "message"),
-    [
-        (REPO / "recipes" / "vae.py", ["latent_dim=4"],
-         r"parameter 'decoder.0.weight' has shape \[256, 8\] in the checkpoint and \[256, 4\] here"),
-        (WORKERS / "standalone_recipe.py", [], "written by recipe 'vae', not 'line'"),
-    ],
-    ids=["model_shape", "recipe"],
-)  # fmt: skip
-def test_a_checkpoint_of_another_model_or_recipe_is_refused_naming_the_difference(
-    fsdp_run, script, overrides, message, tmp_path
-):
-    command = [BIN / "python", script, *overrides, f"resume={checkpoint(fsdp_run, 10)}", f"output_dir={tmp_path}",
-               "show_progress_bar=false"]  # fmt: skip
+def assert_one_line_error(status: int, stderr: str, message: str) -> None:
+    assert status == 2, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("accel-trainer: error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]), stderr
+    assert "Traceback" not in stderr
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(fsdp_run, tmp_path, capsys):
+    status = exit_status(run.main, "vae", ["latent_dim=4", f"resume={checkpoint(fsdp_run, 10)}",
+                                           f"output_dir={tmp_path}", "show_progress_bar=false"])  # fmt: skip
+
+    message = r"parameter 'decoder.0.weight' has shape \[256, 8\] in the checkpoint and \[256, 4\] here"
+    assert_one_line_error(status, capsys.readouterr().err, message)
+
+
+def test_a_checkpoint_of_another_recipe_is_refused_naming_the_difference(fsdp_run, tmp_path):
+    """The recipe script of a file of its own (`line`), in a process of its own: it registers a recipe."""
+    command = [BIN / "python", WORKERS / "standalone_recipe.py", f"resume={checkpoint(fsdp_run, 10)}",
+               f"output_dir={tmp_path}", "show_progress_bar=false"]  # fmt: skip
     result = subprocess.run([str(c) for c in command], env=clean_env(), cwd=REPO, capture_output=True, text=True,
                             timeout=120)  # fmt: skip
 
-    assert result.returncode == 2
-    errors = [line for line in result.stderr.splitlines() if line.startswith("accel-trainer: error:")]
-    assert len(errors) == 1 and re.search(message, errors[0]), result.stderr
-    assert "Traceback" not in result.stderr
+    assert_one_line_error(result.returncode, result.stderr, "written by recipe 'vae', not 'line'")
 
 
-def test_naming_a_corrupt_checkpoint_explicitly_is_a_one_line_error(fsdp_run, tmp_path):
+def test_naming_a_corrupt_checkpoint_explicitly_is_a_one_line_error(fsdp_run, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(checkpoint(fsdp_run, 10), broken)
     shard = next((broken / "distributed").glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-10])
 
-    result = subprocess.run([str(BIN / "python"), str(REPO / "recipes" / "vae.py"), f"resume={broken}",
-                             f"output_dir={tmp_path / 'run'}", "show_progress_bar=false"],
-                            env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    status = exit_status(run.main, "vae", [f"resume={broken}", f"output_dir={tmp_path / 'run'}",
+                                           "show_progress_bar=false"])  # fmt: skip
 
-    assert result.returncode == 2
-    assert "truncated or altered" in result.stderr and "Traceback" not in result.stderr
+    assert_one_line_error(status, capsys.readouterr().err, "truncated or altered")

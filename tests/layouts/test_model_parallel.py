@@ -9,15 +9,13 @@ sharded, resume bitwise on the same layout and continue on another, and export t
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import (
-    BIN,
     checkpoint,
+    export_checkpoint,
     final_parameters,
     rank_summary,
     read_metrics,
@@ -140,8 +138,7 @@ def test_an_fsdp_checkpoint_continues_under_tensor_parallelism(tp_run, tmp_path)
 
 
 def test_export_of_a_tensor_parallel_checkpoint_equals_the_runs_weights(tp_run, tmp_path):
-    subprocess.run([BIN / "accel-trainer", "export", str(checkpoint(tp_run, STEPS)), "--output", str(tmp_path)],
-                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    export_checkpoint(checkpoint(tp_run, STEPS), tmp_path)
     exported, final = load_file(str(tmp_path / "model.safetensors")), final_parameters(tp_run)
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[name], final[name]) for name in final)

@@ -12,7 +12,6 @@ accelerate behaviour the pipeline works around.
 from __future__ import annotations
 
 import inspect
-import subprocess
 
 import pytest
 import torch
@@ -35,13 +34,13 @@ from accel_trainer.parallel.pipeline.split import (
     traced_pipeline,
 )
 from conftest import (
-    BIN,
     PIPELINE_RECIPES,
     PIPELINE_STEPS,
     PIPELINE_WEIGHTS,
     accelerate_launch,
     assert_same_trajectory,
     checkpoint,
+    export_checkpoint,
     final_parameters,
     rank_summary,
     read_metrics,
@@ -310,12 +309,7 @@ def test_a_bf16_pipeline_follows_the_one_process_bf16_trajectory(tmp_path):
 
 @pipelines
 def test_export_of_a_pipeline_checkpoint_equals_the_runs_weights(pp_run, tmp_path):
-    subprocess.run(
-        [BIN / "accel-trainer", "export", str(checkpoint(pp_run, PIPELINE_STEPS)), "--output", str(tmp_path)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    export_checkpoint(checkpoint(pp_run, PIPELINE_STEPS), tmp_path)
     exported, final = load_file(str(tmp_path / "model.safetensors")), final_parameters(pp_run)
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[name], final[name]) for name in final)

@@ -10,8 +10,6 @@ micro-batch of another shape is a one-line error naming the fix. Four processes 
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -20,13 +18,13 @@ from accel_trainer import LayoutError
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.parallel.mesh import MeshShape, mesh_shape
 from conftest import (
-    BIN,
     PIPELINE_RECIPES,
     PIPELINE_STEPS,
     PIPELINE_WEIGHTS,
     accelerate_launch,
     assert_same_trajectory,
     checkpoint,
+    export_checkpoint,
     final_parameters,
     rank_summary,
     read_metrics,
@@ -90,8 +88,7 @@ def test_a_pipeline_x_fsdp_checkpoint_resumes_bitwise_and_exports_the_runs_weigh
     losses = {r["step"]: r["loss"] for r in train_records(read_metrics(tmp_path / "resumed"))}
     assert losses == {r["step"]: r["loss"] for r in train_records(read_metrics(pp_fsdp_run)) if r["step"] > 5}
 
-    subprocess.run([BIN / "accel-trainer", "export", str(checkpoint(pp_fsdp_run, PIPELINE_STEPS)), "--output",
-                    str(tmp_path / "export")], check=True, capture_output=True, timeout=300)  # fmt: skip
+    export_checkpoint(checkpoint(pp_fsdp_run, PIPELINE_STEPS), tmp_path / "export")
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert exported.keys() == uninterrupted.keys()
     assert all(torch.equal(exported[name], uninterrupted[name]) for name in uninterrupted)

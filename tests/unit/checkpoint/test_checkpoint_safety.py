@@ -27,7 +27,7 @@ import accel_trainer as at
 from accel_trainer import cli, run
 from accel_trainer.checkpoint import state_files
 from accel_trainer.checkpoint.files import MANIFEST
-from conftest import reset_accelerate_state
+from conftest import exit_status, reset_accelerate_state
 
 
 class Payload:
@@ -57,17 +57,6 @@ def resign_manifest(folder: Path) -> None:
         for p in files
     }
     (folder / MANIFEST).write_text(json.dumps({"files": manifest}))
-
-
-def exit_status(command, *arguments) -> int:
-    """Run a command's entry point here, as its process would run it; its exit status (0 when it returned)."""
-    try:
-        command(*arguments)
-    except SystemExit as exit:
-        return exit.code
-    finally:
-        reset_accelerate_state()
-    return 0
 
 
 def resume_status(checkpoint: Path, tmp_path: Path) -> int:
