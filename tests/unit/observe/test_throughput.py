@@ -21,6 +21,7 @@ from accel_trainer.observe.flops import flops_per_sample, table_peak_tflops
 from conftest import read_metrics
 
 QUIET = {"show_progress_bar": False, "report": False}
+TINY_GPT = {"n_layer": 1, "d_model": 32, "block_size": 32, "max_source_bytes": 100_000}
 
 
 def first_micro_batch(name: str, **overrides):
@@ -84,8 +85,8 @@ def test_the_peak_comes_from_the_device_name_and_compute_dtype(monkeypatch, name
 
 
 def test_records_carry_throughput_progress_and_mfu_when_a_peak_is_given(tmp_path):
-    at.train("gpt", n_layer=1, d_model=32, block_size=32, max_steps=4, log_every_steps=2, eval_every_steps=0,
-             global_batch_size=16, micro_batch_size=8, peak_tflops=0.5, output_dir=str(tmp_path), **QUIET)  # fmt: skip
+    at.train("gpt", max_steps=4, log_every_steps=2, eval_every_steps=0, global_batch_size=16, micro_batch_size=8,
+             peak_tflops=0.5, output_dir=str(tmp_path), **TINY_GPT, **QUIET)  # fmt: skip
     records = [r for r in read_metrics(tmp_path) if "loss" in r]
 
     for record in records:
@@ -146,9 +147,9 @@ def test_steps_between_log_steps_read_nothing_back_from_the_device(tmp_path, mon
 
     def reads_of_a_run(steps: int, guard: bool) -> list[str]:
         reads.clear()
-        at.train("gpt", n_layer=1, d_model=32, block_size=32, max_steps=steps, log_every_steps=0, max_grad_norm=1.0,
-                 eval_every_steps=0, skip_nonfinite_steps=guard, output_dir=str(tmp_path / f"{steps}{guard}"),
-                 **QUIET)  # fmt: skip
+        at.train("gpt", max_steps=steps, log_every_steps=0, max_grad_norm=1.0, eval_every_steps=0,
+                 skip_nonfinite_steps=guard, output_dir=str(tmp_path / f"{steps}{guard}"),
+                 **TINY_GPT, **QUIET)  # fmt: skip
         return sorted(reads)
 
     three = reads_of_a_run(3, guard=False)
