@@ -9,6 +9,7 @@ import inspect
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +17,7 @@ from accelerate import Accelerator
 
 from accel_trainer import LayoutError
 from accel_trainer.parallel import launch_fixes
-from conftest import REPO, accelerate_launch, read_metrics
+from conftest import REPO, train_and_dump
 
 
 def test_a_world_smaller_than_the_launcher_started_is_refused(monkeypatch):
@@ -77,19 +78,20 @@ def test_an_fsdp_config_that_leaves_ram_efficient_loading_on_trains_tied_weights
     gpt = ["n_layer=1", "d_model=32", "block_size=32", "max_steps=2", "global_batch_size=8", "micro_batch_size=4",
            "log_every_steps=1", "eval_every_steps=0", "max_source_bytes=100000"]  # fmt: skip
     norms = []
-    for config in (str(tmp_path / "fsdp_default_loading"), "cpu_fsdp"):
-        out = tmp_path / config.rsplit("/", 1)[-1]
-        accelerate_launch(config, "-m", "accel_trainer", "train", "gpt", f"output_dir={out}", *gpt)
-        norms.append([r["grad_norm"] for r in read_metrics(out) if "grad_norm" in r])
+    for config in (str(tmp_path / "fsdp_default_loading"), "cpu_fsdp"):  # a layout file's path, or a layout's name
+        records = train_and_dump(config, tmp_path / Path(config).name, "gpt", *gpt, world_size=2)
+        norms.append([r["grad_norm"] for r in records if "grad_norm" in r])
     assert norms[0] == pytest.approx(norms[1], rel=1e-6)
 
 
 def test_canary_the_accelerate_command_imports_transformers_and_its_launch_module_does_not():
     """Why the doctor and the test suite launch with `python -m accelerate.commands.launch`."""
-    script = "import sys, importlib; importlib.import_module(sys.argv[1]); print('transformers' in sys.modules)"
-    imported = {
-        module: subprocess.run([sys.executable, "-c", script, module], capture_output=True, text=True, timeout=120)
-        for module in ("accelerate.commands.accelerate_cli", "accelerate.commands.launch")
-    }
-    assert imported["accelerate.commands.accelerate_cli"].stdout.strip() == "True"
-    assert imported["accelerate.commands.launch"].stdout.strip() == "False"
+    script = (
+        "import sys, importlib\n"
+        "for name in sys.argv[1:]:\n"
+        "    importlib.import_module(name)\n"
+        "    print('transformers' in sys.modules)\n"
+    )
+    modules = ["accelerate.commands.launch", "accelerate.commands.accelerate_cli"]  # the launch module first
+    result = subprocess.run([sys.executable, "-c", script, *modules], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["False", "True"], result.stderr
