@@ -92,7 +92,7 @@ train-2node-cpu: install  ## the CPU twin; both node ranks may run on one machin
 	$(LAUNCH) --config_file accelerate_configs/2node_cpu.yaml $(NODE_FLAGS) $(RUN_RECIPE)
 
 test: install  ## everything but the slow tier, on three pytest workers (tests/conftest.py says how)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 test-slow: install  ## the slow tier: the tests that wait out a timeout
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

@@ -24,6 +24,10 @@ modules: a module's fixtures (its reference runs) are trained once, not once per
 tests, and the layout launches and `trajectory` runs a module asks for stay on one worker. Three workers on two
 cores: a third keeps the cores busy while a test waits on slowed steps, signals or a launch (vmstat: under 1 %
 idle in the middle of a run, 7-10 % over the whole run, the tail; -n 2 was not measured with vmstat).
+Modules are handed out in path order (`--no-loadscope-reorder`): tests/layouts/ and tests/processes/, the
+modules of minutes, first, so the last ones are short. xdist's default hands out the modules with the most
+tests first, which put the slowest modules (few tests, each a launch: test_faults, test_scenario_launches,
+test_killed_workers) last, where they ran on one or two workers while the others had nothing left.
 """
 
 from __future__ import annotations
