@@ -24,16 +24,18 @@ modules: a module's fixtures (its reference runs) are trained once, not once per
 tests, and the layout launches and `trajectory` runs a module asks for stay on one worker. Three workers on two
 cores: a third keeps the cores busy while a test waits on slowed steps, signals or a launch (vmstat: under 1 %
 idle in the middle of a run, 7-10 % over the whole run, the tail; -n 2 was not measured with vmstat).
-Modules are handed out in path order (`--no-loadscope-reorder`): tests/layouts/ and tests/processes/, the
-modules of minutes, first, so the last ones are short. xdist's default hands out the modules with the most
-tests first, which put the slowest modules (few tests, each a launch: test_faults, test_scenario_launches,
-test_killed_workers) last, where they ran on one or two workers while the others had nothing left.
+Modules are handed out in the order `pytest_collection_modifyitems` gives them (`--no-loadscope-reorder`):
+tests/layouts/ and tests/processes/, the modules of minutes, first, so the last ones are short. xdist's default
+hands out the modules with the most tests first, which put the slowest modules (few tests, each a launch:
+test_faults, test_scenario_launches, test_killed_workers) last, where they ran on one or two workers while the
+others had nothing left.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -311,6 +313,19 @@ def count_launches(tmp_path_factory):
     yield
     subprocess.Popen.__init__ = original  # type: ignore[method-assign]
     (tmp_path_factory.getbasetemp() / "launch_counts.json").write_text(json.dumps(LAUNCH_COUNTS))
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Modules of tests/layouts/ and tests/processes/ alternate, then the rest in path order; `make test` hands
+    them out in this order (`--no-loadscope-reorder`). The two folders hold the modules of minutes, so they go
+    first and the last modules are short; alternating them mixes a layout's CPU-bound launches (up to 10
+    workers held) with the waits on signals and timeouts of the process tests, in time and in memory."""
+    modules = list(dict.fromkeys(item.path for item in items))
+    layouts = [module for module in modules if module.parent.name == "layouts"]
+    processes = [module for module in modules if module.parent.name == "processes"]
+    alternating = [module for pair in itertools.zip_longest(layouts, processes) for module in pair if module]
+    order = {module: rank for rank, module in enumerate([*alternating, *(m for m in modules if m not in alternating)])}
+    items.sort(key=lambda item: order[item.path])  # a stable sort: each module's tests keep their order
 
 
 def pytest_terminal_summary(terminalreporter, config) -> None:
