@@ -17,7 +17,7 @@ Timeouts, chosen for a busy 2-core machine (a launch that takes 10 s alone took 
 
 Two tiers: `make test` runs everything except `slow` tests, the ones that must wait out a timeout (a hung
 peer's collective timeout and torchrun's grace period); `make test-slow` runs those,
-and CI (.ci/run) runs both.
+and CI (.ci/run) runs both, the slow tier beside `make test` (it waits more than it computes).
 
 `make test` runs on three pytest workers (`pytest -n 3 --dist loadfile`, pytest-xdist), each taking whole test
 modules: a module's fixtures (its reference runs) are trained once, not once per worker that runs one of its
