@@ -114,7 +114,7 @@ def test_warmup_beyond_max_steps_is_warned_about(tmp_path):
     import accel_trainer as at
 
     with pytest.warns(UserWarning, match="warmup_steps=50 is beyond max_steps=2"):
-        at.train("vae", output_dir=str(tmp_path), max_steps=2, warmup_steps=50, show_progress_bar=False)
+        at.train("vae", output_dir=str(tmp_path), max_steps=2, warmup_steps=50, show_progress_bar=False, report=False)
 
 
 def test_a_missing_config_file_exits_2_with_one_line_on_stderr(capsys, tmp_path):

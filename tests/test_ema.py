@@ -17,7 +17,7 @@ from conftest import read_metrics, train_and_dump
 
 DECAY = 0.75
 EVERY_STEP = dict(max_steps=6, global_batch_size=32, micro_batch_size=16, log_every_steps=1, save_every_steps=1,
-                  keep_last=0, ema_decay=DECAY, show_progress_bar=False)  # fmt: skip
+                  keep_last=0, ema_decay=DECAY, show_progress_bar=False, report=False)  # fmt: skip
 
 
 def checkpoint_file(run_dir, step: int, name: str) -> dict[str, torch.Tensor]:
@@ -70,7 +70,8 @@ def test_a_resumed_run_continues_its_ema_bitwise(tmp_path):
 
 def test_evaluate_ema_logs_the_averages_metrics_which_keep_best_can_name(tmp_path):
     at.train("mlp", output_dir=str(tmp_path), max_steps=40, eval_every_steps=20, ema_decay=0.9, evaluate_ema=True,
-             keep_best_metric="eval_ema/accuracy", keep_best_mode="max", show_progress_bar=False)  # fmt: skip
+             keep_best_metric="eval_ema/accuracy", keep_best_mode="max", show_progress_bar=False,
+             report=False)  # fmt: skip
 
     evaluations = [r for r in read_metrics(tmp_path) if "eval/loss" in r]
     assert [r["step"] for r in evaluations] == [0, 20, 40]

@@ -52,7 +52,7 @@ def assert_exact(reported: dict[str, float], expected: dict[str, float]) -> None
 
 @pytest.mark.parametrize("num_eval", [63, 52])
 def test_one_process_eval_is_the_exact_mean_of_every_form(num_eval, tmp_path):
-    result = at.train("eval_forms", output_dir=str(tmp_path), num_eval=num_eval, show_progress_bar=False)
+    result = at.train("eval_forms", output_dir=str(tmp_path), num_eval=num_eval, show_progress_bar=False, report=False)
     expected = recomputed(tmp_path, num_eval)
     assert_exact(last_eval(read_metrics(tmp_path)), expected)
     assert result.metrics["eval/token_loss"] != pytest.approx(expected["eval/loss"])  # weighting changes it
@@ -126,7 +126,7 @@ def test_a_metric_of_another_form_is_a_one_line_error_naming_the_form(output, me
 
 def test_a_nan_metric_is_reported_in_one_line_and_never_the_best_nor_an_improvement(tmp_path, capsys):
     at.train("eval_forms", output_dir=str(tmp_path), nan_metric=True, max_steps=12, keep_best_metric="eval/broken",
-             early_stop_metric="eval/broken", early_stop_patience=2, show_progress_bar=False)  # fmt: skip
+             early_stop_metric="eval/broken", early_stop_patience=2, show_progress_bar=False, report=False)  # fmt: skip
     out = capsys.readouterr().out
     assert (
         "accel-trainer: eval/broken=nan after step 3: not finite; keep-best and early stopping count it as no"
@@ -148,7 +148,14 @@ def test_an_eval_metrics_error_after_training_keeps_the_training_in_a_checkpoint
     with pytest.raises(
         RecipeError, match=r"has shape \(\d+, 1\).*\(the training up to step 3 is saved in .*step_00000003\)"
     ):
-        at.train("mlp_wrong_eval", max_steps=3, eval_every_steps=0, output_dir=str(tmp_path), show_progress_bar=False)
+        at.train(
+            "mlp_wrong_eval",
+            max_steps=3,
+            eval_every_steps=0,
+            output_dir=str(tmp_path),
+            show_progress_bar=False,
+            report=False,
+        )
 
     [saved] = checkpoint_files.complete_checkpoints(tmp_path)
     assert checkpoint_files.recorded_step(saved) == 3

@@ -114,6 +114,7 @@ def test_a_short_run_lowers_eval_bits_per_char(tmp_path):
         log_every_steps=20,
         output_dir=str(tmp_path),
         show_progress_bar=False,
+        report=False,
     )
 
     evals = [r for r in read_metrics(tmp_path) if "eval/bits_per_char" in r]
@@ -157,7 +158,7 @@ def test_a_packed_paragraph_never_attends_to_the_one_before_it():
 def test_packing_trains_with_next_to_no_padding_and_streaming_resumes_bitwise_mid_stream(tmp_path):
     run = dict(**TINY, pack_sequences=True, streaming=True, max_steps=8, global_batch_size=8, micro_batch_size=4,
                log_every_steps=1, eval_every_steps=0, save_every_steps=4, keep_last=0,
-               show_progress_bar=False)  # fmt: skip
+               show_progress_bar=False, report=False)  # fmt: skip
     at.train("gpt", **run, output_dir=str(tmp_path / "full"))
     at.train("gpt", **run, output_dir=str(tmp_path / "resumed"),
              resume=str(tmp_path / "full" / "checkpoints" / "step_00000004"))  # fmt: skip

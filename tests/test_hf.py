@@ -89,7 +89,8 @@ def test_labels_other_than_the_batchs_are_refused_and_a_batch_without_labels_is_
 
     base = at.get_recipe("hf_causal_lm")
     options = dict(max_steps=1, n_layer=1, n_head=2, d_model=16, block_size=16, global_batch_size=8,
-                   micro_batch_size=4, eval_every_steps=0, max_source_bytes=20000, show_progress_bar=False)  # fmt: skip
+                   micro_batch_size=4, eval_every_steps=0, max_source_bytes=20000, show_progress_bar=False,
+                   report=False)  # fmt: skip
 
     @at.register_recipe("hf_own_loss_other_labels")
     class OtherLabels(base):

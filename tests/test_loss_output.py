@@ -68,7 +68,7 @@ def test_a_tuple_return_stops_a_real_run_before_any_step(tmp_path):
             return super().compute_loss(model, batch), torch.tensor(1.0)
 
     with pytest.raises(RecipeError, match="returned a tuple"):
-        at.train("returns_a_tuple", output_dir=str(tmp_path), max_steps=2, show_progress_bar=False)
+        at.train("returns_a_tuple", output_dir=str(tmp_path), max_steps=2, show_progress_bar=False, report=False)
 
 
 @pytest.mark.multiprocess

@@ -34,13 +34,20 @@ def test_a_loss_computed_through_a_submodule_is_a_one_line_error(tmp_path, monke
     monkeypatch.setitem(at.registry._recipes, "mlp_submodule", ThroughASubmodule)
 
     with pytest.raises(RecipeError, match=r"compute_loss never called model\(\.\.\.\): call the model it is given"):
-        at.train("mlp_submodule", max_steps=1, eval_every_steps=0, output_dir=str(tmp_path), show_progress_bar=False)
+        at.train(
+            "mlp_submodule",
+            max_steps=1,
+            eval_every_steps=0,
+            output_dir=str(tmp_path),
+            show_progress_bar=False,
+            report=False,
+        )
 
 
 def test_a_loss_computed_through_the_model_trains(tmp_path, monkeypatch):
     monkeypatch.setitem(at.registry._recipes, "mlp_through_model", ThroughTheModel)
 
     result = at.train("mlp_through_model", max_steps=2, eval_every_steps=0, output_dir=str(tmp_path),
-                      show_progress_bar=False)  # fmt: skip
+                      show_progress_bar=False, report=False)  # fmt: skip
 
     assert result.metrics["step"] == 2

@@ -82,7 +82,7 @@ def test_one_process_run_equals_a_hand_written_pytorch_loop_bitwise(tmp_path, mo
         log_every_steps=0,
     )
 
-    at.train("tiny_regression", output_dir=str(tmp_path), show_progress_bar=False, **settings)
+    at.train("tiny_regression", output_dir=str(tmp_path), show_progress_bar=False, report=False, **settings)
 
     framework = load_file(str(tmp_path / "final" / "model.safetensors"))
     plain = plain_pytorch_loop(TinyRegression.Config(**settings))

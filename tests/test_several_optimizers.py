@@ -131,7 +131,12 @@ def test_optimizers_stepped_together_all_step_on_the_one_loss(tmp_path):
     torch.manual_seed(cfg.seed)  # the framework's initial weights
     before = at.get_recipe("mlp")(cfg).build_model(cfg)
     options = dict(
-        max_steps=20, eval_every_steps=0, lr_schedule="constant", log_every_steps=10, show_progress_bar=False
+        max_steps=20,
+        eval_every_steps=0,
+        lr_schedule="constant",
+        log_every_steps=10,
+        show_progress_bar=False,
+        report=False,
     )
     at.train("two_optimizers_together", output_dir=str(tmp_path / "a"), save_every_steps=10, keep_last=0, **options)
     reset_accelerate_state()
@@ -164,7 +169,7 @@ def test_a_malformed_set_of_optimizers_is_a_one_line_error(optimizers, message, 
             return optimizers(model)
 
     with pytest.raises(RecipeError, match=message) as error:
-        at.train("malformed_optimizers", output_dir=str(tmp_path), max_steps=1, show_progress_bar=False)
+        at.train("malformed_optimizers", output_dir=str(tmp_path), max_steps=1, show_progress_bar=False, report=False)
     assert "\n" not in str(error.value)
 
 
@@ -174,11 +179,18 @@ def test_alternation_needs_several_optimizers_and_auto_micro_batches_are_refused
         alternate_optimizers = True
 
     with pytest.raises(RecipeError, match="alternate_optimizers=True needs build_optimizer to return several"):
-        at.train("alternating_one", output_dir=str(tmp_path / "one"), max_steps=1, show_progress_bar=False)
+        at.train(
+            "alternating_one", output_dir=str(tmp_path / "one"), max_steps=1, show_progress_bar=False, report=False
+        )
     reset_accelerate_state()
     with pytest.raises(ConfigError, match=r"several optimizers cannot run with micro_batch_size=auto \(set it\)"):
         at.train(
-            "gan", output_dir=str(tmp_path / "auto"), micro_batch_size="auto", max_steps=1, show_progress_bar=False
+            "gan",
+            output_dir=str(tmp_path / "auto"),
+            micro_batch_size="auto",
+            max_steps=1,
+            show_progress_bar=False,
+            report=False,
         )
 
 

@@ -82,7 +82,7 @@ def test_the_sketched_mlp_reaches_096_eval_accuracy_on_a_shortened_run_with_unde
     tmp_path,
 ):
     at.train("sketched", max_steps=300, eval_every_steps=300, log_every_steps=300, show_progress_bar=False,
-             output_dir=str(tmp_path))  # fmt: skip
+             report=False, output_dir=str(tmp_path))  # fmt: skip
 
     evaluations = [r for r in read_metrics(tmp_path) if "eval/accuracy" in r]
     assert evaluations[0]["step"] == 0 and evaluations[0]["eval/accuracy"] < 0.3

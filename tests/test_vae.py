@@ -18,6 +18,7 @@ def test_vae_eval_loss_falls_and_the_run_folder_is_complete(tmp_path):
         log_every_steps=50,
         output_dir=str(tmp_path),
         show_progress_bar=False,
+        report=False,
     )
 
     records = read_metrics(tmp_path)

@@ -96,7 +96,8 @@ def test_resuming_with_changed_config_keys_lists_them_in_a_warning(one_process_f
 
 def test_retention_keeps_the_last_checkpoints_and_the_best_by_an_eval_metric(tmp_path):
     at.train("vae", max_steps=12, save_every_steps=2, eval_every_steps=2, keep_last=2, keep_best_metric="eval/loss",
-             keep_best_mode="max", log_every_steps=0, output_dir=str(tmp_path), show_progress_bar=False)  # fmt: skip
+             keep_best_mode="max", log_every_steps=0, output_dir=str(tmp_path), show_progress_bar=False,
+             report=False)  # fmt: skip
 
     evals = {r["step"]: r["eval/loss"] for r in read_metrics(tmp_path) if "eval/loss" in r and r["step"] > 0}
     worst_step = max(evals, key=evals.get)  # keep_best_mode=max keeps the highest loss: an early step
@@ -137,7 +138,7 @@ def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
     from accel_trainer.checkpoint import state_files
 
     settings = dict(max_steps=12, save_every_steps=4, keep_last=0, log_every_steps=0, eval_every_steps=0,
-                    show_progress_bar=False)  # fmt: skip
+                    show_progress_bar=False, report=False)  # fmt: skip
     at.train("vae", output_dir=str(tmp_path / "sync"), **settings)
     reset_accelerate_state()
     at.train("vae", output_dir=str(tmp_path / "async"), async_save=True, **settings)

@@ -47,6 +47,7 @@ BEFORE = [
             "n_head=2",
             "d_model=16",
             "block_size=16",
+            "max_source_bytes=100000",
             "global_batch_size=8",
             "micro_batch_size=4",
             "eval_every_steps=0",

@@ -106,7 +106,7 @@ def test_a_damaged_metrics_file_or_config_in_a_run_being_resumed_is_a_warning_an
     import accel_trainer as at
 
     settings = dict(output_dir=str(tmp_path), save_every_steps=2, keep_last=0, warmup_steps=0, eval_every_steps=0,
-                    log_every_steps=1, show_progress_bar=False)  # fmt: skip
+                    log_every_steps=1, show_progress_bar=False, report=False)  # fmt: skip
     at.train("vae", max_steps=4, **settings)
     with open(tmp_path / "metrics.jsonl", "ab") as metrics:
         metrics.write(b'{"step": 5, "lo\xff\xfe\x00 garbage\n{"step": ')  # a crash mid-line, and binary junk

@@ -36,6 +36,7 @@ SCRIPT = textwrap.dedent(
         warmup_steps: int = 0
         eval_every_steps: int = 0
         show_progress_bar: bool = False
+        report: bool = False
 
     @at.register_recipe("defined_in_main")  # not importable by a launched script: only forking knows it
     class Line(at.Recipe):
@@ -93,7 +94,7 @@ CRASH = textwrap.dedent(
 
     for name, expected in [("crashes_in_processes", KeyError), ("returns_a_tuple_in_processes", at.RecipeError)]:
         try:
-            at.train(name, num_processes=2, max_steps=2, eval_every_steps=0, show_progress_bar=False)
+            at.train(name, num_processes=2, max_steps=2, eval_every_steps=0, show_progress_bar=False, report=False)
         except expected as error:
             print("caught", type(error).__name__, error)
     """
@@ -117,7 +118,8 @@ WARNS = textwrap.dedent(
     import sys, warnings
     import accel_trainer as at
 
-    at.train("mlp", max_steps=2, warmup_steps=5, eval_every_steps=0, show_progress_bar=False, output_dir=sys.argv[1])
+    at.train("mlp", max_steps=2, warmup_steps=5, eval_every_steps=0, show_progress_bar=False, report=False,
+             output_dir=sys.argv[1])
     warnings.warn("a warning of the user's own")
     """
 )
@@ -132,7 +134,7 @@ def test_warnings_of_at_train_print_as_one_line_and_the_users_own_as_python_prin
     ours = "accel-trainer: warmup_steps=5 is beyond max_steps=2: the learning rate never reaches its peak"
     assert ours in lines
     assert not [line for line in lines if "Warning: accel-trainer" in line or "warnings.warn(" in line]
-    assert "<string>:6: UserWarning: a warning of the user's own" in lines
+    assert "<string>:7: UserWarning: a warning of the user's own" in lines
 
 
 def test_a_recipe_redefined_in_a_notebook_replaces_the_old_one(monkeypatch):

@@ -71,7 +71,7 @@ def test_the_same_command_started_while_it_still_runs_gets_a_folder_of_its_own(t
 
 
 def test_a_run_asked_to_resume_a_folder_without_a_complete_checkpoint_says_it_starts_at_step_0(tmp_path, capsys):
-    settings = dict(output_dir=str(tmp_path), max_steps=2, eval_every_steps=0, show_progress_bar=False)
+    settings = dict(output_dir=str(tmp_path), max_steps=2, eval_every_steps=0, show_progress_bar=False, report=False)
     at.train("mlp", **settings)
     shutil.rmtree(checkpoint_files.checkpoints_dir(tmp_path))  # as if killed before its first save
     capsys.readouterr()
@@ -85,6 +85,6 @@ def test_a_run_refused_before_training_leaves_no_folder_behind(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
 
     with pytest.raises(ConfigError, match="micro_batch_size=7"):
-        at.train("mlp", micro_batch_size=7, max_steps=1, show_progress_bar=False)
+        at.train("mlp", micro_batch_size=7, max_steps=1, show_progress_bar=False, report=False)
 
     assert not (tmp_path / "outputs").exists()

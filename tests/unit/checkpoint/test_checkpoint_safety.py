@@ -81,7 +81,7 @@ def assert_one_line_error(status: int, stderr: str, pattern: str) -> None:
 def trained_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("run")
     at.train("vae", output_dir=str(run_dir), max_steps=4, save_every_steps=4, eval_every_steps=0, log_every_steps=0,
-             show_progress_bar=False)  # fmt: skip
+             show_progress_bar=False, report=False)  # fmt: skip
     reset_accelerate_state()
     return run_dir
 

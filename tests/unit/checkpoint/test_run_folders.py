@@ -31,7 +31,7 @@ def logged_steps(run_dir) -> list[int]:
 def test_six_runs_in_one_second_get_six_folders_that_all_train(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
-    results = [at.train("vae", lr=lr, max_steps=2, eval_every_steps=0, show_progress_bar=False)
+    results = [at.train("vae", lr=lr, max_steps=2, eval_every_steps=0, show_progress_bar=False, report=False)
                for lr in (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)]  # fmt: skip
 
     folders = {result.run_dir for result in results}

@@ -96,7 +96,9 @@ def test_help_shows_the_config_and_the_layout_settings_as_two_groups(capsys):
 
 
 def test_a_run_folder_records_its_config_and_its_layout_apart(tmp_path):
-    at.train("vae", max_steps=1, mixed_precision="bf16", output_dir=str(tmp_path), show_progress_bar=False)
+    at.train(
+        "vae", max_steps=1, mixed_precision="bf16", output_dir=str(tmp_path), show_progress_bar=False, report=False
+    )
     config = yaml.safe_load((tmp_path / "config.yaml").read_text())
     layout = yaml.safe_load((tmp_path / "layout.yaml").read_text())
     assert "mixed_precision" not in config and config["max_steps"] == 1

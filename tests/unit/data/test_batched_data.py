@@ -96,7 +96,7 @@ VAE = ["max_steps=30", "log_every_steps=5", "eval_every_steps=15", "micro_batch_
 
 def train_vae(layout: str, out, cache_gb: int, world: int) -> list[dict]:
     if world == 1:  # in this process: the quickest
-        at.train("vae", output_dir=str(out), data_cache_gb=cache_gb, show_progress_bar=False,
+        at.train("vae", output_dir=str(out), data_cache_gb=cache_gb, show_progress_bar=False, report=False,
                  **{k: int(v) for k, v in (o.split("=") for o in VAE)})  # fmt: skip
         return read_metrics(out)
     return train_and_dump(layout, out, "vae", *VAE, f"data_cache_gb={cache_gb}", world_size=world)
@@ -120,5 +120,13 @@ def test_training_on_batched_columns_ends_bitwise_where_the_per_row_path_ends(la
     ({"data_cache_gb": 0, "num_prefetch_batches": 2}, "data: row by row (data_cache_gb=0), 2 prefetched on a thread"),
 ])  # fmt: skip
 def test_the_run_header_says_which_data_path_builds_the_batches(overrides, line, tmp_path, capsys):
-    at.train("vae", output_dir=str(tmp_path), max_steps=1, eval_every_steps=0, show_progress_bar=False, **overrides)
+    at.train(
+        "vae",
+        output_dir=str(tmp_path),
+        max_steps=1,
+        eval_every_steps=0,
+        show_progress_bar=False,
+        report=False,
+        **overrides,
+    )
     assert f"  {line}\n" in capsys.readouterr().out

@@ -66,14 +66,14 @@ def test_a_stream_shorter_than_a_global_batch_is_a_clear_error():
 def test_a_list_is_refused_listing_what_is_accepted(tmp_path):
     at.registry.discover_recipes([WORKERS / "recipes"])
     with pytest.raises(RecipeError, match="returned a list as the training set; return a datasets.Dataset"):
-        at.train("sources", source="list", output_dir=str(tmp_path), show_progress_bar=False)
+        at.train("sources", source="list", output_dir=str(tmp_path), show_progress_bar=False, report=False)
 
 
 def test_loader_workers_on_a_stream_are_warned_about(tmp_path):
     at.registry.discover_recipes([WORKERS / "recipes"])
     with pytest.warns(UserWarning, match="num_dataloader_workers has no effect on a stream"):
         at.train("sources", source="torch_stream", num_dataloader_workers=2, max_steps=1, output_dir=str(tmp_path),
-                 show_progress_bar=False)  # fmt: skip
+                 show_progress_bar=False, report=False)  # fmt: skip
 
 
 @pytest.mark.multiprocess
@@ -160,7 +160,7 @@ def test_collate_receives_examples_in_torch_format_as_the_contract_says(tmp_path
             return (model(batch["x"]).squeeze(1) - batch["y"]).pow(2).mean()
 
     at.train("collate_contract", output_dir=str(tmp_path), max_steps=1, global_batch_size=4, micro_batch_size=4,
-             show_progress_bar=False)  # fmt: skip
+             show_progress_bar=False, report=False)  # fmt: skip
     example = received[0][0]
     assert isinstance(received[0], list) and len(received[0]) == 4
     assert isinstance(example["x"], torch.Tensor) and example["x"].shape == (2,)

@@ -39,7 +39,7 @@ def assert_same_training(a, b) -> None:
 
 
 def train(run_dir, **overrides) -> None:
-    at.train("rows_with_dropout", output_dir=str(run_dir), show_progress_bar=False, **overrides)
+    at.train("rows_with_dropout", output_dir=str(run_dir), show_progress_bar=False, report=False, **overrides)
 
 
 def test_prefetched_training_is_bitwise_the_training_without_a_thread(tmp_path):
@@ -80,7 +80,7 @@ def test_a_collate_that_draws_from_the_global_generator_is_refused_in_one_line_b
 def test_prefetching_on_the_batched_column_path_is_warned_about(tmp_path):
     with pytest.warns(UserWarning, match="num_prefetch_batches=2 on the batched column path"):
         at.train("vae", output_dir=str(tmp_path), num_prefetch_batches=2, max_steps=2, eval_every_steps=0,
-                 show_progress_bar=False)  # fmt: skip
+                 show_progress_bar=False, report=False)  # fmt: skip
 
 
 def test_an_error_building_a_batch_on_the_thread_is_raised_in_the_training_thread(tmp_path):
@@ -149,7 +149,7 @@ def test_while_the_gate_is_paused_the_thread_fetches_nothing():
 def test_a_stream_refuses_prefetching_in_one_line_before_any_work(tmp_path):
     with pytest.raises(at.ConfigError, match="num_prefetch_batches works on map-style training sets"):
         at.train("gpt", output_dir=str(tmp_path / "refused"), streaming=True, num_prefetch_batches=2, max_steps=2,
-                 show_progress_bar=False)  # fmt: skip
+                 show_progress_bar=False, report=False)  # fmt: skip
     assert not (tmp_path / "refused").exists()
 
 

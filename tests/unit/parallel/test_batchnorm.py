@@ -45,4 +45,6 @@ def test_the_logged_eval_metrics_are_the_saved_models(layout, tmp_path):
 
 def test_sync_batchnorm_on_the_cpu_is_a_one_line_error(tmp_path):
     with pytest.raises(ConfigError, match="sync_batchnorm=true needs CUDA GPUs"):
-        at.train("vae", output_dir=str(tmp_path), sync_batchnorm=True, max_steps=1, show_progress_bar=False)
+        at.train(
+            "vae", output_dir=str(tmp_path), sync_batchnorm=True, max_steps=1, show_progress_bar=False, report=False
+        )

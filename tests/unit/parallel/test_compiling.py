@@ -63,7 +63,7 @@ def test_graphs_still_compiled_after_the_first_log_steps_are_warned_about_once(m
 
 GPT = dict(n_layer=2, n_head=2, d_model=32, block_size=64, max_source_bytes=200_000, max_steps=12,
            global_batch_size=8, micro_batch_size=4, log_every_steps=2, eval_every_steps=6, save_every_steps=6,
-           show_progress_bar=False)  # fmt: skip
+           show_progress_bar=False, report=False)  # fmt: skip
 
 
 def test_canary_modules_compiled_separately_share_one_dynamo_cache():

@@ -24,7 +24,7 @@ def test_ddp_gradient_compression_hooks_train_on_cpu_gloo(hook, tmp_path):
 
 def test_bf16_autocast_trains_on_cpu(tmp_path):
     at.train("vae", max_steps=60, eval_every_steps=60, log_every_steps=20, mixed_precision="bf16",
-             output_dir=str(tmp_path), show_progress_bar=False)  # fmt: skip
+             output_dir=str(tmp_path), show_progress_bar=False, report=False)  # fmt: skip
 
     evals = [r["eval/loss"] for r in read_metrics(tmp_path) if "eval/loss" in r]
     assert evals[-1] < 0.8 * evals[0]
@@ -32,7 +32,9 @@ def test_bf16_autocast_trains_on_cpu(tmp_path):
 
 def test_fp16_on_cpu_warns_once_that_it_has_no_effect(tmp_path):
     with pytest.warns(UserWarning) as caught:
-        at.train("vae", max_steps=1, mixed_precision="fp16", output_dir=str(tmp_path), show_progress_bar=False)
+        at.train(
+            "vae", max_steps=1, mixed_precision="fp16", output_dir=str(tmp_path), show_progress_bar=False, report=False
+        )
 
     fp16_warnings = [w for w in caught if "mixed_precision=fp16" in str(w.message)]
     assert len(fp16_warnings) == 1 and "no effect" in str(fp16_warnings[0].message)
@@ -40,7 +42,14 @@ def test_fp16_on_cpu_warns_once_that_it_has_no_effect(tmp_path):
 
 def test_ddp_settings_on_a_single_process_warn_that_they_have_no_effect(tmp_path):
     with pytest.warns(UserWarning, match="ddp_comm_hook .*not DDP.* has no effect"):
-        at.train("vae", max_steps=1, ddp_comm_hook="powersgd", output_dir=str(tmp_path), show_progress_bar=False)
+        at.train(
+            "vae",
+            max_steps=1,
+            ddp_comm_hook="powersgd",
+            output_dir=str(tmp_path),
+            show_progress_bar=False,
+            report=False,
+        )
 
 
 def test_ddp_settings_become_accelerates_ddp_kwargs():

@@ -67,7 +67,7 @@ def test_a_metric_that_cannot_be_measured_is_a_one_line_error(settings, has_eval
 
 
 EARLY = dict(max_steps=5000, eval_every_steps=100, log_every_steps=1000, early_stop_metric="eval/loss",
-             early_stop_patience=2, show_progress_bar=False)  # fmt: skip
+             early_stop_patience=2, show_progress_bar=False, report=False)  # fmt: skip
 
 
 def test_a_run_that_stops_early_saves_there_and_a_resume_trains_nothing_more(tmp_path, capsys):
