@@ -22,8 +22,8 @@ and CI (.ci/run) runs both, the slow tier beside `make test` (it waits more than
 `make test` runs on three pytest workers (`pytest -n 3 --dist loadfile`, pytest-xdist), each taking whole test
 modules: a module's fixtures (its reference runs) are trained once, not once per worker that runs one of its
 tests, and the layout launches and `trajectory` runs a module asks for stay on one worker. Three workers on two
-cores: a third keeps the cores busy while a test waits on slowed steps, signals or a launch (vmstat: under 1 %
-idle in the middle of a run, 7-10 % over the whole run, the tail; -n 2 was not measured with vmstat).
+cores: a third keeps the cores busy while a test waits on slowed steps, signals or a launch (vmstat every 15 s
+of a whole `make test` in this order: 0-3 % idle at every sample, to the end; -n 2 was not measured).
 Modules are handed out in the order `pytest_collection_modifyitems` gives them (`--no-loadscope-reorder`):
 tests/layouts/ and tests/processes/, the modules of minutes, first, so the last ones are short. xdist's default
 hands out the modules with the most tests first, which put the slowest modules (few tests, each a launch:
