@@ -23,9 +23,16 @@ from torch.distributed import DistBackendError
 
 from accel_trainer.checkpoint import run_folder
 from accel_trainer.closed_stdout import stdout_is_closed
-from accel_trainer.config.fields import describe_fields, parse_overrides
+from accel_trainer.config.command_line import CommandLine, parse_command_line
+from accel_trainer.config.fields import describe_fields
 from accel_trainer.config.layout import LayoutSettings
-from accel_trainer.config.train_config import config_warnings, resolve_config, resolve_settings
+from accel_trainer.config.train_config import (
+    config_to_yaml,
+    config_warnings,
+    layout_to_yaml,
+    resolve_config,
+    resolve_settings,
+)
 from accel_trainer.errors import UserError, describe_crash
 from accel_trainer.loop import train_loop
 from accel_trainer.observe.breadcrumb import where
@@ -124,7 +131,7 @@ def _train_here(
 
 
 def main(recipe_name: str, argv: list[str] | None = None) -> None:
-    """Command-line entry for a recipe script: `[--config FILE] [--help] key=value ...`.
+    """Command-line entry for a recipe script: `[--config FILE] [--print-config] [--help] key=value ...`.
 
     Errors the user can fix are printed as one line (exit status 2); a crash in recipe code shows the recipe's
     frames only, once (errors.describe_crash; exit status 1); a closed stdout (`| head`) ends it without a word
@@ -150,11 +157,14 @@ def _command_status(recipe_name: str, arguments: list[str]) -> int | None:
     is_rank_zero = int(os.environ.get("RANK", "0")) == 0
     show_our_warnings_as_one_line()
     try:
-        if "--help" in arguments or "-h" in arguments:
+        if "--help" in arguments or "-h" in arguments:  # before reading the rest: help for a command gone wrong
             _print_help(recipe_name)
             return None
-        config_file = _pop_config_flag(arguments)
-        result = _train_here(recipe_name, config_file, parse_overrides(arguments))  # the launcher set the layout
+        line = parse_command_line(arguments)
+        if line.print_config:
+            _print_config(recipe_name, line, is_rank_zero)
+            return 0
+        result = _train_here(recipe_name, line.config_file, line.overrides)  # the launcher set the layout
         if is_rank_zero:
             print(f"run folder: {result.run_dir}", flush=True)  # flushed where a closed stdout is caught
         status = 0
@@ -196,26 +206,27 @@ def _is_lost_peer(error: BaseException) -> bool:
 def _print_help(recipe_name: str) -> None:
     recipe_cls = get_recipe(recipe_name)
     print(f"{recipe_name}: {describe(recipe_cls)}\n")
-    print("usage: [--config FILE.yaml] key=value ...\n\nconfig fields (what to train, the same on every layout):")
+    print("usage: [--config FILE.yaml] [--print-config] key=value | --key value | --key=value ...\n")
+    print("config fields (what to train, the same on every layout):")
     print(describe_fields(recipe_cls.Config))
     print("\nlayout settings (how this hardware runs it; also read from <accelerate config>.settings.yaml):")
     print(describe_fields(LayoutSettings), flush=True)  # flushed where a closed stdout is caught
 
 
-def _pop_config_flag(arguments: list[str]) -> str | None:
-    for index, argument in enumerate(arguments):
-        if argument == "--config":
-            if index + 1 >= len(arguments):
-                raise UserError("--config needs a file: --config path/to/config.yaml")
-            value = arguments[index + 1]
-            del arguments[index : index + 2]
-            return value
-        if argument.startswith("--config="):
-            del arguments[index]
-            return argument.split("=", 1)[1]
-        if argument.startswith("-"):
-            raise UserError(f"unknown option {argument!r}; options are --config FILE and --help, the rest key=value")
-    return None
+def _print_config(recipe_name: str, line: CommandLine, is_rank_zero: bool) -> None:
+    """`--print-config`: the values a run of this command would train with, as YAML that `--config` reads back."""
+    layout_file = launch_settings_file()
+    cfg, layout = resolve_settings(get_recipe(recipe_name).Config, line.config_file, line.overrides, layout_file)
+    if not is_rank_zero:
+        return
+    sources = " < ".join(["defaults", *([str(layout_file)] if layout_file else []),
+                          *([line.config_file] if line.config_file else []), "the command's overrides"])  # fmt: skip
+    processes = launched_world_size()
+    launched = f"{processes} processes of this launch" if processes else "1 process (not launched)"
+    print(f"# {recipe_name}: what this command would train with ({sources}), on {launched}")
+    print(config_to_yaml(cfg), end="")
+    print("# layout settings")
+    print(layout_to_yaml(layout), end="", flush=True)
 
 
 def _remove_if_empty(run_dir: Path) -> None:

@@ -10,8 +10,10 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from accel_trainer import cli, run
+from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.registry import describe, get_recipe, registered_recipes
 
 
@@ -71,8 +73,12 @@ def test_train_help_through_the_accel_trainer_command_is_the_recipes_help(capsys
         ("vae", ["max_steps=three"], "max_steps='three': expected int"),
         ("vae", ["mixed_precision=fp32"], "mixed_precision='fp32'"),
         ("vae", ["max_steps"], "write key=value"),
-        ("vae", ["--verbose"], "unknown option '--verbose'"),
+        ("vae", ["--verbose"], "--verbose needs a value: --verbose VALUE, --verbose=VALUE or verbose=VALUE"),
+        ("vae", ["--lr", "--max-steps", "3"], "--lr needs a value"),
+        ("vae", ["-v"], "unknown option '-v': write key=value, --key value or --key=value"),
+        ("vae", ["--=3"], "'--=3' names no key"),
         ("vae", ["--config"], "--config needs a file"),
+        ("vae", ["--max-stepz", "3"], "did you mean 'max_steps'?"),
         ("vae", ["max_steps=-5"], "max_steps=-5: must be at least 1"),
         ("vae", ["max_steps=0"], "max_steps=0: must be at least 1"),
         ("vae", ["warmup_steps=-1"], "warmup_steps=-1: must be at least 0"),
@@ -88,6 +94,33 @@ def test_a_user_error_exits_2_with_one_line_on_stderr(capsys, recipe, arguments,
         run.main(recipe, arguments)
     assert caught.value.code == 2
     assert expected in one_line_error(capsys)
+
+
+def test_argparse_habits_are_the_same_overrides_and_the_last_one_written_counts():
+    line = parse_command_line(["--max-steps", "7", "--lr=0.02", "latent_dim=4", "lr=0.1", "--lr", "-0.5"])
+
+    assert line.overrides == {"max_steps": "7", "lr": "-0.5", "latent_dim": "4"}
+    assert line.config_file is None and not line.print_config
+    line = parse_command_line(["--config", "base.yaml", "--print-config", "--config=other.yaml"])
+    assert line.config_file == "other.yaml" and line.print_config and line.overrides == {}
+
+
+def test_print_config_prints_yaml_that_config_reads_back_and_trains_nothing(capsys, tmp_path):
+    command = ["--max-steps", "7", f"--output_dir={tmp_path / 'run'}", "mixed_precision=bf16", "--print-config"]
+    with pytest.raises(SystemExit) as caught:
+        run.main("vae", command)
+
+    printed = capsys.readouterr().out
+    assert caught.value.code == 0
+    assert printed.startswith("# vae: what this command would train with (defaults < the command's overrides)")
+    values = yaml.safe_load(printed)
+    assert values["max_steps"] == 7 and values["latent_dim"] == 8  # the override, and the recipe's own default
+    assert values["mixed_precision"] == "bf16" and values["tp_size"] == 1  # the layout settings too
+    assert not (tmp_path / "run").exists()  # nothing trained, no folder made
+    (tmp_path / "printed.yaml").write_text(printed)
+    with pytest.raises(SystemExit):
+        run.main("vae", ["--config", str(tmp_path / "printed.yaml"), "--print-config"])
+    assert yaml.safe_load(capsys.readouterr().out) == values
 
 
 @pytest.mark.parametrize("arguments", [["--help"], ["max_steps=-5"]])

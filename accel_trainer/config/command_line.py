@@ -1,0 +1,66 @@
+"""The words of a recipe command: options, then overrides written the way users already write them.
+
+    python recipes/vae.py max_steps=100 lr=0.01            # key=value, the framework's own form
+    python recipes/vae.py --max_steps 100 --lr=0.01        # argparse's habits: the same two overrides
+    python recipes/vae.py --config base.yaml --max-steps 100 --print-config
+
+`--key value` and `--key=value` are `key=value` (a dash in the key reads as an underscore, so `--max-steps` is
+`max_steps`); `lr=0.1 --lr 0.2` is the last one written, as with key=value twice. The options are `--config FILE`
+(values applied before the overrides), `--print-config` (print the resolved config and layout settings, train
+nothing) and `--help`. A word that is none of these is a one-line error naming the forms that work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from accel_trainer.config.fields import parse_overrides
+from accel_trainer.errors import ConfigError
+
+FORMS = "write key=value, --key value or --key=value"
+
+
+@dataclass
+class CommandLine:
+    """What a recipe command asked for."""
+
+    overrides: dict[str, str] = field(default_factory=dict)
+    config_file: str | None = None
+    print_config: bool = False
+    show_help: bool = False
+
+
+def parse_command_line(words: list[str]) -> CommandLine:
+    """Read a recipe command's words (after the recipe) into its options and `key=value` overrides.
+
+    Raises:
+        ConfigError: an option without its value, a single-dash word, or a word that is not an override.
+    """
+    line = CommandLine()
+    pairs: list[str] = []
+    remaining = iter(words)
+    for word in remaining:
+        if word in ("--help", "-h"):
+            line.show_help = True
+        elif word == "--print-config":
+            line.print_config = True
+        elif word.startswith("--"):
+            key, sep, value = word[2:].partition("=")
+            if not key:
+                raise ConfigError(f"{word!r} names no key: {FORMS}")
+            if not sep:
+                value = next(remaining, None)  # type: ignore[assignment]
+                if value is None or value.startswith("--"):
+                    if key == "config":
+                        raise ConfigError("--config needs a file: --config path/to/config.yaml")
+                    raise ConfigError(f"{word} needs a value: {word} VALUE, {word}=VALUE or {key}=VALUE")
+            if key == "config":
+                line.config_file = value
+            else:
+                pairs.append(f"{key.replace('-', '_')}={value}")
+        elif word.startswith("-"):
+            raise ConfigError(f"unknown option {word!r}: {FORMS} (options: --config FILE, --print-config, --help)")
+        else:
+            pairs.append(word)
+    line.overrides = parse_overrides(pairs)
+    return line
