@@ -119,7 +119,7 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
         add_help=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         help="train a recipe: accel-trainer train RECIPE [--config FILE] key=value ... (--help: the recipes)",
-        usage="accel-trainer train RECIPE [--config FILE.yaml] [key=value ...]",
+        usage="accel-trainer train RECIPE [--config FILE.yaml] [--print-config] [key=value | --key value ...]",
         description="Train a registered recipe, in this process or in each process of a launcher:\n"
         "  accel-trainer train RECIPE key=value ...\n"
         "  accelerate launch --config_file accelerate_configs/<layout>.yaml -m accel_trainer train RECIPE key=value"

@@ -53,7 +53,7 @@ def test_train_help_without_a_recipe_lists_the_recipes_and_says_how_to_see_their
         cli.main(["train", "--help"])
     assert caught.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: accel-trainer train RECIPE [--config FILE.yaml] [key=value ...]")
+    assert out.startswith("usage: accel-trainer train RECIPE [--config FILE.yaml] [--print-config] [key=value | --key")
     for name, recipe_cls in registered_recipes().items():
         assert any(line.split() and line.split()[0] == name and line.endswith(describe(recipe_cls))
                    for line in out.splitlines()), name  # fmt: skip
