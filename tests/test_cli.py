@@ -75,6 +75,9 @@ def test_train_help_through_the_accel_trainer_command_is_the_recipes_help(capsys
         ("vae", ["max_steps"], "write key=value"),
         ("vae", ["--verbose"], "--verbose needs a value: --verbose VALUE, --verbose=VALUE or verbose=VALUE"),
         ("vae", ["--lr", "--max-steps", "3"], "--lr needs a value"),
+        ("vae", ["--lr", "max_steps=3"], "--lr needs a value"),  # not lr='max_steps=3'
+        ("vae", ["--config", "max_steps=3"], "--config needs a file"),
+        ("vae", ["--print-config=true"], "--print-config takes no value"),
         ("vae", ["-v"], "unknown option '-v': write key=value, --key value or --key=value"),
         ("vae", ["--=3"], "'--=3' names no key"),
         ("vae", ["--config"], "--config needs a file"),

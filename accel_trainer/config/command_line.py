@@ -5,19 +5,22 @@
     python recipes/vae.py --config base.yaml --max-steps 100 --print-config
 
 `--key value` and `--key=value` are `key=value` (a dash in the key reads as an underscore, so `--max-steps` is
-`max_steps`); `lr=0.1 --lr 0.2` is the last one written, as with key=value twice. The options are `--config FILE`
+`max_steps`); `lr=0.1 --lr 0.2` is the last one written, as with key=value twice. `--lr output_dir=x` is a
+`--lr` without its value, not `lr='output_dir=x'` (a value of that shape is written `--key=value`). The options are `--config FILE`
 (values applied before the overrides), `--print-config` (print the resolved config and layout settings, train
 nothing) and `--help`. A word that is none of these is a one-line error naming the forms that work.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from accel_trainer.config.fields import parse_overrides
 from accel_trainer.errors import ConfigError
 
 FORMS = "write key=value, --key value or --key=value"
+_OVERRIDE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")  # `--lr output_dir=x` forgot lr's value; x is not it
 
 
 @dataclass
@@ -48,9 +51,11 @@ def parse_command_line(words: list[str]) -> CommandLine:
             key, sep, value = word[2:].partition("=")
             if not key:
                 raise ConfigError(f"{word!r} names no key: {FORMS}")
+            if key in ("print-config", "help"):
+                raise ConfigError(f"--{key} takes no value: write --{key} alone")
             if not sep:
                 value = next(remaining, None)  # type: ignore[assignment]
-                if value is None or value.startswith("--"):
+                if value is None or value.startswith("--") or _OVERRIDE.match(value):  # the next word is its own
                     if key == "config":
                         raise ConfigError("--config needs a file: --config path/to/config.yaml")
                     raise ConfigError(f"{word} needs a value: {word} VALUE, {word}=VALUE or {key}=VALUE")
