@@ -6,9 +6,9 @@
 
 `--key value` and `--key=value` are `key=value` (a dash in the key reads as an underscore, so `--max-steps` is
 `max_steps`); `lr=0.1 --lr 0.2` is the last one written, as with key=value twice. `--lr output_dir=x` is a
-`--lr` without its value, not `lr='output_dir=x'` (a value of that shape is written `--key=value`). The options are `--config FILE`
-(values applied before the overrides), `--print-config` (print the resolved config and layout settings, train
-nothing) and `--help`. A word that is none of these is a one-line error naming the forms that work.
+`--lr` without its value, not `lr='output_dir=x'` (a value of that shape is written `--key=value`). The options
+are `--config FILE` (values applied before the overrides), `--print-config` (print the resolved config and layout
+settings, train nothing) and `--help`. A word that is none of these is a one-line error naming the forms that work.
 """
 
 from __future__ import annotations

@@ -155,9 +155,12 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
+        # An unclosed `[3` is found at the end of the file: the line where its construct began is the one to fix.
+        mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}") from None
+        parts = (getattr(error, "context", None), getattr(error, "problem", None))
+        what = ", ".join(str(part) for part in parts if part)
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}{': ' + what if what else ''}") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):

@@ -215,7 +215,7 @@ def test_malformed_yaml_is_a_one_line_config_error_with_the_line(tmp_path):
     config_file = write(tmp_path, "lr: 1.0\nmax_steps: [1, 2\n")
     message = error_of(load_config_file, config_file)
     assert str(config_file) in message
-    assert "not valid YAML at line" in message
+    assert "not valid YAML at line 2: while parsing a flow sequence, expected ',' or ']'" in message  # where [ opened
 
 
 def test_a_missing_config_file_is_a_one_line_config_error(tmp_path):
