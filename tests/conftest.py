@@ -272,6 +272,14 @@ def exit_status(entry_point, *arguments) -> int:
     return 0
 
 
+def assert_one_line_error(status: int, stderr: str, text: str) -> None:
+    """A user error: exit status 2, one `accel-trainer: error:` line holding `text`, no traceback."""
+    assert status == 2, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("accel-trainer: error:")]
+    assert len(errors) == 1 and text in errors[0], stderr
+    assert "Traceback" not in stderr
+
+
 def reset_accelerate_state() -> None:
     """Forget accelerate's process-wide singletons, so the next in-process run builds its own."""
     from accel_trainer.parallel.launch_fixes import forget_accelerate_state

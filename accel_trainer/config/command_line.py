@@ -30,7 +30,6 @@ class CommandLine:
     overrides: dict[str, str] = field(default_factory=dict)
     config_file: str | None = None
     print_config: bool = False
-    show_help: bool = False
 
 
 def parse_command_line(words: list[str]) -> CommandLine:
@@ -44,8 +43,8 @@ def parse_command_line(words: list[str]) -> CommandLine:
     remaining = iter(words)
     for word in remaining:
         if word in ("--help", "-h"):
-            line.show_help = True
-        elif word == "--print-config":
+            continue  # answered before the words are read (run.py), so that a command gone wrong still gets help
+        if word == "--print-config":
             line.print_config = True
         elif word.startswith("--"):
             key, sep, value = word[2:].partition("=")

@@ -6,7 +6,6 @@ each continues the trajectory of the uninterrupted run (allclose: summation orde
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 
@@ -19,6 +18,7 @@ from conftest import (
     BIN,
     REPO,
     WORKERS,
+    assert_one_line_error,
     checkpoint,
     clean_env,
     exit_status,
@@ -89,18 +89,11 @@ def test_export_of_a_sharded_checkpoint_equals_the_runs_consolidated_weights(fsd
     assert (tmp_path / "config.yaml").is_file()
 
 
-def assert_one_line_error(status: int, stderr: str, message: str) -> None:
-    assert status == 2, stderr
-    errors = [line for line in stderr.splitlines() if line.startswith("accel-trainer: error:")]
-    assert len(errors) == 1 and re.search(message, errors[0]), stderr
-    assert "Traceback" not in stderr
-
-
 def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(fsdp_run, tmp_path, capsys):
     status = exit_status(run.main, "vae", ["latent_dim=4", f"resume={checkpoint(fsdp_run, 10)}",
                                            f"output_dir={tmp_path}", "show_progress_bar=false"])  # fmt: skip
 
-    message = r"parameter 'decoder.0.weight' has shape \[256, 8\] in the checkpoint and \[256, 4\] here"
+    message = "parameter 'decoder.0.weight' has shape [256, 8] in the checkpoint and [256, 4] here"
     assert_one_line_error(status, capsys.readouterr().err, message)
 
 

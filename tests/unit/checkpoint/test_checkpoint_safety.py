@@ -27,7 +27,7 @@ import accel_trainer as at
 from accel_trainer import cli, run
 from accel_trainer.checkpoint import state_files
 from accel_trainer.checkpoint.files import MANIFEST
-from conftest import exit_status, reset_accelerate_state
+from conftest import assert_one_line_error, exit_status, reset_accelerate_state
 
 
 class Payload:
@@ -68,13 +68,6 @@ def resume_status(checkpoint: Path, tmp_path: Path) -> int:
 def export_status(checkpoint: Path, output: Path) -> int:
     """`accel-trainer export CHECKPOINT --output OUTPUT`, in this process."""
     return exit_status(cli.main, ["export", str(checkpoint), "--output", str(output)])
-
-
-def assert_one_line_error(status: int, stderr: str, pattern: str) -> None:
-    assert status == 2, stderr
-    errors = [line for line in stderr.splitlines() if line.startswith("accel-trainer: error:")]
-    assert len(errors) == 1 and pattern in errors[0], stderr
-    assert "Traceback" not in stderr
 
 
 @pytest.fixture(scope="module")
