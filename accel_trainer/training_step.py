@@ -23,6 +23,7 @@ from accel_trainer.observe.observer import Observer
 from accel_trainer.optimizers import Phase
 from accel_trainer.parallel.context_parallel import check_loss_counts_items, sequence_slices
 from accel_trainer.parallel.sharding import local_part
+from accel_trainer.parallel.verbs import step_optimizers
 
 if TYPE_CHECKING:
     from accel_trainer.prepared_run import Run
@@ -140,9 +141,10 @@ def optimizer_step(
         verbs.zero_grad()  # a skipped step (counted in state): only its gradients go
         return figures, False, False
     stepped = False
-    for phase in phases:
+    taken = step_optimizers([phase.verbs for phase in phases if phase.verbs is not None])
+    for phase, phase_taken in zip(phases, taken, strict=True):
         assert phase.verbs is not None
-        if phase.verbs.optimizer_step():
+        if phase_taken:
             phase.scheduler.step()  # the schedule follows the optimizer steps actually taken
             stepped = True
         else:  # fp16: the gradient scaler found inf/NaN gradients

@@ -1,11 +1,13 @@
 """The verbs of one optimizer step for the current layout, chosen once at start.
 
-The loop calls `backward`, `clip_grad_norm`, `optimizer_step` and `zero_grad` on a `StepVerbs`, which speaks
-accelerate's verbs where they do work that matters: a gradient scaler to unscale and step through (fp16) or
-sharded gradients (FSDP). Elsewhere (no scaler; one process, DDP or CPU DDP) accelerate's verbs only add
-per-step overhead, so the same operations go to torch directly, bit-identical (tests/unit/parallel/test_step.py);
-where every parameter is a plain tensor in one dtype on one device, `clip_one_group` runs torch's clipping kernels in
-torch's order without its per-call grouping (a canary test fails when torch stops grouping on every call).
+The loop calls `backward`, `clip_grad_norm` and `zero_grad` on a `StepVerbs`, and `step_optimizers` on all of a
+step's, which speak accelerate's verbs where they do work that matters: a gradient scaler to scale and unscale
+through (fp16) or sharded gradients (FSDP). The optimizer step under fp16 is torch's own scaler recipe, since
+accelerate's misreports a fused optimizer's skipped step and unscales a second optimizer twice. Elsewhere (no
+scaler; one process, DDP or CPU DDP) accelerate's verbs only add per-step overhead, so the same operations go to
+torch directly, bit-identical (tests/unit/parallel/test_step.py); where every parameter is a plain tensor in one
+dtype on one device, `clip_one_group` runs torch's clipping kernels in torch's order without its per-call grouping
+(a canary test fails when torch stops grouping on every call).
 The measurements behind both choices are in docs/benchmarks.md ("Step verbs").
 
 DeepSpeed, XLA and Megatron-LM layouts are refused when the Accelerator is built (parallel/accelerator.py), so the
@@ -66,11 +68,7 @@ class StepVerbs:
 
     def optimizer_step(self) -> bool:
         """Take the optimizer step; returns False when the fp16 scaler skipped it (inf/NaN gradients)."""
-        if self.direct:
-            self.optimizer.optimizer.step()
-            return True
-        self.optimizer.step()
-        return not self.optimizer.step_was_skipped
+        return step_optimizers([self])[0]
 
     def zero_grad(self) -> None:
         """Drop the gradients (set to None) without accelerate's per-call signature inspection.
@@ -79,6 +77,35 @@ class StepVerbs:
         would do the same.
         """
         self.optimizer.optimizer.zero_grad(set_to_none=True)
+
+
+def step_optimizers(all_verbs: Sequence[StepVerbs]) -> list[bool]:
+    """Step the optimizers of one training step; for each, whether it stepped (False: the fp16 scaler skipped it).
+
+    Under fp16 this is torch's recipe for several optimizers on one gradient scaler: `scaler.step` for each, one
+    `scaler.update` after them all. accelerate's optimizer step updates the scale after each optimizer, which
+    forgets that the others' gradients were unscaled already (by the gradient-norm measurement): the next
+    optimizer unscaled them again and trained on gradients divided by the loss scale, in silence. The verdict
+    is the scaler's own inf/NaN finding for that optimizer; accelerate's `step_was_skipped` watches for a
+    call of the optimizer's `step` instead, and a fused optimizer (the default AdamW on CUDA) is always
+    called, to skip inside its kernel, so accelerate reported every skipped step as taken
+    (docs/accelerate-traps.md).
+    """
+    scaler = all_verbs[0].accelerator.scaler
+    if scaler is None:
+        for verbs in all_verbs:
+            if verbs.direct:
+                verbs.optimizer.optimizer.step()
+            else:  # sharded gradients: accelerate's step (no scaler, so never skipped)
+                verbs.optimizer.step()
+        return [True] * len(all_verbs)
+    optimizers = [verbs.optimizer.optimizer for verbs in all_verbs]
+    for optimizer in optimizers:
+        scaler.step(optimizer)  # unscales first unless the gradient norm did; skips on inf/NaN gradients
+    # fp16 reads a verdict back every step anyway (the scaler's own step does for an unfused optimizer)
+    found = [sum(v.item() for v in scaler._found_inf_per_device(optimizer).values()) for optimizer in optimizers]
+    scaler.update()
+    return [not inf for inf in found]
 
 
 def _one_foreach_group(parameters: Sequence[torch.Tensor]) -> bool:

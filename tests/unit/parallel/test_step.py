@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from accel_trainer import LayoutError
 from accel_trainer.parallel.accelerator import check_supported
-from accel_trainer.parallel.verbs import StepVerbs, clip_one_group
+from accel_trainer.parallel.verbs import StepVerbs, clip_one_group, step_optimizers
 from conftest import reset_accelerate_state
 
 
@@ -184,3 +185,64 @@ def test_accelerates_verbs_are_kept_for_a_gradient_scaler_and_for_sharded_gradie
 def test_layouts_the_loop_does_not_drive_exactly_are_a_one_line_error(distributed_type):
     with pytest.raises(LayoutError, match="not with .*FSDP one"):
         check_supported(distributed_type)
+
+
+def _fp16_like_optimizer(fused: bool, scaler: torch.amp.GradScaler | None = None, optimizer_cls=torch.optim.AdamW):
+    """An AcceleratedOptimizer stepping through a gradient scaler, as accelerate builds it for fp16 on a GPU
+    (torch's GradScaler runs on the CPU too), and a StepVerbs over it."""
+    if scaler is None:
+        reset_accelerate_state()
+        Accelerator(cpu=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = AcceleratedOptimizer(optimizer_cls(model.parameters(), lr=0.1, fused=fused), False, scaler)
+    accelerator = SimpleNamespace(scaler=scaler, distributed_type=DistributedType.MULTI_GPU)
+    return model, optimizer, StepVerbs(accelerator, optimizer, list(model.parameters()))  # type: ignore[arg-type]
+
+
+def _gradients(model, optimizer, value: float) -> None:
+    """A scaled backward, as `accelerator.backward` does under fp16, then every gradient `value` (scaled)."""
+    optimizer.scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+    for parameter in model.parameters():
+        parameter.grad.fill_(value * optimizer.scaler.get_scale())
+
+
+def test_canary_accelerate_reports_a_fused_optimizers_skipped_fp16_step_as_taken():
+    """Why StepVerbs reads the skip from the loss scale; when this fails, `step_was_skipped` can be trusted."""
+    model, optimizer, _ = _fp16_like_optimizer(fused=True)
+    before = model.weight.detach().clone()
+    _gradients(model, optimizer, float("inf"))
+    optimizer.step()
+    assert torch.equal(model.weight, before) and optimizer.scaler.get_scale() == 512.0  # skipped in the kernel
+    assert optimizer.step_was_skipped is False
+    reset_accelerate_state()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_the_fp16_scaler_skips_is_reported_skipped_and_a_finite_one_taken(fused):
+    model, optimizer, verbs = _fp16_like_optimizer(fused)
+    before = model.weight.detach().clone()
+    _gradients(model, optimizer, float("nan"))
+    assert verbs.optimizer_step() is False and torch.equal(model.weight, before)
+    _gradients(model, optimizer, 1.0)
+    assert verbs.optimizer_step() is True and not torch.equal(model.weight, before)
+    reset_accelerate_state()
+
+
+def test_two_optimizers_on_one_fp16_scaler_each_step_on_their_gradients_unscaled_once():
+    # The gradient norm unscales every optimizer's gradients first; accelerate's step then updated the scale
+    # after the first optimizer, and the second unscaled its gradients a second time (1024 times too small).
+    first, first_optimizer, first_verbs = _fp16_like_optimizer(False, optimizer_cls=torch.optim.SGD)
+    scaler = first_optimizer.scaler
+    second, _, second_verbs = _fp16_like_optimizer(False, scaler, optimizer_cls=torch.optim.SGD)
+    weights = [model.weight.detach().clone() for model in (first, second)]
+    loss = first(torch.ones(1, 4)).sum() + second(torch.ones(1, 4)).sum()
+    scaler.scale(loss).backward()
+    for verbs in (first_verbs, second_verbs):
+        scaler.unscale_(verbs.optimizer.optimizer)
+
+    assert step_optimizers([first_verbs, second_verbs]) == [True, True]
+    for model, before in zip((first, second), weights, strict=True):
+        torch.testing.assert_close(model.weight, before - 0.1, rtol=0, atol=1e-7)  # SGD: lr x a gradient of 1
+    assert scaler.get_scale() == 1024.0
+    reset_accelerate_state()
