@@ -128,11 +128,16 @@ def _from_thread(
     generator is closed (the run ended) or raised through."""
     ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
+    # The thread's pinning and copies go to this process's GPU, not to GPU 0. A one-GPU run's device is a bare
+    # `cuda`, which set_device refuses: the index is the training thread's current device.
+    gpu = None
+    if device is not None and device.type == "cuda":
+        gpu = device.index if device.index is not None else torch.cuda.current_device()
 
     def fetch() -> None:
         try:
-            if device is not None and device.type == "cuda":
-                torch.cuda.set_device(device)  # pinning and copies on this process's GPU, not on GPU 0
+            if gpu is not None:
+                torch.cuda.set_device(gpu)
             for _ in range(count):
                 item = gate.fetch(batches, stop)
                 if item is _END or not _put(ready, item, stop):
