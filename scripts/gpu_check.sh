@@ -16,7 +16,7 @@ python3 -c "import torch, accelerate, datasets, transformers; print('torch', tor
     | tee -a "$OUT/env.txt"
 
 echo "== the GPU tests"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/layouts/test_gpu.py -s --durations=0 "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/layouts/test_gpu.py -n 3 -rA --durations=0 "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 
 echo "== make train-gpu, as a user sees it (VAE, bf16, 1 GPU)"
 "$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))')/accelerate" launch --config_file accelerate_configs/gpu.yaml -m accel_trainer train vae \
