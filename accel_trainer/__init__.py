@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from accel_trainer.recipe import Recipe
     from accel_trainer.registry import add_recipe, get_recipe, register_recipe, registered_recipes
     from accel_trainer.run import TrainResult, main, train
+    from accel_trainer.saved_evaluation import evaluate_saved
     from accel_trainer.stopping.signals import Preempted
 
 # Each public name (`__all__`, spelled out below for the linters) and the module that defines it.
@@ -45,6 +46,7 @@ _HOMES = {
     "TrainResult": "run",
     "UserError": "errors",
     "add_recipe": "registry",
+    "evaluate_saved": "saved_evaluation",
     "get_recipe": "registry",
     "main": "run",
     "register_recipe": "registry",
@@ -64,6 +66,7 @@ __all__ = [
     "TrainResult",
     "UserError",
     "add_recipe",
+    "evaluate_saved",
     "get_recipe",
     "main",
     "register_recipe",

@@ -3,6 +3,7 @@
 accel-trainer list
 accel-trainer new my_recipe                              # recipes/my_recipe.py from the template, ready to run
 accel-trainer train vae max_steps=200
+accel-trainer evaluate outputs/vae/<run>                # the eval metrics of its final weights
 accel-trainer report outputs/vae/<run>                  # report.md and report.png
 accel-trainer compare outputs/vae/run1 outputs/vae/run2 --output curves.png
 accel-trainer doctor --config_file accelerate_configs/cpu_ddp.yaml   # environment, then launch checks of a layout
@@ -47,7 +48,22 @@ def _main(arguments: list[str]) -> None:
     comparer.add_argument("runs", nargs="+")
     comparer.add_argument("--output", help="draw the overlaid curves into this .png")
     comparer.add_argument("--x", default="step", help="align on step (default), samples or items seen")
+    evaluator = commands.add_parser(
+        "evaluate",
+        help="the recipe's evaluation of a run's final weights or a checkpoint's, printed as training logs it",
+        usage="accel-trainer evaluate RUN_FOLDER|CHECKPOINT [key=value | --key value ...]",
+        description="Run the recipe's evaluation on saved weights and print the line training logs for them. A run"
+        " folder means its final weights; key=value overrides go on top of the saved config; nothing is written. Under"
+        " a launcher it evaluates on that layout: accelerate launch --config_file accelerate_configs/<layout>.yaml -m"
+        " accel_trainer evaluate RUN",
+    )
+    evaluator.add_argument("source", help="a run folder (its final weights) or a checkpoint folder")
     _add_doctor_parser(commands)
+    if arguments[:1] == ["evaluate"] and not {"-h", "--help"} & set(arguments):
+        from accel_trainer.saved_evaluation import main as evaluate_main
+
+        evaluate_main(arguments[1:])
+        return
     if arguments[:1] == ["train"]:
         known = parser.parse_args(arguments[:2])
         from accel_trainer.run import main as run_recipe

@@ -1,9 +1,10 @@
 """The package is layered: each part imports only parts below it, so it reads and changes bottom-up.
 
-From the top: the face (the command, the doctor, `train`/`main`, starting processes), the loop and its step,
-the prepared run, the ways a run stops, what it records (`observe/`), checkpoints, optimizers and the EMA,
-data, the layouts (`parallel/`), the recipe contract, the configuration (`config/`, a leaf over `errors`).
-Every import counts, also one inside a function or under TYPE_CHECKING: a lazy import is still a dependency.
+From the top: the face (the command, the doctor, `train`/`main`, starting processes), the loop and its step (the
+evaluation of saved weights beside them), the prepared run, the ways a run stops, what it records (`observe/`),
+checkpoints, optimizers and the EMA, data, the layouts (`parallel/`), the recipe contract, the configuration
+(`config/`, a leaf over `errors`). Every import counts, also one inside a function or under TYPE_CHECKING: a lazy
+import is still a dependency.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ LAYERS = [  # bottom first; a unit is a top-level module or a whole package
     {"stopping"},
     {"prepared_run"},
     {"evaluation", "training_step"},
-    {"loop"},
+    {"loop", "saved_evaluation"},
     {"processes"},
     {"run"},
     {"doctor", "new_recipe"},

@@ -40,11 +40,7 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
     checkpoint_files.verify(folder)
     target = Path(output) if output else folder.parent.parent / "export" / folder.name
     try:  # a manifest proves integrity, not content: whoever wrote the folder may have listed no files
-        weights = _model_state(folder)
-        for names in json.loads((folder / checkpoint_checks.TRAIN_STATE).read_text()).get("tied_parameters", []):
-            held = [weights[name] for name in names if name in weights]
-            for name in names if held else []:  # every name of a tied tensor, as final/ holds them (copies)
-                weights.setdefault(name, held[0])
+        weights = consolidated_weights(folder)
         target.mkdir(parents=True, exist_ok=True)
         save_file(state_files.writable(weights), str(target / "model.safetensors"))
         shutil.copyfile(folder / "config.yaml", target / "config.yaml")
@@ -52,6 +48,17 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
         raise CheckpointError(f"checkpoint {folder} cannot be exported: {type(error).__name__}: {error}") from None
     checkpoint_files.follow_umask(target / "model.safetensors", target / "config.yaml")
     return target
+
+
+def consolidated_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model weights, whole (a sharded one's shards read in this process), under every name of a
+    tied tensor, as final/ holds them."""
+    weights = _model_state(folder)
+    for names in json.loads((folder / checkpoint_checks.TRAIN_STATE).read_text()).get("tied_parameters", []):
+        held = [weights[name] for name in names if name in weights]
+        for name in names if held else []:
+            weights.setdefault(name, held[0])
+    return weights
 
 
 def _checkpoint_folder(source: Path) -> Path:

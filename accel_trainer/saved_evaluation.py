@@ -1,0 +1,155 @@
+"""`accel-trainer evaluate RUN|CHECKPOINT`: the recipe's evaluation of saved weights, printed as training logs it.
+
+    accel-trainer evaluate outputs/gpt/run1                                  # the run's final weights
+    accel-trainer evaluate outputs/gpt/run1/checkpoints/step_00000500        # one checkpoint's
+    accel-trainer evaluate outputs/gpt/run1 max_eval_samples=2000            # config overrides on top
+    accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m accel_trainer evaluate outputs/gpt/run1
+
+A run folder means the weights the run left in final/ (the model it hands on); without them, its newest complete
+checkpoint. The recipe, step and config are the saved ones (a checkpoint's train_state.json and config.yaml),
+key=value overrides on top. The weights are read whole (a sharded checkpoint through export's reader, as
+`accel-trainer export` does) and loaded into the recipe's freshly built model before the layout splits, shards or
+compiles it, so every layout evaluates with the code that evaluates during training (`prepare_run`,
+`evaluate_run`). Nothing is written to the run folder. An EMA's weights are not evaluated here: the model's are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from accel_trainer.checkpoint import checks as checkpoint_checks
+from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint.export import consolidated_weights
+from accel_trainer.checkpoint.files import CheckpointError
+from accel_trainer.checkpoint.save import RunIdentity
+from accel_trainer.config.command_line import parse_command_line
+from accel_trainer.config.train_config import resolve_settings
+from accel_trainer.errors import UserError
+from accel_trainer.evaluation import evaluate_run
+from accel_trainer.observe.metrics import console_line
+from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
+from accel_trainer.parallel.launch_fixes import launched_world_size
+from accel_trainer.prepared_run import prepare_run
+from accel_trainer.registry import get_recipe
+
+# What an evaluation must not do with the saved config: train, resume, keep an EMA of its own, or log anywhere.
+_EVALUATION_ONLY = {"resume": "none", "ema_decay": 0.0, "evaluate_ema": False, "trackers": "", "report": False}
+
+
+@dataclass(frozen=True)
+class SavedWeights:
+    """Weights on disk and what they were trained as."""
+
+    folder: Path  # the checkpoint, or the run's final/
+    recipe_name: str
+    step: int
+    config_file: Path  # the saved config.yaml
+
+    def load(self) -> dict[str, torch.Tensor]:
+        if (self.folder / checkpoint_checks.TRAIN_STATE).is_file():
+            return consolidated_weights(self.folder)
+        return load_file(str(self.folder / "model.safetensors"))
+
+
+def saved_weights(source: Path) -> SavedWeights:
+    """The weights `source` names: a checkpoint folder's, or a run folder's final/ (else its newest checkpoint).
+
+    Raises:
+        CheckpointError: `source` is neither, or holds no complete checkpoint to read the recipe and step from.
+    """
+    if (source / checkpoint_checks.TRAIN_STATE).is_file():
+        checkpoint_files.verify(source)
+        return _from_checkpoint(source, source)
+    if not checkpoint_files.checkpoints_dir(source).is_dir():
+        raise CheckpointError(f"{source} is neither a run folder nor a checkpoint folder; name one of them")
+    newest = checkpoint_files.newest_valid_checkpoint(source)
+    if newest is None:
+        raise CheckpointError(f"run folder {source} has no complete checkpoint, so its recipe and step are unknown")
+    final = source / "final"
+    return _from_checkpoint(newest, final if (final / "model.safetensors").is_file() else newest)
+
+
+def _from_checkpoint(checkpoint: Path, weights: Path) -> SavedWeights:
+    state = json.loads((checkpoint / checkpoint_checks.TRAIN_STATE).read_text())
+    return SavedWeights(weights, state["recipe"], state["step"], weights / "config.yaml")
+
+
+def evaluate_saved(source: str | Path, **overrides: Any) -> dict[str, float]:
+    """The recipe's eval metrics of the weights `source` names, on this process's layout (or this launcher's),
+    printed on the main process as training's evaluation line; `overrides` are config values, as `at.train`'s.
+
+    Raises:
+        UserError: the folder, the recipe, an override or the layout is wrong, the weights do not fit the
+            recipe's model, or the recipe builds no eval set.
+    """
+    saved = saved_weights(Path(source))
+    recipe_cls = get_recipe(saved.recipe_name)
+    with tempfile.TemporaryDirectory(prefix="accel-trainer-evaluate-") as scratch:  # a run folder nothing writes to
+        values = {**overrides, **_EVALUATION_ONLY, "output_dir": scratch}
+        cfg, layout = resolve_settings(recipe_cls.Config, saved.config_file, values, launch_settings_file())
+        accelerator = build_accelerator(cfg, layout)
+        recipe = recipe_cls(cfg)
+        recipe.build_model = _loading(recipe.build_model, saved)  # type: ignore[method-assign]
+        run = prepare_run(recipe, RunIdentity(saved.recipe_name, cfg, layout), accelerator, Path(scratch))
+        if run.data.eval_set is None:
+            raise UserError(f"recipe {saved.recipe_name} builds no eval set (build_datasets): nothing to evaluate")
+        started = time.perf_counter()
+        scores = evaluate_run(run)
+        seconds = time.perf_counter() - started
+    if accelerator.is_main_process:
+        print(f"evaluated {saved.folder} ({saved.recipe_name}, step {saved.step})")
+        print(console_line({"step": saved.step, **scores, "eval/seconds": seconds}), flush=True)
+    accelerator.end_training()
+    return scores
+
+
+def _loading(build_model: Any, saved: SavedWeights) -> Any:
+    """The recipe's `build_model`, with the saved weights loaded into what it builds."""
+
+    def build_saved_model(cfg: Any) -> Any:
+        model = build_model(cfg)
+        try:
+            weights = saved.load()
+        except (OSError, SafetensorError, ValueError, KeyError) as error:
+            raise CheckpointError(f"{saved.folder} cannot be read: {type(error).__name__}: {error}") from None
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as error:  # missing, unexpected or misshapen tensors: the first line names them
+            raise CheckpointError(
+                f"the weights in {saved.folder} do not fit recipe {saved.recipe_name}'s model as this config builds"
+                f" it: {str(error).splitlines()[-1].strip()}"
+            ) from None
+        return model
+
+    return build_saved_model
+
+
+def main(arguments: list[str]) -> None:
+    """`accel-trainer evaluate SOURCE [key=value | --key value ...]`: exit status 0, or 2 with a one-line error."""
+    status = 0
+    try:
+        if not arguments or arguments[0].startswith("-"):
+            raise UserError("usage: accel-trainer evaluate RUN_FOLDER|CHECKPOINT [key=value | --key value ...]")
+        line = parse_command_line(arguments[1:])
+        if line.config_file or line.print_config:
+            raise UserError("evaluate takes key=value overrides only: the config is the one saved with the weights")
+        evaluate_saved(arguments[0], **line.overrides)
+    except UserError as error:
+        sys.stderr.write(f"accel-trainer: error: {error}\n")
+        status = 2
+    if (launched_world_size() or 1) > 1:  # as run.main: a multi-process run ends once everything is flushed
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    raise SystemExit(status)
