@@ -1,6 +1,8 @@
-"""The `accel-trainer` command: `list` the registered recipes, `train` one with key=value overrides.
+"""The `accel-trainer` command: `list` the recipes and layouts, `train` a recipe with key=value overrides, and more.
 
-accel-trainer list
+accel-trainer list                                       # recipes and layouts, from any folder
+accel-trainer cp gpt my_gpt.py                           # a shipped recipe (or layout) to edit
+accel-trainer train ./my_gpt.py max_steps=200            # a recipe file, or a name
 accel-trainer new my_recipe                              # recipes/my_recipe.py from the template, ready to run
 accel-trainer train vae max_steps=200
 accel-trainer evaluate outputs/vae/<run>                # the eval metrics of its final weights
@@ -34,7 +36,13 @@ def main(argv: list[str] | None = None) -> None:
 def _main(arguments: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="accel-trainer", description="Train registered recipes.")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="print the registered recipes with a one-line description each")
+    commands.add_parser("list", help="print the recipes and the shipped layouts with a one-line description each")
+    copier = commands.add_parser(
+        "cp",
+        help="copy a shipped recipe or layout to edit it: accel-trainer cp gpt my_gpt.py, accel-trainer cp cpu_fsdp .",
+    )
+    copier.add_argument("name", help="a shipped recipe's name or a shipped layout's name (accel-trainer list)")
+    copier.add_argument("destination", help="a new file (my_gpt.py, my_fsdp.yaml) or an existing folder")
     _add_train_parser(commands)
     creator = commands.add_parser("new", help="write a new recipe file from the template (a small MLP on digits)")
     creator.add_argument("name", help="the recipe's name: lower-case letters, digits, underscores")
@@ -81,7 +89,19 @@ def _main(arguments: list[str]) -> None:
 def _run_command(known: argparse.Namespace) -> None:
     """Run a command other than `train`, importing only what it needs."""
     if known.command == "list":
-        _print_recipes()
+        print("recipes (accel-trainer train NAME key=value ...; accel-trainer cp NAME my_NAME.py to edit one):")
+        _print_recipes(indent="  ")
+        _print_layouts()
+    elif known.command == "cp":
+        from accel_trainer.shipped import copy_shipped
+
+        written = copy_shipped(known.name, known.destination)
+        how = (
+            f"train it with: accel-trainer train {written[0]} (or python {written[0]})"
+            if written[0].suffix == ".py"
+            else f"launch with: accelerate launch --config_file {written[0]} -m accel_trainer train RECIPE"
+        )
+        print(f"copied {known.name} to {', '.join(map(str, written))}; {how}")
     elif known.command == "new":
         from accel_trainer.new_recipe import write_new_recipe
 
@@ -113,6 +133,17 @@ def _print_recipes(indent: str = "") -> None:
     width = max((len(name) for name in recipes), default=0)
     for name, recipe_cls in recipes.items():
         print(f"{indent}{name:<{width}}  {describe(recipe_cls)}")
+
+
+def _print_layouts() -> None:
+    """Each shipped layout with the first line of its comment, and where the files are."""
+    from accel_trainer.shipped import describe_layout, layouts, layouts_folder
+
+    shipped = layouts()
+    width = max((len(name) for name in shipped), default=0)
+    print(f"\nlayouts (accelerate launch --config_file {layouts_folder()}/NAME.yaml -m accel_trainer train RECIPE):")
+    for name, path in shipped.items():
+        print(f"  {name:<{width}}  {describe_layout(path)}")
 
 
 class _TrainHelp(argparse.Action):

@@ -1,8 +1,8 @@
 """Recipe registry: names to recipe classes, filled three ways.
 
 1. `@register_recipe("name")` on a `Recipe` subclass, in any module or script.
-2. Modules in a `recipes/` folder (the one beside this package in a source checkout, and `./recipes`) are
-   imported on demand, which runs their decorators.
+2. The shipped recipe files (shipped.py finds them in a checkout or an installed package) and those in
+   `./recipes` are imported on demand, which runs their decorators; `train ./file.py` imports that file.
 3. Installed packages declare an entry point in the group `accel_trainer.recipes` whose value is a module
    (registering on import) or a `Recipe` class (registered under the entry point's name).
 
@@ -26,9 +26,9 @@ from typing import TypeVar
 
 from accel_trainer.errors import RecipeError
 from accel_trainer.recipe import Recipe
+from accel_trainer.shipped import recipes_folder
 
 ENTRY_POINT_GROUP = "accel_trainer.recipes"
-_PACKAGE_CHECKOUT_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 _recipes: dict[str, type[Recipe]] = {}
 _discovered = False
@@ -74,6 +74,30 @@ def get_recipe(name: str) -> type[Recipe]:
     return _recipes[name]
 
 
+def recipe_name_of(name_or_file: str) -> str:
+    """A recipe's name, or the name of the one recipe a `.py` file registers (`train ./my_gpt.py`), which imports it.
+
+    Raises:
+        RecipeError: the file does not exist, or registers no recipe or several.
+    """
+    if not name_or_file.endswith(".py"):
+        return name_or_file
+    path = Path(name_or_file).resolve()
+    if not path.is_file():
+        raise RecipeError(f"recipe file {name_or_file} does not exist")
+    _import_file(path)
+    names = [name for name, cls in _recipes.items() if _defined_in(cls, path)]
+    if len(names) != 1:
+        found = f"registers {', '.join(names)}: train one by name" if names else "registers no recipe"
+        raise RecipeError(f'{name_or_file} {found} (@at.register_recipe("name") on a Recipe class)')
+    return names[0]
+
+
+def _defined_in(recipe_cls: type[Recipe], path: Path) -> bool:
+    module_file = getattr(sys.modules.get(recipe_cls.__module__), "__file__", None)
+    return module_file is not None and Path(module_file).resolve() == path
+
+
 def registered_recipes() -> dict[str, type[Recipe]]:
     """Every recipe, after discovery, sorted by name."""
     discover_recipes()
@@ -111,7 +135,7 @@ def discover_recipes(folders: list[Path] | None = None) -> None:
 
 
 def _default_folders() -> list[Path]:
-    folders = [_PACKAGE_CHECKOUT_RECIPES, Path.cwd() / "recipes"]
+    folders = [recipes_folder(), Path.cwd() / "recipes"]
     unique: list[Path] = []
     for folder in folders:
         if folder.is_dir() and folder.resolve() not in [f.resolve() for f in unique]:

@@ -40,7 +40,7 @@ from accel_trainer.observe.trackers import check_trackers
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launched_world_size
 from accel_trainer.processes import launch_processes
-from accel_trainer.registry import describe, get_recipe
+from accel_trainer.registry import describe, get_recipe, recipe_name_of
 from accel_trainer.stopping.signals import EXIT_PREEMPTED, Preempted, stop_signals_caught
 from accel_trainer.warning_lines import show_our_warnings_as_one_line
 
@@ -64,7 +64,7 @@ def train(
     """Train a registered recipe in this process (or this launcher's process group), or on N new processes.
 
     Args:
-        recipe_name: a name from `accel-trainer list`.
+        recipe_name: a name from `accel-trainer list`, or a recipe file's path (`"./my_gpt.py"`).
         config_file: optional YAML file of config values, applied before the overrides.
         num_processes: from a script or a notebook that was not launched, start this many processes (N GPUs
             when there are, gloo on the CPU otherwise) the way accelerate's `notebook_launcher` does, and
@@ -81,6 +81,7 @@ def train(
         UserError: for an unknown recipe, a bad config value or a layout that is not what it claims.
     """
     show_our_warnings_as_one_line()
+    recipe_name = recipe_name_of(recipe_name)
     if num_processes is not None and num_processes != (launched_world_size() or 1):
         resolve_config(get_recipe(recipe_name).Config, config_file, overrides)  # fail here, before any process
         metrics, run_dir = launch_processes(train, recipe_name, num_processes, config_file, overrides)
@@ -157,6 +158,7 @@ def _command_status(recipe_name: str, arguments: list[str]) -> int | None:
     is_rank_zero = int(os.environ.get("RANK", "0")) == 0
     show_our_warnings_as_one_line()
     try:
+        recipe_name = recipe_name_of(recipe_name)  # `train ./my_gpt.py`: the recipe that file registers
         if "--help" in arguments or "-h" in arguments:  # before reading the rest: help for a command gone wrong
             _print_help(recipe_name)
             return None

@@ -77,12 +77,13 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_command(
-    args: list[str], *, env: dict[str, str] | None = None, check: bool = True
+    args: list[str], *, env: dict[str, str] | None = None, check: bool = True, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:
-    """Run a launcher under a hard timeout; on an unexpected exit status show its output."""
+    """Run a launcher under a hard timeout (in the checkout unless `cwd`); on an unexpected exit status show its
+    output."""
     result = subprocess.run(
         [str(a) for a in args],
-        cwd=REPO,
+        cwd=cwd,
         env=env or clean_env(),
         capture_output=True,
         text=True,

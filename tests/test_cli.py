@@ -30,7 +30,7 @@ def one_line_error(capsys) -> str:
 def test_list_prints_each_recipe_with_its_one_line_description(capsys):
     cli.main(["list"])
     lines = capsys.readouterr().out.splitlines()
-    vae_lines = [line for line in lines if line.split()[0] == "vae"]
+    vae_lines = [line for line in lines if line.split()[:1] == ["vae"]]
     assert len(vae_lines) == 1
     description = describe(get_recipe("vae"))
     assert description  # every recipe documents itself

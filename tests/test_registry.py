@@ -274,7 +274,7 @@ def test_the_checkout_recipes_folder_is_discovered_with_one_recipe_per_file():
 
 
 def test_default_discovery_includes_the_checkout_recipes_folder():
-    assert registry._PACKAGE_CHECKOUT_RECIPES.resolve() == RECIPES_DIR
+    assert registry.recipes_folder().resolve() == RECIPES_DIR
     assert "vae" in at.registered_recipes()
 
 
