@@ -46,7 +46,7 @@ def layouts() -> dict[str, Path]:
 
 def describe_layout(path: Path, width: int = 100) -> str:
     """The first sentence of a layout file's opening comment, without its `Layout:` lead, at most `width` long."""
-    lines = []
+    lines: list[str] = []
     for line in path.read_text().splitlines():
         if not line.startswith("#") or (lines and line.startswith("#  ")):  # the comment's end, or an example
             break
