@@ -76,7 +76,7 @@ def _main(arguments: list[str]) -> None:
         known = parser.parse_args(arguments[:2])
         from accel_trainer.run import main as run_recipe
 
-        run_recipe(known.recipe, arguments[2:])
+        run_recipe(known.recipe, arguments[2:], program=["-m", "accel_trainer", "train", known.recipe])
         return
     known = parser.parse_args(arguments)
     try:

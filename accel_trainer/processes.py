@@ -75,6 +75,8 @@ def launch_processes(
                     args=(train, recipe_name, config_file, overrides, scratch),
                     num_processes=num_processes,
                     use_port=str(free_port()),
+                    # it sets the workers' precision itself: a layout's (layout=, in this environment) goes through
+                    mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
                 )
         except Exception as launch_error:  # noqa: BLE001 - replaced by the worker's own exception
             if _is_signal(launch_error, signal.SIGINT) and not list(Path(scratch).glob("error_rank*.json")):

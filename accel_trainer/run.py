@@ -33,12 +33,13 @@ from accel_trainer.config.train_config import (
     resolve_config,
     resolve_settings,
 )
-from accel_trainer.errors import UserError, describe_crash
+from accel_trainer.errors import ConfigError, LayoutError, UserError, describe_crash
 from accel_trainer.loop import train_loop
 from accel_trainer.observe.breadcrumb import where
 from accel_trainer.observe.trackers import check_trackers
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launched_world_size
+from accel_trainer.parallel.layout_file import apply_layout, launch_layout, layout_environment, read_layout
 from accel_trainer.processes import launch_processes
 from accel_trainer.registry import describe, get_recipe, recipe_name_of
 from accel_trainer.stopping.signals import EXIT_PREEMPTED, Preempted, stop_signals_caught
@@ -59,6 +60,7 @@ def train(
     config_file: str | Path | None = None,
     num_processes: int | None = None,
     keep_process_group: bool = False,
+    layout: str | Path | None = None,
     **overrides: Any,
 ) -> TrainResult:
     """Train a registered recipe in this process (or this launcher's process group), or on N new processes.
@@ -72,6 +74,9 @@ def train(
         keep_process_group: for a script that trains several runs in one launch (a sweep, the test suite's
             scenario workers): the launcher's process group stays up for the next `train`, which then trains
             exactly as in a fresh launch (tests/layouts/test_scenario_launches.py). By default the run ends the group.
+        layout: an accelerate config file or a shipped layout's name (`"cpu_fsdp"`), applied as `accelerate
+            launch --config_file` would (parallel/layout_file.py): in a launched worker, to this process; else
+            on the layout's processes, started as `num_processes` starts them.
         **overrides: config values, typed (`max_steps=100`) or as strings (`max_steps="100"`).
 
     Returns:
@@ -82,6 +87,16 @@ def train(
     """
     show_our_warnings_as_one_line()
     recipe_name = recipe_name_of(recipe_name)
+    if layout is not None:
+        spec = read_layout(str(layout))
+        if launched_world_size() is not None:
+            apply_layout(spec, launched_world_size())
+        else:  # the layout's processes, forked with its variables (the next run here starts without them)
+            if num_processes not in (None, spec.num_processes):
+                raise LayoutError(f"num_processes={num_processes} beside layout={layout} of {spec.num_processes}")
+            with layout_environment(spec):
+                return train(recipe_name, config_file=config_file, num_processes=spec.num_processes,
+                             keep_process_group=keep_process_group, **overrides)  # fmt: skip
     if num_processes is not None and num_processes != (launched_world_size() or 1):
         resolve_config(get_recipe(recipe_name).Config, config_file, overrides)  # fail here, before any process
         metrics, run_dir = launch_processes(train, recipe_name, num_processes, config_file, overrides)
@@ -131,7 +146,7 @@ def _train_here(
     return TrainResult(metrics=metrics, run_dir=run_dir)
 
 
-def main(recipe_name: str, argv: list[str] | None = None) -> None:
+def main(recipe_name: str, argv: list[str] | None = None, program: list[str] | None = None) -> None:
     """Command-line entry for a recipe script: `[--config FILE] [--print-config] [--help] key=value ...`.
 
     Errors the user can fix are printed as one line (exit status 2); a crash in recipe code shows the recipe's
@@ -143,7 +158,7 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
     the non-finite guard ("terminate called without an active exception", SIGABRT instead of exit 2).
     """
     with stop_signals_caught():  # first: a signal at any later moment is a checkpoint, not a death
-        status = _command_status(recipe_name, list(sys.argv[1:] if argv is None else argv))
+        status = _command_status(recipe_name, list(sys.argv[1:] if argv is None else argv), program or [sys.argv[0]])
         if status is None:  # --help
             return
         if (launched_world_size() or 1) > 1:
@@ -153,8 +168,9 @@ def main(recipe_name: str, argv: list[str] | None = None) -> None:
     raise SystemExit(status)  # called in-process (tests): the caller's signal handlers are back
 
 
-def _command_status(recipe_name: str, arguments: list[str]) -> int | None:
-    """Run the command; its exit status (None for --help), each failure said as `main` describes."""
+def _command_status(recipe_name: str, arguments: list[str], program: list[str]) -> int | None:
+    """Run the command; its exit status (None for --help), each failure said as `main` describes. `program`:
+    how a launcher starts this command's workers (the script, or `-m accel_trainer train NAME`)."""
     is_rank_zero = int(os.environ.get("RANK", "0")) == 0
     show_our_warnings_as_one_line()
     try:
@@ -162,11 +178,24 @@ def _command_status(recipe_name: str, arguments: list[str]) -> int | None:
         if "--help" in arguments or "-h" in arguments:  # before reading the rest: help for a command gone wrong
             _print_help(recipe_name)
             return None
-        line = parse_command_line(arguments)
+        words, launcher_options = _split_at_double_dash(arguments)
+        line = parse_command_line(words)
+        layout = line.overrides.pop("layout", None)
+        if layout is None and launcher_options:
+            raise ConfigError(f"launcher options after -- ({' '.join(launcher_options)}) need a layout=NAME|FILE")
+        spec = read_layout(layout) if layout is not None else None
+        if spec is not None and launched_world_size() is None:
+            if not line.print_config:
+                return launch_layout(spec, [*program, *words], launcher_options)  # its workers apply it
+            with layout_environment(spec):
+                _print_config(recipe_name, line, is_rank_zero)
+            return 0
+        if spec is not None:
+            apply_layout(spec, launched_world_size())
         if line.print_config:
             _print_config(recipe_name, line, is_rank_zero)
             return 0
-        result = _train_here(recipe_name, line.config_file, line.overrides)  # the launcher set the layout
+        result = _train_here(recipe_name, line.config_file, line.overrides)  # the launcher (or layout=) set the layout
         if is_rank_zero:
             print(f"run folder: {result.run_dir}", flush=True)  # flushed where a closed stdout is caught
         status = 0
@@ -195,6 +224,14 @@ def _command_status(recipe_name: str, arguments: list[str]) -> int | None:
             print(f"accel-trainer: rank {rank}: {type(error).__name__}: {error}", file=sys.stderr)
         status = 1
     return status
+
+
+def _split_at_double_dash(arguments: list[str]) -> tuple[list[str], list[str]]:
+    """The command's own words, and the launcher options after `--` (`layout=cpu_ddp -- --main_process_port 29600`)."""
+    if "--" not in arguments:
+        return arguments, []
+    index = arguments.index("--")
+    return arguments[:index], arguments[index + 1 :]
 
 
 def _is_lost_peer(error: BaseException) -> bool:

@@ -31,6 +31,7 @@ from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.errors import ConfigError, LayoutError
 from accel_trainer.parallel import launch_fixes
 from accel_trainer.parallel.compiling import dynamo_plugin
+from accel_trainer.parallel.layout_file import layout_path_from_environment
 from accel_trainer.parallel.mesh import DataRanks, set_up_mesh
 from accel_trainer.parallel.pipeline.stages import Pipeline
 
@@ -172,8 +173,9 @@ def warn_about_ineffective_settings(cfg: TrainConfig, layout: LayoutSettings, ac
 
 
 def launch_settings_file() -> Path | None:
-    """The settings file of the accelerate config this process was launched with, if there is one."""
-    config = launch_fixes.launch_config_path()
+    """The settings file of the accelerate config this process was launched with (or that `layout=` named), if there
+    is one."""
+    config = layout_path_from_environment() or launch_fixes.launch_config_path()
     if config is None:
         return None
     settings = settings_file_of(config)

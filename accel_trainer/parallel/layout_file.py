@@ -1,0 +1,143 @@
+"""`layout=NAME|FILE`: an accelerate config applied in the worker itself, so that every launcher gets the layout.
+
+`accelerate launch --config_file F` turns F into environment variables for its workers (FSDP options, mixed
+precision, the parallelism sizes, dynamo) before it starts them; torchrun, a SLURM srun, a Kubernetes job, Ray
+Train or a plain `python` start workers without them, which then train with DDP at most. With `layout=F` (a
+file, or a shipped layout's name: shipped.find_layout) each worker computes those variables itself with
+accelerate's own launch code (`launch_command_parser`, `_validate_launch_command`, `prepare_multi_gpu_env`, the
+functions `accelerate launch` runs) and sets them before its Accelerator is built, and names the file in
+ACCEL_TRAINER_LAYOUT so its settings companion (`F.settings.yaml`) is read too. Under `accelerate launch` with
+the same file the variables are already there; with another file that disagrees, the run is refused in one line.
+
+Not under any launcher, `accel-trainer train NAME layout=F` (or `python recipe.py layout=F`) starts F's
+processes itself with accelerate's launcher, as `accelerate launch --config_file F [options after --] ...
+layout=F` would (`launch_layout`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from accel_trainer.errors import LayoutError
+from accel_trainer.shipped import find_layout
+
+LAYOUT_VARIABLE = "ACCEL_TRAINER_LAYOUT"
+# The launcher's own business, not the layout's: threads per process, and the rendezvous it already made.
+_LAUNCHER_OWNED = ("OMP_NUM_THREADS", "KMP_AFFINITY", "KMP_BLOCKTIME", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """An accelerate config file and what `accelerate launch` would start from it."""
+
+    path: Path
+    num_processes: int
+    environment: dict[str, str]  # the variables its workers get
+
+
+def read_layout(name_or_file: str) -> Layout:
+    """The layout `layout=` names, read with accelerate's launch code.
+
+    Raises:
+        ConfigError: no such file or shipped layout.
+        LayoutError: accelerate cannot read the file as a launch config.
+    """
+    path = find_layout(name_or_file).resolve()
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    launch_logger = logging.getLogger("accelerate.commands.launch")
+    level = launch_logger.level
+    launch_logger.setLevel(logging.ERROR)  # its advice on values the file leaves out is for interactive launches
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            words = ["--config_file", str(path), "--main_process_port", "0", "layout"]
+            args, _, _ = _validate_launch_command(launch_command_parser().parse_args(words))
+            several = (args.use_fsdp or args.multi_gpu or args.use_megatron_lm) and not args.cpu
+            environment = prepare_multi_gpu_env(args) if several else prepare_simple_launcher_cmd_env(args)[1]
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, SystemExit) as error:
+        raise LayoutError(f"layout {path} is not an accelerate config accelerate can launch: {error}") from None
+    finally:
+        launch_logger.setLevel(level)
+    added = {
+        key: value
+        for key, value in environment.items()
+        if os.environ.get(key) != value and key not in _LAUNCHER_OWNED and key != "PYTHONPATH"
+    }
+    return Layout(path, int(args.num_processes or 1), added)
+
+
+def apply_layout(layout: Layout, launched_processes: int | None) -> None:
+    """Set the layout's variables in this worker before the Accelerator is built.
+
+    Raises:
+        LayoutError: the launcher started another number of processes, or its accelerate config set a variable
+            to another value.
+    """
+    if launched_processes is not None and launched_processes != layout.num_processes:
+        raise LayoutError(
+            f"layout={layout.path.name} is {layout.num_processes} process(es) but this launch started"
+            f" {launched_processes}: start {layout.num_processes} (torchrun --nproc_per_node, srun --ntasks, ...) or"
+            " choose a layout of that size"
+        )
+    for key, value in layout.environment.items():
+        if key in os.environ and launched_processes is not None:
+            raise LayoutError(
+                f"the launcher set {key}={os.environ[key]} and layout={layout.path.name} says {value}: launch with"
+                f" --config_file {layout.path} or leave layout= out"
+            )
+    os.environ.update(layout.environment)
+    os.environ[LAYOUT_VARIABLE] = str(layout.path)
+
+
+@contextlib.contextmanager
+def layout_environment(layout: Layout) -> Iterator[None]:
+    """The layout's variables for a run that no launcher started (`at.train(layout=...)` in a notebook, whose
+    forked workers inherit them), put back as they were afterwards so the next run starts clean."""
+    changed = {**layout.environment, LAYOUT_VARIABLE: str(layout.path)}
+    before = {key: os.environ.get(key) for key in changed}
+    os.environ.update(changed)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def launch_layout(layout: Layout, program: list[str], launcher_options: list[str]) -> int:
+    """Run `accelerate launch --config_file <layout> [launcher_options] <program>` in this process (accelerate's
+    own launcher: torchrun's agent for several processes); the workers' exit status. A worker's failure is its
+    own one-line error: the launcher's report of it (a ChildFailedError traceback) is not repeated."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = launch_command_parser().parse_args(["--config_file", str(layout.path), *launcher_options, *program])
+    elastic_log = logging.getLogger("torch.distributed.elastic")
+    level = elastic_log.level
+    elastic_log.setLevel(logging.CRITICAL)
+    try:
+        launch_command(args)
+    except ChildFailedError as failed:
+        return failed.get_first_failure()[1].exitcode or 1
+    except subprocess.CalledProcessError as failed:  # the one-process launcher
+        return failed.returncode
+    finally:
+        elastic_log.setLevel(level)
+    return 0
+
+
+def layout_path_from_environment() -> Path | None:
+    """The layout file a `layout=` in this process (or in the command that launched it) named."""
+    value = os.environ.get(LAYOUT_VARIABLE)
+    return Path(value) if value else None

@@ -1,0 +1,88 @@
+"""`layout=NAME|FILE` travels with the run: a worker that torchrun (or srun, a Kubernetes job, Ray) started reads
+the accelerate config itself and trains exactly as under `accelerate launch --config_file`, which
+`accel-trainer train NAME layout=L` runs when no launcher started it (parallel/layout_file.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import accel_trainer as at
+from accel_trainer import LayoutError
+from accel_trainer.parallel.layout_file import LAYOUT_VARIABLE, apply_layout, layout_environment, read_layout
+from conftest import REPO, clean_env, final_parameters, free_port, read_metrics, run_command
+
+TINY_GPT = ["n_layer=2", "d_model=32", "n_head=2", "block_size=32", "max_steps=3", "max_source_bytes=100000",
+            "eval_every_steps=0", "show_progress_bar=false", "report=false"]  # fmt: skip
+
+
+def train_with(launcher: str, layout: str, out) -> str:
+    words = ["gpt", f"layout={layout}", f"output_dir={out}", *TINY_GPT]
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), "-m", "accel_trainer", "train", *words]  # fmt: skip
+    else:  # accel-trainer starts the layout's processes through accelerate's launcher
+        command = [
+            sys.executable,
+            "-m",
+            "accel_trainer",
+            "train",
+            *words,
+            "--",
+            "--main_process_port",
+            str(free_port()),
+        ]
+    return run_command(command, env=clean_env()).stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("layout", "shown"), [("cpu_fsdp", "FSDP2"), ("cpu_tp", "tensor parallel"),
+                                               ("cpu_pp", "pipeline parallel")])  # fmt: skip
+def test_torchrun_with_layout_trains_bitwise_as_accelerate_launch_of_that_config(tmp_path, layout, shown):
+    train_with("accel-trainer", layout, tmp_path / "accelerate")
+    printed = train_with("torchrun", layout, tmp_path / "torchrun")
+
+    launched, torchrun = (final_parameters(tmp_path / name) for name in ("accelerate", "torchrun"))
+    assert launched.keys() == torchrun.keys() and all(torch.equal(torchrun[k], launched[k]) for k in launched)
+    losses = [[r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r] for name in ("accelerate", "torchrun")]
+    assert losses[0] == losses[1] and len(losses[0]) == 1
+    assert f"layout: 2 process(es) on cpu, {shown}" in printed  # torchrun alone would have been DDP
+
+
+def test_a_layout_reads_as_accelerate_launch_would_set_its_workers_variables():
+    fsdp, hsdp = read_layout("cpu_fsdp"), read_layout(str(REPO / "accelerate_configs" / "cpu_hsdp.yaml"))
+
+    assert fsdp.num_processes == 2 and fsdp.environment["ACCELERATE_USE_FSDP"] == "true"
+    assert fsdp.environment["FSDP_VERSION"] == "2"
+    assert hsdp.num_processes == 4 and hsdp.environment["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"] == "2"
+    assert "MASTER_PORT" not in fsdp.environment and "OMP_NUM_THREADS" not in fsdp.environment
+
+
+def test_a_launch_of_another_size_or_with_another_config_is_a_one_line_refusal(monkeypatch):
+    fsdp = read_layout("cpu_fsdp")
+    with pytest.raises(LayoutError, match=r"layout=cpu_fsdp.yaml is 2 process\(es\) but this launch started 4"):
+        apply_layout(fsdp, launched_processes=4)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    with pytest.raises(
+        LayoutError, match="the launcher set ACCELERATE_USE_FSDP=false and layout=cpu_fsdp.yaml says true"
+    ):
+        apply_layout(fsdp, launched_processes=2)
+
+
+def layout_variables() -> dict[str, str]:
+    return {
+        k: v for k, v in os.environ.items() if k.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_", LAYOUT_VARIABLE))
+    }
+
+
+def test_a_run_no_launcher_started_gets_the_layout_and_the_next_run_starts_without_it(tmp_path):
+    before = layout_variables()
+    with layout_environment(read_layout("cpu_fsdp")):
+        assert os.environ["ACCELERATE_USE_FSDP"] == "true" and os.environ[LAYOUT_VARIABLE].endswith("cpu_fsdp.yaml")
+    assert layout_variables() == before
+
+    result = at.train("mlp", layout="cpu", max_steps=2, output_dir=str(tmp_path), show_progress_bar=False, report=False)
+    assert result.metrics["step"] == 2 and layout_variables() == before
