@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
         _main(list(sys.argv[1:] if argv is None else argv))
 
 
-def _main(arguments: list[str]) -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command's parser: its commands and their arguments."""
     parser = argparse.ArgumentParser(prog="accel-trainer", description="Train registered recipes.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="print the recipes and the shipped layouts with a one-line description each")
@@ -67,6 +68,11 @@ def _main(arguments: list[str]) -> None:
     )
     evaluator.add_argument("source", help="a run folder (its final weights) or a checkpoint folder")
     _add_doctor_parser(commands)
+    return parser
+
+
+def _main(arguments: list[str]) -> None:
+    parser = _parser()
     if arguments[:1] == ["evaluate"] and not {"-h", "--help"} & set(arguments):
         from accel_trainer.saved_evaluation import main as evaluate_main
 
@@ -118,7 +124,10 @@ def _run_command(known: argparse.Namespace) -> None:
     elif known.command == "doctor":
         from accel_trainer.doctor.command import doctor
 
-        raise SystemExit(doctor(known.config_file, known.timeout_s))
+        if known.layout is not None and not known.layout.startswith("layout="):
+            raise UserError(f"doctor takes layout=NAME|FILE or --config_file FILE, not {known.layout!r}")
+        layout = known.layout.removeprefix("layout=") if known.layout else None
+        raise SystemExit(doctor(layout or known.config_file, known.timeout_s))
     else:
         from accel_trainer.checkpoint.export import export
 
@@ -185,6 +194,7 @@ def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:
         " world size, an all-reduce, a broadcast and device placement, one line each. Exit status 0: all passed;"
         " 1: a check failed (its line says the fix); 2: the config file is missing or not an accelerate config.",
     )
+    checker.add_argument("layout", nargs="?", help="layout=NAME|FILE: the same as --config_file NAME|FILE")
     checker.add_argument(
         "--config_file",
         help="the accelerate config to check (default: accelerate_configs/"

@@ -33,7 +33,7 @@ from accel_trainer.config.train_config import (
     resolve_config,
     resolve_settings,
 )
-from accel_trainer.errors import ConfigError, LayoutError, UserError, describe_crash
+from accel_trainer.errors import LayoutError, UserError, describe_crash
 from accel_trainer.loop import train_loop
 from accel_trainer.observe.breadcrumb import where
 from accel_trainer.observe.trackers import check_trackers
@@ -178,20 +178,11 @@ def _command_status(recipe_name: str, arguments: list[str], program: list[str]) 
         if "--help" in arguments or "-h" in arguments:  # before reading the rest: help for a command gone wrong
             _print_help(recipe_name)
             return None
-        words, launcher_options = _split_at_double_dash(arguments)
-        line = parse_command_line(words)
-        layout = line.overrides.pop("layout", None)
-        if layout is None and launcher_options:
-            raise ConfigError(f"launcher options after -- ({' '.join(launcher_options)}) need a layout=NAME|FILE")
-        spec = read_layout(layout) if layout is not None else None
-        if spec is not None and launched_world_size() is None:
-            if not line.print_config:
-                return launch_layout(spec, [*program, *words], launcher_options)  # its workers apply it
-            with layout_environment(spec):
-                _print_config(recipe_name, line, is_rank_zero)
-            return 0
-        if spec is not None:
-            apply_layout(spec, launched_world_size())
+        line = parse_command_line(arguments)
+        words = arguments[: arguments.index("--")] if line.launcher_options else arguments
+        answered = _layout_command(recipe_name, line, [*program, *words], is_rank_zero)
+        if answered is not None:
+            return answered
         if line.print_config:
             _print_config(recipe_name, line, is_rank_zero)
             return 0
@@ -226,12 +217,20 @@ def _command_status(recipe_name: str, arguments: list[str], program: list[str]) 
     return status
 
 
-def _split_at_double_dash(arguments: list[str]) -> tuple[list[str], list[str]]:
-    """The command's own words, and the launcher options after `--` (`layout=cpu_ddp -- --main_process_port 29600`)."""
-    if "--" not in arguments:
-        return arguments, []
-    index = arguments.index("--")
-    return arguments[:index], arguments[index + 1 :]
+def _layout_command(recipe_name: str, line: CommandLine, command: list[str], is_rank_zero: bool) -> int | None:
+    """`layout=` (parallel/layout_file.py): not launched, start the layout's processes running `command` (or print
+    the config it would give them) and return the exit status; in a launched worker, apply it and return None."""
+    if line.layout is None:
+        return None
+    spec = read_layout(line.layout)
+    if launched_world_size() is not None:
+        apply_layout(spec, launched_world_size())
+        return None
+    if not line.print_config:
+        return launch_layout(spec, command, line.launcher_options)  # its workers apply it
+    with layout_environment(spec):
+        _print_config(recipe_name, line, is_rank_zero, f"{spec.num_processes} process(es) of {spec.path.name}")
+    return 0
 
 
 def _is_lost_peer(error: BaseException) -> bool:
@@ -252,7 +251,7 @@ def _print_help(recipe_name: str) -> None:
     print(describe_fields(LayoutSettings), flush=True)  # flushed where a closed stdout is caught
 
 
-def _print_config(recipe_name: str, line: CommandLine, is_rank_zero: bool) -> None:
+def _print_config(recipe_name: str, line: CommandLine, is_rank_zero: bool, processes: str | None = None) -> None:
     """`--print-config`: the values a run of this command would train with, as YAML that `--config` reads back."""
     layout_file = launch_settings_file()
     cfg, layout = resolve_settings(get_recipe(recipe_name).Config, line.config_file, line.overrides, layout_file)
@@ -260,9 +259,10 @@ def _print_config(recipe_name: str, line: CommandLine, is_rank_zero: bool) -> No
         return
     sources = " < ".join(["defaults", *([str(layout_file)] if layout_file else []),
                           *([line.config_file] if line.config_file else []), "the command's overrides"])  # fmt: skip
-    processes = launched_world_size()
-    launched = f"{processes} processes of this launch" if processes else "1 process (not launched)"
-    print(f"# {recipe_name}: what this command would train with ({sources}), on {launched}")
+    if processes is None:
+        launched = launched_world_size()
+        processes = f"{launched} processes of this launch" if launched else "1 process (not launched)"
+    print(f"# {recipe_name}: what this command would train with ({sources}), on {processes}")
     print(config_to_yaml(cfg), end="")
     print("# layout settings")
     print(layout_to_yaml(layout), end="", flush=True)

@@ -3,6 +3,7 @@
     accel-trainer evaluate outputs/gpt/run1                                  # the run's final weights
     accel-trainer evaluate outputs/gpt/run1/checkpoints/step_00000500        # one checkpoint's
     accel-trainer evaluate outputs/gpt/run1 max_eval_samples=2000            # config overrides on top
+    accel-trainer evaluate outputs/gpt/run1 layout=cpu_fsdp                 # on a layout's processes
     accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m accel_trainer evaluate outputs/gpt/run1
 
 A run folder means the weights the run left in final/ (the model it hands on); without them, its newest complete
@@ -40,6 +41,7 @@ from accel_trainer.evaluation import evaluate_run
 from accel_trainer.observe.metrics import console_line
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.launch_fixes import launched_world_size
+from accel_trainer.parallel.layout_file import apply_layout, launch_layout, read_layout
 from accel_trainer.prepared_run import prepare_run
 from accel_trainer.registry import get_recipe
 
@@ -140,11 +142,20 @@ def main(arguments: list[str]) -> None:
     status = 0
     try:
         if not arguments or arguments[0].startswith("-"):
-            raise UserError("usage: accel-trainer evaluate RUN_FOLDER|CHECKPOINT [key=value | --key value ...]")
+            raise UserError(
+                "usage: accel-trainer evaluate RUN_FOLDER|CHECKPOINT [layout=L] [key=value | --key value ...]"
+            )
         line = parse_command_line(arguments[1:])
         if line.config_file or line.print_config:
             raise UserError("evaluate takes key=value overrides only: the config is the one saved with the weights")
-        evaluate_saved(arguments[0], **line.overrides)
+        if line.layout is not None and launched_world_size() is None:  # the layout's processes evaluate
+            words = arguments[: arguments.index("--")] if line.launcher_options else arguments
+            status = launch_layout(read_layout(line.layout), ["-m", "accel_trainer", "evaluate", *words],
+                                   line.launcher_options)  # fmt: skip
+        else:
+            if line.layout is not None:
+                apply_layout(read_layout(line.layout), launched_world_size())
+            evaluate_saved(arguments[0], **line.overrides)
     except UserError as error:
         sys.stderr.write(f"accel-trainer: error: {error}\n")
         status = 2

@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from accel_trainer import cli, run
+from accel_trainer import ConfigError, cli, run
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.registry import describe, get_recipe, registered_recipes
 
@@ -106,6 +106,15 @@ def test_argparse_habits_are_the_same_overrides_and_the_last_one_written_counts(
     assert line.config_file is None and not line.print_config
     line = parse_command_line(["--config", "base.yaml", "--print-config", "--config=other.yaml"])
     assert line.config_file == "other.yaml" and line.print_config and line.overrides == {}
+
+
+def test_layout_is_not_a_config_value_and_the_words_after_a_double_dash_are_its_launchers():
+    line = parse_command_line(["lr=0.1", "--layout", "cpu_ddp", "--", "--main_process_port", "29600", "lr=2"])
+
+    assert line.overrides == {"lr": "0.1"} and line.layout == "cpu_ddp"
+    assert line.launcher_options == ["--main_process_port", "29600", "lr=2"]
+    with pytest.raises(ConfigError, match=r"launcher options after -- \(--main_process_port 1\) need a layout="):
+        parse_command_line(["lr=0.1", "--", "--main_process_port", "1"])
 
 
 def test_print_config_prints_yaml_that_config_reads_back_and_trains_nothing(capsys, tmp_path):

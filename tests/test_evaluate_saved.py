@@ -3,11 +3,13 @@ logged for them, on any layout, writing nothing; a folder or config it cannot us
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import accel_trainer as at
 from accel_trainer import cli
-from conftest import accelerate_launch, assert_one_line_error, exit_status, read_metrics, reset_accelerate_state
+from conftest import assert_one_line_error, exit_status, free_port, read_metrics, reset_accelerate_state, run_command
 
 MLP = dict(max_steps=20, eval_every_steps=10, save_every_steps=10, keep_last=0, log_every_steps=0)
 
@@ -52,7 +54,8 @@ def test_a_checkpoints_weights_score_what_training_logged_at_its_step(mlp_run):
 
 @pytest.mark.multiprocess
 def test_two_fsdp_processes_score_the_weights_as_one_process_does(mlp_run):
-    result = accelerate_launch("cpu_fsdp", "-m", "accel_trainer", "evaluate", str(mlp_run))
+    result = run_command([sys.executable, "-m", "accel_trainer", "evaluate", mlp_run, "layout=cpu_fsdp", "--",
+                          "--main_process_port", free_port()])  # fmt: skip
 
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("step 20 |")]
     figures = dict(part.rsplit(" ", 1) for part in line.split(" | ")[1:])
@@ -68,7 +71,7 @@ def test_two_fsdp_processes_score_the_weights_as_one_process_does(mlp_run):
         (["{run}", "hidden=8"], "do not fit recipe mlp's model as this config builds it: size mismatch for"),
         (["{run}", "lr=fast"], "lr='fast': expected float"),
         (["{run}", "--config", "x.yaml"], "evaluate takes key=value overrides only"),
-        ([], "usage: accel-trainer evaluate RUN_FOLDER|CHECKPOINT"),
+        ([], "usage: accel-trainer evaluate RUN_FOLDER|CHECKPOINT [layout=L]"),
     ],
 )
 def test_what_evaluate_cannot_use_is_a_one_line_error(mlp_run, tmp_path, capsys, arguments, message):

@@ -8,7 +8,8 @@
 `max_steps`); `lr=0.1 --lr 0.2` is the last one written, as with key=value twice. `--lr output_dir=x` is a
 `--lr` without its value, not `lr='output_dir=x'` (a value of that shape is written `--key=value`). The options
 are `--config FILE` (values applied before the overrides), `--print-config` (print the resolved config and layout
-settings, train nothing) and `--help`. A word that is none of these is a one-line error naming the forms that work.
+settings, train nothing) and `--help`; `layout=NAME|FILE` names the layout, and the words after `--` are options
+for the launcher that `layout=` starts. A word that is none of these is a one-line error naming the forms that work.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class CommandLine:
     overrides: dict[str, str] = field(default_factory=dict)
     config_file: str | None = None
     print_config: bool = False
+    layout: str | None = None  # layout=NAME|FILE (parallel/layout_file.py): not a config value
+    launcher_options: list[str] = field(default_factory=list)  # the words after `--`, for the layout's launcher
 
 
 def parse_command_line(words: list[str]) -> CommandLine:
@@ -42,6 +45,9 @@ def parse_command_line(words: list[str]) -> CommandLine:
     pairs: list[str] = []
     remaining = iter(words)
     for word in remaining:
+        if word == "--":
+            line.launcher_options = list(remaining)
+            break
         if word in ("--help", "-h"):
             continue  # answered before the words are read (run.py), so that a command gone wrong still gets help
         if word == "--print-config":
@@ -67,4 +73,7 @@ def parse_command_line(words: list[str]) -> CommandLine:
         else:
             pairs.append(word)
     line.overrides = parse_overrides(pairs)
+    line.layout = line.overrides.pop("layout", None)
+    if line.launcher_options and line.layout is None:
+        raise ConfigError(f"launcher options after -- ({' '.join(line.launcher_options)}) need a layout=NAME|FILE")
     return line

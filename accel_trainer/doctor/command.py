@@ -33,6 +33,7 @@ import torch
 from accel_trainer.doctor.checks import Check, judge, port_in_output
 from accel_trainer.errors import ConfigError
 from accel_trainer.processes import free_port
+from accel_trainer.shipped import find_layout, layouts_folder
 
 DEFAULT_LAYOUT = Path("accelerate_configs") / "cpu_ddp.yaml"
 """Two processes (gloo on the CPU, or 2 GPUs): the smallest layout with a rendezvous and collectives to check."""
@@ -92,17 +93,18 @@ def layout_path(config_file: str | None) -> Path:
     """The layout to check: the one given; else accelerate_configs/cpu_ddp.yaml (2 processes), or gpu.yaml on a
     machine with exactly one GPU (cpu_ddp.yaml would put both processes there), here or in this checkout."""
     if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
+        try:
+            return find_layout(config_file)
+        except ConfigError:
             raise ConfigError(
-                f"--config_file {config_file} does not exist; pass an accelerate config such as {DEFAULT_LAYOUT}"
-            )
-        return path
+                f"--config_file {config_file} does not exist; pass an accelerate config or a shipped layout's name"
+                f" such as {DEFAULT_LAYOUT.stem}"
+            ) from None
     default = DEFAULT_LAYOUT.with_name("gpu.yaml") if torch.cuda.device_count() == 1 else DEFAULT_LAYOUT
-    for folder in (Path.cwd(), Path(__file__).resolve().parent.parent):
+    for folder in (Path.cwd(), layouts_folder().parent):
         if (folder / default).is_file():
             return folder / default
-    raise ConfigError(f"no --config_file given and no {default} here: pass the layout to check")
+    return layouts_folder() / default.name  # an installed package's copy
 
 
 def load_layout(path: Path) -> Any:

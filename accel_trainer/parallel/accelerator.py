@@ -173,8 +173,9 @@ def warn_about_ineffective_settings(cfg: TrainConfig, layout: LayoutSettings, ac
 
 
 def launch_settings_file() -> Path | None:
-    """The settings file of the accelerate config this process was launched with (or that `layout=` named), if there
-    is one."""
+    """The settings file of the layout `layout=` named or, without one, of the accelerate config this process was
+    launched with (read from the launcher's command line: accelerate does not tell its workers which file it read,
+    and a plain `accelerate launch --config_file cpu_tp.yaml` must not lose its tp_size), if there is one."""
     config = layout_path_from_environment() or launch_fixes.launch_config_path()
     if config is None:
         return None

@@ -1,6 +1,6 @@
 """The package as a user installs it: a wheel (not an editable install) carries the shipped recipes and layouts,
-and from a folder outside the checkout `list` shows them, `cp` copies one, and a copied recipe trains on 1 and
-2 processes (the 2 through a copied layout)."""
+and from a folder outside the checkout its console script lists them, `cp` copies one, and `accelerate launch`
+of the copied recipe file trains on the copied 2-process layout (`train ./file.py` on 1 process: test_shipped.py)."""
 
 from __future__ import annotations
 
@@ -36,24 +36,20 @@ def test_a_wheel_installed_elsewhere_lists_copies_and_trains_its_recipes_and_lay
     where = command(sys.executable, "-c", "import accel_trainer; print(accel_trainer.__file__)").stdout
     assert where.startswith(str(target))  # the wheel's copy, not the checkout's
 
-    listed = command(sys.executable, "-m", "accel_trainer", "list").stdout
+    listed = command(target / "bin" / "accel-trainer", "list").stdout  # the wheel's console script
     assert "  gpt  " in listed and "  vae  " in listed and "  cpu_fsdp  " in listed
     assert f"{target}/accel_trainer/shipped_layouts/NAME.yaml" in listed
 
     command(sys.executable, "-m", "accel_trainer", "cp", "mlp", "my_mlp.py")
     command(sys.executable, "-m", "accel_trainer", "cp", "cpu_ddp", ".")
-    one = elsewhere / "one"
-    command(sys.executable, "-m", "accel_trainer", "train", "./my_mlp.py", "max_steps=3", f"output_dir={one}",
-            "show_progress_bar=false", "report=false")  # fmt: skip
-    two = elsewhere / "two"
+    run = elsewhere / "run"
     launched = command(*ACCELERATE_LAUNCH, "--config_file", "cpu_ddp.yaml", "--main_process_port", free_port(),
-                       "-m", "accel_trainer", "train", "./my_mlp.py", "max_steps=3", f"output_dir={two}",
-                       "show_progress_bar=false", "report=false")  # fmt: skip
+                       "my_mlp.py", "max_steps=3", f"output_dir={run}", "show_progress_bar=false",
+                       "report=false")  # fmt: skip
 
-    assert "2 process(es)" in launched.stdout
-    for run in (one, two):
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert max(r["step"] for r in records) == 3 and (run / "final" / "model.safetensors").is_file()
+    assert "2 process(es)" in launched.stdout  # the copied recipe file, launched on the copied layout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records) == 3 and (run / "final" / "model.safetensors").is_file()
 
 
 def test_the_wheel_lists_every_package_of_the_source_tree():

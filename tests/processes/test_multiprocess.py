@@ -11,7 +11,6 @@ import torch
 from conftest import (
     BIN,
     REPO,
-    TEST_OVERRIDES,
     WORKERS,
     accelerate_launch,
     clean_env,
@@ -73,25 +72,6 @@ def test_recipe_registered_in_a_standalone_script_trains_under_accelerate_launch
     assert [r["world_size"] for r in records] == [2, 2, 2]
     assert records[-1]["loss"] < 0.1 * records[0]["loss"]
     assert (tmp_path / "final" / "model.safetensors").is_file()
-
-
-def test_torchrun_launches_a_recipe_file_as_two_processes(tmp_path):
-    run_command(
-        [
-            BIN / "torchrun",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            REPO / "recipes" / "vae.py",
-            "max_steps=4",
-            "log_every_steps=2",
-            f"output_dir={tmp_path}",
-            *TEST_OVERRIDES,
-        ]
-    )
-
-    assert [r["world_size"] for r in read_metrics(tmp_path) if "loss" in r] == [2, 2]
 
 
 def test_cpu_launch_that_would_silently_start_one_process_is_refused(tmp_path):

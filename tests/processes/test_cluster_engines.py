@@ -1,0 +1,62 @@
+"""Cluster engines start the workers, `layout=` gives them the layout (parallel/layout_file.py).
+
+Kubernetes: the pods of deploy/kubernetes/pytorchjob.yaml, each run with the variables the Kubeflow training
+operator sets (training-operator's pkg/controller.v1/pytorch/envvar.go and master.go: MASTER_ADDR/PORT,
+WORLD_SIZE = replicas x nprocPerNode, RANK = the pod's node rank, and torchrun's PET_NNODES, PET_NPROC_PER_NODE,
+PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT), as two "nodes" on loopback: they form one job and train what
+one process trains.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+import accel_trainer as at
+from conftest import LAUNCH_TIMEOUT_S, REPO, clean_env, final_parameters, free_port, reset_accelerate_state
+
+MANIFEST = REPO / "deploy" / "kubernetes" / "pytorchjob.yaml"
+TINY_GPT = dict(n_layer=2, d_model=32, n_head=2, block_size=32, max_steps=3, max_source_bytes=100_000,
+                eval_every_steps=0, show_progress_bar=False, report=False)  # fmt: skip
+
+
+def operator_environment(job: dict, replica_type: str, index: int, port: int) -> dict[str, str]:
+    """What the training operator puts in a pod's environment (a fixed-size job: no elastic policy)."""
+    nproc = int(job["spec"]["nprocPerNode"])
+    replicas = sum(spec["replicas"] for spec in job["spec"]["pytorchReplicaSpecs"].values())
+    rank = index + (1 if replica_type == "Worker" else 0)
+    master = "127.0.0.1"  # the master pod's service, `<job>-master-0`, on loopback
+    return {"PYTHONUNBUFFERED": "0", "MASTER_ADDR": master, "MASTER_PORT": str(port), "PET_MASTER_ADDR": master,
+            "PET_MASTER_PORT": str(port), "WORLD_SIZE": str(replicas * nproc), "RANK": str(rank),
+            "PET_NPROC_PER_NODE": str(nproc), "PET_NODE_RANK": str(rank), "PET_NNODES": str(replicas)}  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_the_pytorchjob_pods_form_one_job_that_trains_as_one_process_does(tmp_path):
+    job, port = yaml.safe_load(MANIFEST.read_text()), free_port()
+    overrides = [f"{key}={value}" for key, value in TINY_GPT.items()]
+    pods = []
+    for replica_type, spec in job["spec"]["pytorchReplicaSpecs"].items():
+        (container,) = spec["template"]["spec"]["containers"]
+        command = [*container["command"], *container.get("args", [])]
+        assert command[0] == "torchrun"  # the image's; here this Python's
+        for index in range(spec["replicas"]):
+            words = [sys.executable, "-m", "torch.distributed.run", *command[1:], f"output_dir={tmp_path / 'job'}",
+                     *overrides]  # fmt: skip
+            env = {**clean_env(), **operator_environment(job, replica_type, index, port)}
+            pods.append(subprocess.Popen(words, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True))  # fmt: skip
+    outputs = [pod.communicate(timeout=LAUNCH_TIMEOUT_S) for pod in pods]
+    assert [pod.returncode for pod in pods] == [0, 0], outputs
+    assert "layout: 2 process(es) on cpu, DDP" in outputs[0][0]
+
+    at.train("gpt", output_dir=str(tmp_path / "one"), **TINY_GPT)
+    reset_accelerate_state()
+    expected, actual = final_parameters(tmp_path / "one"), final_parameters(tmp_path / "job")
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6)
