@@ -16,8 +16,11 @@ CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
 
 
 def doctor(config_file, *arguments: str):
-    """The installed command, as a user runs it, with room for a launch on a loaded machine."""
-    command = [sys.executable, "-m", "accel_trainer", "doctor", "--config_file", config_file, "--timeout_s", "120"]
+    """The installed command, as a user runs it, with room for a launch on a loaded machine; a shipped layout by
+    its name as `layout=NAME`, any other file by `--config_file`."""
+    named = config_file.parent == CPU_DDP.parent
+    layout = [f"layout={config_file.stem}"] if named else ["--config_file", config_file]
+    command = [sys.executable, "-m", "accel_trainer", "doctor", *layout, "--timeout_s", "120"]
     return run_command([*command, *arguments], env=clean_env(), check=False)
 
 
