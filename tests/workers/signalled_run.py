@@ -35,7 +35,10 @@ if slow_save_s:
 
     checkpoint.save = slow_save
 if os.environ.get("ACCEL_TEST_MARKERS"):
-    Path(os.environ["ACCEL_TEST_MARKERS"], f"pid.rank{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+    marker = Path(os.environ["ACCEL_TEST_MARKERS"], f"pid.rank{os.environ.get('RANK', '0')}")
+    partial = marker.with_name(marker.name + ".partial")
+    partial.write_text(str(os.getpid()))
+    partial.rename(marker)  # whole or absent: the test reads it the moment it appears
 
 if sys.argv[1] == "--notebook":
     num_processes, recipe = int(sys.argv[2]), sys.argv[3]
