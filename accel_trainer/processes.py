@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from accel_trainer.errors import UserError, describe_crash
+from accel_trainer.parallel.layout_file import Layout, launch_layout
+from accel_trainer.stopping.signals import EXIT_PREEMPTED
 
 SHUTDOWN_TIMEOUT_S = 120
 """Seconds the launcher waits for its workers after a signal before SIGKILL (torch's default: 30)."""
@@ -177,6 +179,19 @@ def _attributes(error: Exception) -> dict[str, str]:
 def _is_signal(error: BaseException, signum: int) -> bool:
     """Whether the launcher stopped on `signum` (its SignalException, by name: torch's module may move)."""
     return type(error).__name__ == "SignalException" and getattr(error, "sigval", None) == signum
+
+
+def start_layout_processes(layout: Layout, program: list[str], launcher_options: list[str]) -> int:
+    """The processes of `layout` running `program`, started by accelerate's launcher in this process
+    (parallel/layout_file.py's `launch_layout`), given time to save after a stop signal; their exit status (75 when
+    a signal stopped them: they saved)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    with _shutdown_timeout(SHUTDOWN_TIMEOUT_S):
+        try:
+            return launch_layout(layout, program, launcher_options)
+        except SignalException:  # the agent forwarded it to the workers, which saved
+            return EXIT_PREEMPTED
 
 
 @contextlib.contextmanager

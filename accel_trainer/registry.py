@@ -124,12 +124,13 @@ def discover_recipes(folders: list[Path] | None = None) -> None:
     by_stem: dict[str, Path] = {}
     for path in files:
         other = by_stem.setdefault(path.stem, path)
-        if other.resolve() != path.resolve():
+        # the same file twice (an installed package's shipped copy of the checkout's ./recipes file) is one recipe
+        if other.resolve() != path.resolve() and other.read_bytes() != path.read_bytes():
             raise RecipeError(
                 f"recipe files {other} and {path} have the same name: which one is meant is unclear, so neither"
                 " is guessed; rename one of them"
             )
-    for path in files:
+    for path in by_stem.values():
         _import_file(path)
     _load_entry_points()
 

@@ -39,8 +39,8 @@ from accel_trainer.observe.breadcrumb import where
 from accel_trainer.observe.trackers import check_trackers
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launched_world_size
-from accel_trainer.parallel.layout_file import apply_layout, launch_layout, layout_environment, read_layout
-from accel_trainer.processes import launch_processes
+from accel_trainer.parallel.layout_file import Layout, apply_layout, layout_environment, read_layout
+from accel_trainer.processes import launch_processes, start_layout_processes
 from accel_trainer.registry import describe, get_recipe, recipe_name_of
 from accel_trainer.stopping.signals import EXIT_PREEMPTED, Preempted, stop_signals_caught
 from accel_trainer.warning_lines import show_our_warnings_as_one_line
@@ -92,8 +92,9 @@ def train(
         if launched_world_size() is not None:
             apply_layout(spec, launched_world_size())
         else:  # the layout's processes, forked with its variables (the next run here starts without them)
-            if num_processes not in (None, spec.num_processes):
-                raise LayoutError(f"num_processes={num_processes} beside layout={layout} of {spec.num_processes}")
+            if num_processes not in (None, spec.num_processes) or spec.num_machines > 1:
+                raise LayoutError(f"layout={layout}: {spec.num_processes} processes on {spec.num_machines} machine(s),"
+                                  f" not num_processes={num_processes} here; torchrun ... layout= on each")  # fmt: skip
             with layout_environment(spec):
                 return train(recipe_name, config_file=config_file, num_processes=spec.num_processes,
                              keep_process_group=keep_process_group, **overrides)  # fmt: skip
@@ -181,12 +182,13 @@ def _command_status(recipe_name: str, arguments: list[str], program: list[str]) 
         line = parse_command_line(arguments)
         words = arguments[: arguments.index("--")] if line.launcher_options else arguments
         answered = _layout_command(recipe_name, line, [*program, *words], is_rank_zero)
-        if answered is not None:
+        if isinstance(answered, int):
             return answered
         if line.print_config:
             _print_config(recipe_name, line, is_rank_zero)
             return 0
-        result = _train_here(recipe_name, line.config_file, line.overrides)  # the launcher (or layout=) set the layout
+        with layout_environment(answered) if answered else contextlib.nullcontext():  # else the launcher's layout
+            result = _train_here(recipe_name, line.config_file, line.overrides)
         if is_rank_zero:
             print(f"run folder: {result.run_dir}", flush=True)  # flushed where a closed stdout is caught
         status = 0
@@ -217,20 +219,22 @@ def _command_status(recipe_name: str, arguments: list[str], program: list[str]) 
     return status
 
 
-def _layout_command(recipe_name: str, line: CommandLine, command: list[str], is_rank_zero: bool) -> int | None:
-    """`layout=` (parallel/layout_file.py): not launched, start the layout's processes running `command` (or print
-    the config it would give them) and return the exit status; in a launched worker, apply it and return None."""
+def _layout_command(recipe_name: str, line: CommandLine, command: list[str], rank_zero: bool) -> int | Layout | None:
+    """`layout=` (parallel/layout_file.py), not launched: start its processes running `command` (or print their
+    config) and return the exit status, or return a one-process layout to train in; launched: apply it, None."""
     if line.layout is None:
         return None
     spec = read_layout(line.layout)
     if launched_world_size() is not None:
         apply_layout(spec, launched_world_size())
         return None
-    if not line.print_config:
-        return launch_layout(spec, command, line.launcher_options)  # its workers apply it
-    with layout_environment(spec):
-        _print_config(recipe_name, line, is_rank_zero, f"{spec.num_processes} process(es) of {spec.path.name}")
-    return 0
+    if line.print_config:
+        with layout_environment(spec):
+            _print_config(recipe_name, line, rank_zero, f"{spec.num_processes} process(es) of {spec.path.name}")
+        return 0
+    if spec.num_processes == 1 and spec.num_machines == 1:  # this process is the layout's one
+        return spec
+    return start_layout_processes(spec, command, line.launcher_options)  # its workers apply it
 
 
 def _is_lost_peer(error: BaseException) -> bool:

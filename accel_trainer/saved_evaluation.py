@@ -2,20 +2,22 @@
 
     accel-trainer evaluate outputs/gpt/run1                                  # the run's final weights
     accel-trainer evaluate outputs/gpt/run1/checkpoints/step_00000500        # one checkpoint's
-    accel-trainer evaluate outputs/gpt/run1 max_eval_samples=2000            # config overrides on top
-    accel-trainer evaluate outputs/gpt/run1 layout=cpu_fsdp                 # on a layout's processes
+    accel-trainer evaluate outputs/gpt/run1 eval_fraction=0.2               # config overrides on top
+    accel-trainer evaluate outputs/gpt/run1 layout=cpu_fsdp                  # on a layout's processes
     accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m accel_trainer evaluate outputs/gpt/run1
 
-A run folder means the weights the run left in final/ (the model it hands on); without them, its newest complete
-checkpoint. The recipe, step and config are the saved ones (a checkpoint's train_state.json and config.yaml),
-key=value overrides on top. The weights are read whole (a sharded checkpoint through export's reader, as
-`accel-trainer export` does) and loaded into the recipe's freshly built model before the layout splits, shards or
-compiles it, so every layout evaluates with the code that evaluates during training (`prepare_run`,
-`evaluate_run`). Nothing is written to the run folder. An EMA's weights are not evaluated here: the model's are.
+A run folder means the weights the run left in final/ (the model it hands on); without them, or when a later resume
+saved a newer checkpoint, its newest complete checkpoint. The recipe, step and config are the saved ones (a
+checkpoint's train_state.json and config.yaml), key=value overrides on top. The weights are read whole (a sharded
+checkpoint through export's reader, as `accel-trainer export` does) and loaded into the recipe's freshly built model
+before the layout splits, shards or compiles it, so every layout evaluates with the code that evaluates during
+training (`prepare_run`, `evaluate_run`). Nothing is written to the run folder. An EMA's weights are not evaluated
+here: the model's are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -41,8 +43,9 @@ from accel_trainer.evaluation import evaluate_run
 from accel_trainer.observe.metrics import console_line
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.launch_fixes import launched_world_size
-from accel_trainer.parallel.layout_file import apply_layout, launch_layout, read_layout
+from accel_trainer.parallel.layout_file import apply_layout, layout_environment, read_layout
 from accel_trainer.prepared_run import prepare_run
+from accel_trainer.processes import start_layout_processes
 from accel_trainer.registry import get_recipe
 
 # What an evaluation must not do with the saved config: train, resume, keep an EMA of its own, or log anywhere.
@@ -79,7 +82,9 @@ def saved_weights(source: Path) -> SavedWeights:
     if newest is None:
         raise CheckpointError(f"run folder {source} has no complete checkpoint, so its recipe and step are unknown")
     final = source / "final"
-    return _from_checkpoint(newest, final if (final / "model.safetensors").is_file() else newest)
+    weights = final / "model.safetensors"  # the run's last word, unless a resume saved a newer checkpoint since
+    fresh = weights.is_file() and weights.stat().st_mtime >= (newest / checkpoint_checks.TRAIN_STATE).stat().st_mtime
+    return _from_checkpoint(newest, final if fresh else newest)
 
 
 def _from_checkpoint(checkpoint: Path, weights: Path) -> SavedWeights:
@@ -148,14 +153,16 @@ def main(arguments: list[str]) -> None:
         line = parse_command_line(arguments[1:])
         if line.config_file or line.print_config:
             raise UserError("evaluate takes key=value overrides only: the config is the one saved with the weights")
-        if line.layout is not None and launched_world_size() is None:  # the layout's processes evaluate
+        layout, launched = read_layout(line.layout) if line.layout else None, launched_world_size() is not None
+        if layout is not None and not launched and layout.num_processes > 1:  # the layout's processes evaluate
             words = arguments[: arguments.index("--")] if line.launcher_options else arguments
-            status = launch_layout(read_layout(line.layout), ["-m", "accel_trainer", "evaluate", *words],
-                                   line.launcher_options)  # fmt: skip
+            program = ["-m", "accel_trainer", "evaluate", *words]
+            status = start_layout_processes(layout, program, line.launcher_options)
         else:
-            if line.layout is not None:
-                apply_layout(read_layout(line.layout), launched_world_size())
-            evaluate_saved(arguments[0], **line.overrides)
+            if layout is not None and launched:
+                apply_layout(layout, launched_world_size())
+            with layout_environment(layout) if layout is not None and not launched else contextlib.nullcontext():
+                evaluate_saved(arguments[0], **line.overrides)
     except UserError as error:
         sys.stderr.write(f"accel-trainer: error: {error}\n")
         status = 2

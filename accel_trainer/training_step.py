@@ -23,7 +23,7 @@ from accel_trainer.observe.observer import Observer
 from accel_trainer.optimizers import Phase
 from accel_trainer.parallel.context_parallel import check_loss_counts_items, sequence_slices
 from accel_trainer.parallel.sharding import local_part
-from accel_trainer.parallel.verbs import step_optimizers
+from accel_trainer.parallel.verbs import discard_step, step_optimizers
 
 if TYPE_CHECKING:
     from accel_trainer.prepared_run import Run
@@ -138,7 +138,7 @@ def optimizer_step(
     if run.guard is not None and not run.guard.step_is_finite(
         state, outputs, grad_norm, count=not run.optimizers.alternate
     ):
-        verbs.zero_grad()  # a skipped step (counted in state): only its gradients go
+        discard_step([phase.verbs for phase in phases if phase.verbs is not None])  # counted in state
         return figures, False, False
     stepped = False
     taken = step_optimizers([phase.verbs for phase in phases if phase.verbs is not None])

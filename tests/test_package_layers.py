@@ -1,7 +1,7 @@
 """The package is layered: each part imports only parts below it, so it reads and changes bottom-up.
 
-From the top: the face (the command, the doctor, `train`/`main`, starting processes), the loop and its step (the
-evaluation of saved weights beside them), the prepared run, the ways a run stops, what it records (`observe/`),
+From the top: the face (the command, the doctor, `train`/`main` and the evaluation of saved weights, starting
+processes), the loop and its step, the prepared run, the ways a run stops, what it records (`observe/`),
 checkpoints, optimizers and the EMA, data, the layouts (`parallel/`), the recipe contract, the configuration
 (`config/`, a leaf over `errors`). Every import counts, also one inside a function or under TYPE_CHECKING: a lazy
 import is still a dependency.
@@ -29,9 +29,9 @@ LAYERS = [  # bottom first; a unit is a top-level module or a whole package
     {"stopping"},
     {"prepared_run"},
     {"evaluation", "training_step"},
-    {"loop", "saved_evaluation"},
+    {"loop"},
     {"processes"},
-    {"run"},
+    {"run", "saved_evaluation"},
     {"doctor", "new_recipe"},
     {"cli"},
     {"__main__", "__init__"},

@@ -235,6 +235,15 @@ def test_two_recipe_folders_with_a_file_of_the_same_name_are_a_recipe_error_nami
     assert str(first) in str(caught.value) and str(second) in str(caught.value)
 
 
+def test_the_same_file_in_two_recipe_folders_is_one_recipe(tmp_path):
+    # an installed package's shipped copy of a recipe beside the checkout's ./recipes (pip install ., used there)
+    first = write_module(tmp_path / "a" / "recipes", "copied_stem", SAME_STEM_RECIPE.format(name="stem_copied"))
+    second = write_module(tmp_path / "b" / "recipes", "copied_stem", SAME_STEM_RECIPE.format(name="stem_copied"))
+
+    registry.discover_recipes([first.parent, second.parent])
+    assert "stem_copied" in at.registered_recipes()
+
+
 def test_a_same_named_file_found_later_never_silently_replaces_a_registered_recipe(tmp_path):
     # Modules are keyed by their full path: the second file's class cannot pass for the first's.
     first = write_module(tmp_path / "a" / "recipes", "replaced_stem", SAME_STEM_RECIPE.format(name="stem_kept"))

@@ -19,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import subprocess
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from accel_trainer.errors import LayoutError
 from accel_trainer.shipped import find_layout
@@ -31,6 +32,8 @@ from accel_trainer.shipped import find_layout
 LAYOUT_VARIABLE = "ACCEL_TRAINER_LAYOUT"
 # The launcher's own business, not the layout's: threads per process, and the rendezvous it already made.
 _LAUNCHER_OWNED = ("OMP_NUM_THREADS", "KMP_AFFINITY", "KMP_BLOCKTIME", "MASTER_ADDR", "MASTER_PORT")
+# What makes one layout another: set by a launcher's config and missing from the layout, it is a second layout.
+_STEERING = ("ACCELERATE_USE_", "FSDP_", "PARALLELISM_CONFIG_", "ACCELERATE_MIXED_PRECISION")
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ class Layout:
 
     path: Path
     num_processes: int
-    environment: dict[str, str]  # the variables its workers get
+    num_machines: int
+    environment: dict[str, str]  # the variables its workers get that this process does not have yet
+    steering: frozenset[str]  # every variable of the kinds that steer the layout that its workers get
 
 
 def read_layout(name_or_file: str) -> Layout:
@@ -63,7 +68,16 @@ def read_layout(name_or_file: str) -> Layout:
             args, _, _ = _validate_launch_command(launch_command_parser().parse_args(words))
             several = (args.use_fsdp or args.multi_gpu or args.use_megatron_lm) and not args.cpu
             environment = prepare_multi_gpu_env(args) if several else prepare_simple_launcher_cmd_env(args)[1]
-    except (ValueError, KeyError, TypeError, AttributeError, OSError, SystemExit) as error:
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        AssertionError,
+        OSError,
+        SystemExit,
+        yaml.YAMLError,
+    ) as error:
         raise LayoutError(f"layout {path} is not an accelerate config accelerate can launch: {error}") from None
     finally:
         launch_logger.setLevel(level)
@@ -72,7 +86,8 @@ def read_layout(name_or_file: str) -> Layout:
         for key, value in environment.items()
         if os.environ.get(key) != value and key not in _LAUNCHER_OWNED and key != "PYTHONPATH"
     }
-    return Layout(path, int(args.num_processes or 1), added)
+    steering = frozenset(key for key in environment if key.startswith(_STEERING))
+    return Layout(path, int(args.num_processes or 1), int(args.num_machines or 1), added, steering)
 
 
 def apply_layout(layout: Layout, launched_processes: int | None) -> None:
@@ -88,10 +103,12 @@ def apply_layout(layout: Layout, launched_processes: int | None) -> None:
             f" {launched_processes}: start {layout.num_processes} (torchrun --nproc_per_node, srun --ntasks, ...) or"
             " choose a layout of that size"
         )
-    for key, value in layout.environment.items():
-        if key in os.environ and launched_processes is not None:
+    if launched_processes is not None:
+        extra = sorted(k for k in os.environ if k.startswith(_STEERING) and k not in layout.steering)
+        for key in [k for k in layout.environment if k in os.environ] + extra:
+            says = f"says {layout.environment[key]}" if key in layout.environment else "does not set it"
             raise LayoutError(
-                f"the launcher set {key}={os.environ[key]} and layout={layout.path.name} says {value}: launch with"
+                f"the launcher set {key}={os.environ[key]} and layout={layout.path.name} {says}: launch with"
                 f" --config_file {layout.path} or leave layout= out"
             )
     os.environ.update(layout.environment)
@@ -117,11 +134,23 @@ def layout_environment(layout: Layout) -> Iterator[None]:
 
 def launch_layout(layout: Layout, program: list[str], launcher_options: list[str]) -> int:
     """Run `accelerate launch --config_file <layout> [launcher_options] <program>` in this process (accelerate's
-    own launcher: torchrun's agent for several processes); the workers' exit status. A worker's failure is its
-    own one-line error: the launcher's report of it (a ChildFailedError traceback) is not repeated."""
+    own launcher: torchrun's agent) and return the workers' exit status. A worker's failure is its own one-line
+    error: the launcher's report of it (a ChildFailedError traceback) is not repeated. A stop signal raises
+    torch's SignalException once the agent has forwarded it to the workers (who save and exit 75).
+
+    Raises:
+        LayoutError: a one-process or several-machine layout (run in the process itself; start one launcher per
+            machine), or launcher options or a rendezvous the launcher refuses.
+    """
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    if layout.num_processes == 1 or layout.num_machines > 1:
+        raise LayoutError(
+            f"layout={layout.path.name} is {layout.num_processes} process(es) on {layout.num_machines} machine(s):"
+            " accel-trainer starts the processes of a one-machine layout of several; on several machines, start"
+            f" each machine's with torchrun ... layout={layout.path.name} (or accelerate launch --machine_rank)"
+        )
     args = launch_command_parser().parse_args(["--config_file", str(layout.path), *launcher_options, *program])
     elastic_log = logging.getLogger("torch.distributed.elastic")
     level = elastic_log.level
@@ -129,9 +158,10 @@ def launch_layout(layout: Layout, program: list[str], launcher_options: list[str
     try:
         launch_command(args)
     except ChildFailedError as failed:
-        return failed.get_first_failure()[1].exitcode or 1
-    except subprocess.CalledProcessError as failed:  # the one-process launcher
-        return failed.returncode
+        status = failed.get_first_failure()[1].exitcode
+        return status if status and status > 0 else 1  # a negative status: killed by a signal
+    except (ValueError, ConnectionError, RuntimeError) as error:
+        raise LayoutError(f"the launcher of layout={layout.path.name} refused: {error}") from None
     finally:
         elastic_log.setLevel(level)
     return 0

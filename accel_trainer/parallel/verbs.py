@@ -108,6 +108,18 @@ def step_optimizers(all_verbs: Sequence[StepVerbs]) -> list[bool]:
     return [not inf for inf in found]
 
 
+def discard_step(all_verbs: Sequence[StepVerbs]) -> None:
+    """Drop a rejected step's gradients (the non-finite guard's verdict) on every optimizer of the step. Under fp16
+    the gradient norm has unscaled them already, which leaves the scaler mid-step: one `update` closes it (its inf
+    finding backs the scale off), or the next step's unscale would be refused ("unscale_() has already been
+    called")."""
+    for verbs in all_verbs:
+        verbs.zero_grad()
+    scaler = all_verbs[0].accelerator.scaler
+    if scaler is not None and scaler._per_optimizer_states:  # something was unscaled: the step is open
+        scaler.update()
+
+
 def _one_foreach_group(parameters: Sequence[torch.Tensor]) -> bool:
     """Whether the parameters are plain tensors of one dtype on one device that has foreach kernels."""
     kinds = {(parameter.device, parameter.dtype) for parameter in parameters}

@@ -14,7 +14,7 @@ from accelerate.utils import DistributedType
 
 from accel_trainer import LayoutError
 from accel_trainer.parallel.accelerator import check_supported
-from accel_trainer.parallel.verbs import StepVerbs, clip_one_group, step_optimizers
+from accel_trainer.parallel.verbs import StepVerbs, clip_one_group, discard_step, step_optimizers
 from conftest import reset_accelerate_state
 
 
@@ -245,4 +245,23 @@ def test_two_optimizers_on_one_fp16_scaler_each_step_on_their_gradients_unscaled
     for model, before in zip((first, second), weights, strict=True):
         torch.testing.assert_close(model.weight, before - 0.1, rtol=0, atol=1e-7)  # SGD: lr x a gradient of 1
     assert scaler.get_scale() == 1024.0
+    reset_accelerate_state()
+
+
+def test_a_step_the_nonfinite_guard_rejects_drops_every_optimizers_gradients_and_leaves_the_scaler_ready():
+    # The gradient norm unscaled both optimizers' gradients; without closing the scaler's step, the next step's
+    # unscale raised "unscale_() has already been called", and the second optimizer kept its NaN gradients.
+    first, first_optimizer, first_verbs = _fp16_like_optimizer(False, optimizer_cls=torch.optim.SGD)
+    scaler = first_optimizer.scaler
+    second, _, second_verbs = _fp16_like_optimizer(False, scaler, optimizer_cls=torch.optim.SGD)
+    scaler.scale(first(torch.ones(1, 4)).sum() * float("nan") + second(torch.ones(1, 4)).sum()).backward()
+    for verbs in (first_verbs, second_verbs):
+        scaler.unscale_(verbs.optimizer.optimizer)
+
+    discard_step([first_verbs, second_verbs])
+
+    assert all(p.grad is None for model in (first, second) for p in model.parameters())
+    assert scaler.get_scale() == 512.0  # backed off: the inf was found
+    scaler.scale(first(torch.ones(1, 4)).sum() + second(torch.ones(1, 4)).sum()).backward()
+    assert step_optimizers([first_verbs, second_verbs]) == [True, True]  # the next step unscales and steps
     reset_accelerate_state()
