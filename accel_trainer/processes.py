@@ -34,8 +34,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from accel_trainer.config.command_line import CommandLine
 from accel_trainer.errors import UserError, describe_crash
-from accel_trainer.parallel.layout_file import Layout, launch_layout
+from accel_trainer.parallel.launch_fixes import launched_world_size
+from accel_trainer.parallel.layout_file import Layout, apply_layout, launch_layout, read_layout
 from accel_trainer.stopping.signals import EXIT_PREEMPTED
 
 SHUTDOWN_TIMEOUT_S = 120
@@ -56,7 +58,7 @@ def launch_processes(
     """
     from accelerate import notebook_launcher
 
-    from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launched_world_size
+    from accel_trainer.parallel.launch_fixes import forget_accelerate_state
 
     if num_processes < 1:
         raise UserError(f"num_processes={num_processes}: must be at least 1")
@@ -71,7 +73,7 @@ def launch_processes(
         level = elastic_log.level
         elastic_log.setLevel(logging.CRITICAL)  # its report of a failed worker is the failure we raise below
         try:
-            with _our_launch_line(num_processes), _shutdown_timeout(SHUTDOWN_TIMEOUT_S):
+            with _our_launch_line(num_processes), _launcher_defaults():
                 notebook_launcher(
                     _worker,
                     args=(train, recipe_name, config_file, overrides, scratch),
@@ -181,29 +183,61 @@ def _is_signal(error: BaseException, signum: int) -> bool:
     return type(error).__name__ == "SignalException" and getattr(error, "sigval", None) == signum
 
 
-def start_layout_processes(layout: Layout, program: list[str], launcher_options: list[str]) -> int:
+def run_layout(line: CommandLine, program: list[str], *, start: bool = True) -> int | Layout | None:
+    """A command's `layout=` (parallel/layout_file.py). Under a launcher: applied to this process; None. Not
+    launched: a one-process layout (or any, with `start=False`) is returned, for the command to run in its
+    environment here; the processes of a larger one are started running `program` (this command, less its
+    launcher options), and their exit status is returned."""
+    if line.layout is None:
+        return None
+    layout = read_layout(line.layout, line.launcher_options)
+    if launched_world_size() is not None:
+        apply_layout(layout, launched_world_size())
+        return None
+    if not start or (layout.num_processes == 1 and layout.num_machines == 1):
+        return layout
+    return start_layout_processes(layout, program)
+
+
+def end_launched_worker(status: int) -> None:
+    """End a launched process of several with `status` once everything is flushed (`os._exit`: about 1 in 20 clean
+    2-process gloo runs otherwise aborted at interpreter exit, docs/accelerate-traps.md); else return."""
+    if (launched_world_size() or 1) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def start_layout_processes(layout: Layout, program: list[str]) -> int:
     """The processes of `layout` running `program`, started by accelerate's launcher in this process
     (parallel/layout_file.py's `launch_layout`), given time to save after a stop signal; their exit status (75 when
-    a signal stopped them: they saved)."""
+    a signal stopped them: they saved). The launcher passes SIGUSR1 on too (torch's agent forwards only SIGTERM,
+    SIGINT, SIGHUP and SIGQUIT by default, and its workers are in a session of their own, which a scheduler's
+    signal to the launcher's group does not reach: Slurm's `--signal`, srun's forwarding)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    with _shutdown_timeout(SHUTDOWN_TIMEOUT_S):
+    with _launcher_defaults():
         try:
-            return launch_layout(layout, program, launcher_options)
+            return launch_layout(layout, program)
         except SignalException:  # the agent forwarded it to the workers, which saved
             return EXIT_PREEMPTED
 
 
 @contextlib.contextmanager
-def _shutdown_timeout(seconds: int) -> Iterator[None]:
-    """The launcher's grace period after a signal, unless the caller set TORCH_ELASTIC_SHUTDOWN_TIMEOUT."""
-    name = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
-    before = os.environ.get(name)
-    os.environ.setdefault(name, str(seconds))  # read by torch's LaunchConfig, which notebook_launcher builds
+def _launcher_defaults() -> Iterator[None]:
+    """torch's launcher settings, from the environment unless the caller set them: time to save after a stop
+    signal, and SIGUSR1 forwarded as the other stop signals are (read when accelerate's launcher parses its
+    torchrun arguments; notebook_launcher builds its LaunchConfig without them and forwards the default four)."""
+    settings = {
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S),  # torch's LaunchConfig
+        "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+    }  # --signals_to_handle; fmt: skip
+    unset = [name for name in settings if name not in os.environ]
+    os.environ.update({name: settings[name] for name in unset})
     try:
         yield
     finally:
-        if before is None:
+        for name in unset:
             os.environ.pop(name, None)
 
 

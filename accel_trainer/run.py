@@ -39,8 +39,8 @@ from accel_trainer.observe.breadcrumb import where
 from accel_trainer.observe.trackers import check_trackers
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launched_world_size
-from accel_trainer.parallel.layout_file import Layout, apply_layout, layout_environment, read_layout
-from accel_trainer.processes import launch_processes, start_layout_processes
+from accel_trainer.parallel.layout_file import apply_layout, layout_environment, read_layout
+from accel_trainer.processes import end_launched_worker, launch_processes, run_layout
 from accel_trainer.registry import describe, get_recipe, recipe_name_of
 from accel_trainer.stopping.signals import EXIT_PREEMPTED, Preempted, stop_signals_caught
 from accel_trainer.warning_lines import show_our_warnings_as_one_line
@@ -162,10 +162,7 @@ def main(recipe_name: str, argv: list[str] | None = None, program: list[str] | N
         status = _command_status(recipe_name, list(sys.argv[1:] if argv is None else argv), program or [sys.argv[0]])
         if status is None:  # --help
             return
-        if (launched_world_size() or 1) > 1:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
+        end_launched_worker(status)
     raise SystemExit(status)  # called in-process (tests): the caller's signal handlers are back
 
 
@@ -180,14 +177,14 @@ def _command_status(recipe_name: str, arguments: list[str], program: list[str]) 
             _print_help(recipe_name)
             return None
         line = parse_command_line(arguments)
-        words = arguments[: arguments.index("--")] if line.launcher_options else arguments
-        answered = _layout_command(recipe_name, line, [*program, *words], is_rank_zero)
+        answered = run_layout(line, [*program, *line.own_words], start=not line.print_config)
         if isinstance(answered, int):
             return answered
-        if line.print_config:
-            _print_config(recipe_name, line, is_rank_zero)
-            return 0
         with layout_environment(answered) if answered else contextlib.nullcontext():  # else the launcher's layout
+            if line.print_config:
+                processes = f"{answered.num_processes} process(es) of {answered.path.name}" if answered else None
+                _print_config(recipe_name, line, is_rank_zero, processes)
+                return 0
             result = _train_here(recipe_name, line.config_file, line.overrides)
         if is_rank_zero:
             print(f"run folder: {result.run_dir}", flush=True)  # flushed where a closed stdout is caught
@@ -217,24 +214,6 @@ def _command_status(recipe_name: str, arguments: list[str], program: list[str]) 
             print(f"accel-trainer: rank {rank}: {type(error).__name__}: {error}", file=sys.stderr)
         status = 1
     return status
-
-
-def _layout_command(recipe_name: str, line: CommandLine, command: list[str], rank_zero: bool) -> int | Layout | None:
-    """`layout=` (parallel/layout_file.py), not launched: start its processes running `command` (or print their
-    config) and return the exit status, or return a one-process layout to train in; launched: apply it, None."""
-    if line.layout is None:
-        return None
-    spec = read_layout(line.layout)
-    if launched_world_size() is not None:
-        apply_layout(spec, launched_world_size())
-        return None
-    if line.print_config:
-        with layout_environment(spec):
-            _print_config(recipe_name, line, rank_zero, f"{spec.num_processes} process(es) of {spec.path.name}")
-        return 0
-    if spec.num_processes == 1 and spec.num_machines == 1:  # this process is the layout's one
-        return spec
-    return start_layout_processes(spec, command, line.launcher_options)  # its workers apply it
 
 
 def _is_lost_peer(error: BaseException) -> bool:

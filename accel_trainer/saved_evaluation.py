@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
@@ -42,10 +41,9 @@ from accel_trainer.errors import UserError
 from accel_trainer.evaluation import evaluate_run
 from accel_trainer.observe.metrics import console_line
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
-from accel_trainer.parallel.launch_fixes import launched_world_size
-from accel_trainer.parallel.layout_file import apply_layout, layout_environment, read_layout
+from accel_trainer.parallel.layout_file import layout_environment
 from accel_trainer.prepared_run import prepare_run
-from accel_trainer.processes import start_layout_processes
+from accel_trainer.processes import end_launched_worker, run_layout
 from accel_trainer.registry import get_recipe
 
 # What an evaluation must not do with the saved config: train, resume, keep an EMA of its own, or log anywhere.
@@ -153,21 +151,14 @@ def main(arguments: list[str]) -> None:
         line = parse_command_line(arguments[1:])
         if line.config_file or line.print_config:
             raise UserError("evaluate takes key=value overrides only: the config is the one saved with the weights")
-        layout, launched = read_layout(line.layout) if line.layout else None, launched_world_size() is not None
-        if layout is not None and not launched and layout.num_processes > 1:  # the layout's processes evaluate
-            words = arguments[: arguments.index("--")] if line.launcher_options else arguments
-            program = ["-m", "accel_trainer", "evaluate", *words]
-            status = start_layout_processes(layout, program, line.launcher_options)
+        answered = run_layout(line, ["-m", "accel_trainer", "evaluate", arguments[0], *line.own_words])
+        if isinstance(answered, int):
+            status = answered
         else:
-            if layout is not None and launched:
-                apply_layout(layout, launched_world_size())
-            with layout_environment(layout) if layout is not None and not launched else contextlib.nullcontext():
+            with layout_environment(answered) if answered else contextlib.nullcontext():
                 evaluate_saved(arguments[0], **line.overrides)
     except UserError as error:
         sys.stderr.write(f"accel-trainer: error: {error}\n")
         status = 2
-    if (launched_world_size() or 1) > 1:  # as run.main: a multi-process run ends once everything is flushed
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+    end_launched_worker(status)
     raise SystemExit(status)

@@ -33,6 +33,7 @@ class CommandLine:
     print_config: bool = False
     layout: str | None = None  # layout=NAME|FILE (parallel/layout_file.py): not a config value
     launcher_options: list[str] = field(default_factory=list)  # the words after `--`, for the layout's launcher
+    own_words: list[str] = field(default_factory=list)  # the words before `--`: what the layout's workers are given
 
 
 def parse_command_line(words: list[str]) -> CommandLine:
@@ -41,7 +42,7 @@ def parse_command_line(words: list[str]) -> CommandLine:
     Raises:
         ConfigError: an option without its value, a single-dash word, or a word that is not an override.
     """
-    line = CommandLine()
+    line = CommandLine(own_words=words[: words.index("--")] if "--" in words else list(words))
     pairs: list[str] = []
     remaining = iter(words)
     for word in remaining:

@@ -6,6 +6,7 @@ layout's accelerate launch); the torchrun runs start the recipe file itself (`to
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -14,7 +15,14 @@ import torch
 
 import accel_trainer as at
 from accel_trainer import LayoutError
-from accel_trainer.parallel.layout_file import LAYOUT_VARIABLE, apply_layout, layout_environment, read_layout
+from accel_trainer.parallel.layout_file import (
+    LAYOUT_VARIABLE,
+    OPTIONS_VARIABLE,
+    apply_layout,
+    launch_layout,
+    layout_environment,
+    read_layout,
+)
 from conftest import REPO, clean_env, final_parameters, free_port, run_command, train_and_dump
 
 TINY_GPT = ["n_layer=2", "d_model=32", "n_head=2", "block_size=32", "max_steps=3", "max_source_bytes=100000",
@@ -91,3 +99,30 @@ def test_a_run_no_launcher_started_gets_the_layout_and_the_next_run_starts_witho
 
     result = at.train("mlp", layout="cpu", max_steps=2, output_dir=str(tmp_path), show_progress_bar=False, report=False)
     assert result.metrics["step"] == 2 and layout_variables() == before
+
+
+def test_launcher_options_are_part_of_the_layout_its_workers_read_them_too(monkeypatch):
+    sized = read_layout("cpu_fsdp", ["--num_processes", "4", "--mixed_precision", "bf16"])
+    assert sized.num_processes == 4 and sized.environment["ACCELERATE_MIXED_PRECISION"] == "bf16"
+
+    # a worker of that launch: the launcher's variables, and its options named in the environment
+    monkeypatch.setenv(OPTIONS_VARIABLE, json.dumps(sized.options))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    apply_layout(read_layout("cpu_fsdp"), launched_processes=4)  # not refused: the same layout
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true"
+
+
+def test_launcher_options_accelerate_refuses_and_a_machine_without_its_rank_are_one_line_errors():
+    with pytest.raises(LayoutError, match="accelerate can launch: .*unrecognized arguments: --num_gpus_please"):
+        read_layout("cpu_fsdp", ["--num_gpus_please", "4"])
+    with pytest.raises(LayoutError, match="layout=2node_cpu.yaml is 2 machines: run the command on each, with"):
+        launch_layout(read_layout("2node_cpu"), ["-m", "accel_trainer", "train", "mlp"])
+
+
+def test_canary_torchs_launcher_forwards_no_sigusr1_to_its_workers_unless_told():
+    """Slurm's `--signal` warning is SIGUSR1, which torch's agent does not pass on to its workers (they are in a
+    session of their own) unless told: processes._launcher_defaults tells it. Fails the day torch's default
+    includes it, and the setting can go."""
+    from torch.distributed.run import get_args_parser
+
+    assert "SIGUSR1" not in get_args_parser().parse_args(["x.py"]).signals_to_handle
