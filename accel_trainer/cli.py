@@ -84,12 +84,21 @@ def _main(arguments: list[str]) -> None:
 
         run_recipe(known.recipe, arguments[2:], program=["-m", "accel_trainer", "train", known.recipe])
         return
-    known = parser.parse_args(arguments)
+    words, launcher_options = _split_at_double_dash(arguments) if arguments[:1] == ["doctor"] else (arguments, [])
+    known = parser.parse_args(words)
+    known.launcher_options = launcher_options
     try:
         _run_command(known)
     except UserError as error:
         print(f"accel-trainer: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _split_at_double_dash(arguments: list[str]) -> tuple[list[str], list[str]]:
+    """The command's own words, and the launcher's after `--`."""
+    if "--" not in arguments:
+        return arguments, []
+    return arguments[: arguments.index("--")], arguments[arguments.index("--") + 1 :]
 
 
 def _run_command(known: argparse.Namespace) -> None:
@@ -127,7 +136,7 @@ def _run_command(known: argparse.Namespace) -> None:
         if known.layout is not None and not known.layout.startswith("layout="):
             raise UserError(f"doctor takes layout=NAME|FILE or --config_file FILE, not {known.layout!r}")
         layout = known.layout.removeprefix("layout=") if known.layout else None
-        raise SystemExit(doctor(layout or known.config_file, known.timeout_s))
+        raise SystemExit(doctor(layout or known.config_file, known.timeout_s, known.launcher_options))
     else:
         from accel_trainer.checkpoint.export import export
 
@@ -192,7 +201,9 @@ def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:
         help="print the environment, launch a layout's processes and check them",
         description="Print the environment, launch the layout's processes for a few seconds and check the rendezvous,"
         " world size, an all-reduce, a broadcast and device placement, one line each. Exit status 0: all passed;"
-        " 1: a check failed (its line says the fix); 2: the config file is missing or not an accelerate config.",
+        " 1: a check failed (its line says the fix); 2: the config file is missing or not an accelerate config."
+        " Words after -- are accelerate launch's options: on each machine of a several-machine layout,"
+        " -- --machine_rank R --main_process_ip HOST_OF_0.",
     )
     checker.add_argument("layout", nargs="?", help="layout=NAME|FILE: the same as --config_file NAME|FILE")
     checker.add_argument(
@@ -201,6 +212,7 @@ def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:
         "cpu_ddp.yaml, 2 processes: gloo on the CPU or 2 GPUs; gpu.yaml with one GPU)",
     )
     checker.add_argument("--timeout_s", type=float, default=60.0, help="stop the launch after this long (default 60)")
+
 
 
 if __name__ == "__main__":

@@ -40,15 +40,19 @@ class Check:
 def judge(
     layout: Any, path: Path, reports: list[dict], timed_out: bool, timeout_s: float, cuda_count: int
 ) -> list[Check]:
-    """The rendezvous, world size, all-reduce, broadcast and device checks, from the reports of every rank."""
+    """The rendezvous, world size, all-reduce, broadcast and device checks (and on a several-machine layout, the
+    machines), from the reports of this machine's processes: all of the layout's, or its share on each machine."""
     expected = layout.num_processes if layout.distributed_type != "NO" else 1
+    machines = max(1, layout.num_machines or 1)
+    here = expected // machines
     joined = sorted((r for r in reports if r.get("rendezvous", {}).get("ok")), key=lambda r: r["rank"])
     checks = [
-        _rendezvous(reports, joined, expected, timed_out, timeout_s),
-        _world_size(reports, expected, path),
-        _all_reduce(joined, expected),
-        _broadcast(joined, expected),
-        _devices(layout, path, joined, expected, cuda_count),
+        _rendezvous(reports, joined, expected, here, timed_out, timeout_s),
+        _world_size(reports, expected, here, path),
+        _all_reduce(joined, expected, here),
+        _broadcast(joined, expected, here),
+        *([_machines(joined, machines)] if machines > 1 else []),
+        _devices(layout, path, joined, here, cuda_count),
     ]
     for index, check in enumerate(checks):  # one cause, one fix: later lines point back to it
         earlier = [c.name for c in checks[:index] if c.fix == check.fix]
@@ -71,13 +75,17 @@ def port_in_output(output: str, port: int) -> Check | None:
     return None
 
 
-def _rendezvous(reports: list[dict], joined: list[dict], expected: int, timed_out: bool, timeout_s: float) -> Check:
+def _rendezvous(
+    reports: list[dict], joined: list[dict], expected: int, here: int, timed_out: bool, timeout_s: float
+) -> Check:
+    """`here` of the `expected` processes are this machine's (all of them on a one-machine layout)."""
     refused = sorted((r for r in reports if "rendezvous" in r and not r["rendezvous"]["ok"]), key=lambda r: r["rank"])
-    counts = f"{len(joined)} of {expected} processes joined, {len(reports)} started"
+    scope = f" on this machine ({expected} on all)" if here < expected else ""
+    counts = f"{len(joined)} of {here} processes joined{scope}, {len(reports)} started"
     if refused:
         first = refused[0]
         fix = "" if first["rendezvous"]["user_error"] else "see the launcher's last lines below"
-        text = f"{len(refused)} of {expected} processes could not set up the layout; process {first['rank']}:"
+        text = f"{len(refused)} of {here} processes{scope} could not set up the layout; process {first['rank']}:"
         return Check("FAIL", "rendezvous", f"{text} {first['rendezvous']['error']}", fix)
     if timed_out:
         return Check(
@@ -90,28 +98,28 @@ def _rendezvous(reports: list[dict], joined: list[dict], expected: int, timed_ou
         )
     if not reports:
         return Check("FAIL", "rendezvous", "the launcher started no process", "see the launcher's last lines below")
-    if len(reports) < expected:
+    if len(reports) < here:
         return Check(
             "FAIL",
             "rendezvous",
-            f"the launcher started {len(reports)} of {expected} processes and exited",
+            f"the launcher started {len(reports)} of {here} processes{scope} and exited",
             _NOT_ONE_GROUP,
         )
-    if len(joined) < expected:
+    if len(joined) < here:
         return Check("FAIL", "rendezvous", f"{counts}; the launcher exited", "see the launcher's last lines below")
     if expected == 1:
         return Check("ok", "rendezvous", "1 of 1 process started (one process: no process group)")
     seconds = max(r["rendezvous"]["seconds"] for r in joined)
     where = ", ".join(sorted({f"{r['backend']}, {r['address']}, {r['distributed_type']}" for r in joined}))
     where += "".join(sorted({f", mesh {r['mesh']}" for r in joined if r["mesh"]}))
-    return Check("ok", "rendezvous", f"{len(joined)} of {expected} processes joined ({where}) in {seconds:.1f} s")
+    return Check("ok", "rendezvous", f"{len(joined)} of {here} processes joined{scope} ({where}) in {seconds:.1f} s")
 
 
-def _world_size(reports: list[dict], expected: int, path: Path) -> Check:
+def _world_size(reports: list[dict], expected: int, here: int, path: Path) -> Check:
     worlds = [r["world_size"] for r in reports if r.get("world_size") is not None]
     if not worlds:
         return Check("skip", "world size", "no process got far enough to see its world")
-    if worlds == [expected] * expected:
+    if worlds == [expected] * here:
         return Check("ok", "world size", f"every process sees a world of {expected}, num_processes in {path.name}")
     seen = ", ".join(map(str, worlds))
     return Check(
@@ -134,39 +142,63 @@ def _collective_results(joined: list[dict], key: str, name: str) -> tuple[list[t
     return results, None
 
 
-def _all_reduce(joined: list[dict], expected: int) -> Check:
+def _all_reduce(joined: list[dict], expected: int, here: int) -> Check:
     results, decided = _collective_results(joined, "all_reduce", "all-reduce")
     if decided is not None:
         return decided
     want = expected * (expected + 1) // 2
     sums = [result["value"] for _, result in results]
-    if sums == [want] * expected:
+    if sums == [want] * here:
         ms = 1000 * max(result["seconds"] for _, result in results)
-        return Check("ok", "all-reduce", f"the sum of rank+1 is {want} on all {expected} processes ({ms:.1f} ms)")
+        on = f"all {expected} processes" if here == expected else f"this machine's {here} of {expected} processes"
+        return Check("ok", "all-reduce", f"the sum of rank+1 is {want} on {on} ({ms:.1f} ms)")
     got = ", ".join(f"process {rank} got {result['value']:g}" for rank, result in results)
     return Check("FAIL", "all-reduce", f"{got}; {expected} processes in one group make {want}", _NOT_ONE_GROUP)
 
 
-def _broadcast(joined: list[dict], expected: int) -> Check:
+def _broadcast(joined: list[dict], expected: int, here: int) -> Check:
     results, decided = _collective_results(joined, "broadcast", "broadcast")
     if decided is not None:
         return decided
     wrong = [rank for rank, result in results if result["value"] != BROADCAST_VALUES]
     if wrong:
         return Check("FAIL", "broadcast", f"process(es) {wrong} did not receive rank 0's tensor", _COLLECTIVE_FIX)
-    if sorted(r["process_index"] for r in joined) != list(range(expected)):
-        indices = ", ".join(str(r["process_index"]) for r in joined)
+    indices = sorted(r["process_index"] for r in joined)
+    if len(set(indices)) != here or not set(indices) <= set(range(expected)):
+        shown = ", ".join(str(r["process_index"]) for r in joined)
         return Check(
             "FAIL",
             "broadcast",
-            f"it ran, but not in one group of {expected} (process indices {indices})",
+            f"it ran, but not in one group of {expected} (process indices {shown})",
             _NOT_ONE_GROUP,
         )
     return Check("ok", "broadcast", f"all {len(results)} processes received rank 0's tensor {BROADCAST_VALUES}")
 
 
+def _machines(joined: list[dict], machines: int) -> Check:
+    """A several-machine layout: every machine's processes in the one group (gathered by each process)."""
+    results, decided = _collective_results(joined, "machines", "machines")
+    if decided is not None:
+        return decided
+    ranks_by_machine: dict[tuple[int, str], list[int]] = {}
+    for machine, host, rank in results[0][1]["value"]:
+        ranks_by_machine.setdefault((machine, host), []).append(rank)
+    seen = "; ".join(
+        f"machine {m} ({host}): process(es) {ranks}" for (m, host), ranks in sorted(ranks_by_machine.items())
+    )
+    if sorted({machine for machine, _ in ranks_by_machine}) == list(range(machines)):
+        return Check("ok", "machines", f"{machines} of {machines} machines in the group: {seen}")
+    return Check(
+        "FAIL",
+        "machines",
+        f"the group holds {seen}, not machines 0 to {machines - 1}",
+        "give each machine its own --machine_rank (0 on the machine whose address is --main_process_ip)",
+    )
+
+
 def _devices(layout: Any, path: Path, joined: list[dict], expected: int, cuda_count: int) -> Check:
-    """CPU layouts: every process on the CPU; GPU layouts: one GPU of its own per process."""
+    """CPU layouts: every process on the CPU; GPU layouts: one GPU of its own per process (`expected`: this
+    machine's processes)."""
     on_cpu = bool(layout.use_cpu) or cuda_count == 0
     if not on_cpu and expected > cuda_count:
         return Check(

@@ -1,4 +1,4 @@
-"""`accel-trainer doctor [--config_file LAYOUT]`: is this machine ready to run LAYOUT?
+"""`accel-trainer doctor [layout=LAYOUT] [-- LAUNCH_OPTIONS]`: is this machine ready to run LAYOUT?
 
 Prints the environment (versions, devices, the variables that steer a launch; accelerate's own `accelerate env`
 report plus accel-trainer's), then launches the layout's processes with `accelerate launch -m
@@ -6,6 +6,10 @@ accel_trainer.doctor.worker` for a few seconds and says in one line per check wh
 the fix: the rendezvous port, the rendezvous itself, the world size against the layout's num_processes (the
 silently-single-process trap, docs/accelerate-traps.md), an all-reduce, a broadcast, and where each process
 placed its tensors. The verdicts on the workers' reports are in doctor/checks.py.
+
+A several-machine layout is checked as it trains: the doctor runs on every machine with accelerate launch's
+options for that machine (`-- --machine_rank R --main_process_ip HOST_OF_0`), the processes of all machines form
+one group, and each machine's doctor judges its own processes and the machines in the group.
 
 Exit status: 0 when every check passed, 1 when one failed, 2 for a layout file that is missing or not an
 accelerate config (one line, like every accel-trainer user error).
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from argparse import Namespace
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -58,24 +63,32 @@ _OUTPUT_TAIL_LINES = 15
 _NATIVE_FRAME = re.compile(r"\s*(frame #\d+: |<omitting python frames>|Exception raised from )")
 
 
-def doctor(config_file: str | None = None, timeout_s: float = 60.0) -> int:
+def doctor(config_file: str | None = None, timeout_s: float = 60.0, launcher_options: Sequence[str] = ()) -> int:
     """Print the environment and one line per check; return the exit status (0 all passed, 1 one failed).
+    `launcher_options`: accelerate launch's, for this machine of a several-machine layout.
 
     Raises:
-        ConfigError: the layout file is missing, is not an accelerate config, or spans several machines; a
-            timeout that is not positive.
+        ConfigError: the layout file is missing or is not an accelerate config, launcher options accelerate
+            refuses, a several-machine layout without this machine's rank; a timeout that is not positive.
     """
     if not timeout_s > 0:
         raise ConfigError(f"--timeout_s {timeout_s:g}: must be more than 0")
     path = layout_path(config_file)
-    layout = load_layout(path)
+    options = launch_options(launcher_options)
+    layout = load_layout(path, options)
     print(environment_report(path))
-    count = layout.num_processes if layout.distributed_type != "NO" else 1
-    print(f"\nchecks: {count} process(es) of {path}, at most {timeout_s:g} s")
-    port, port_check = rendezvous_port(layout, path)
-    pinned = layout.main_process_port not in (None, 0)
+    count = layout.num_processes // max(1, layout.num_machines or 1) if layout.distributed_type != "NO" else 1
+    machine = f" on machine {options.machine_rank} of {layout.num_machines}" if (layout.num_machines or 1) > 1 else ""
+    print(f"\nchecks: {count} process(es) of {path}{machine}, at most {timeout_s:g} s")
+    if options.main_process_port or (options.machine_rank or 0) > 0:  # the options' port, or machine 0's business
+        port = int(options.main_process_port or layout.main_process_port)
+        where = "machine 0 holds it" if (options.machine_rank or 0) > 0 else "given after --"
+        port_check, pinned = Check("ok", "port", f"{port} ({where})"), True
+    else:
+        port, port_check = rendezvous_port(layout, path)
+        pinned = layout.main_process_port not in (None, 0)
     with tempfile.TemporaryDirectory(prefix="accel_trainer_doctor_") as scratch:
-        output, timed_out = launch(path, None if pinned else port, Path(scratch), timeout_s)
+        output, timed_out = launch(path, None if pinned else port, Path(scratch), timeout_s, list(launcher_options))
         reports = [json.loads(p.read_text()) for p in sorted(Path(scratch).glob("rank*.json"))]
     if port_check.status == "ok":
         port_check = port_in_output(output, port) or port_check
@@ -107,11 +120,32 @@ def layout_path(config_file: str | None) -> Path:
     return layouts_folder() / default.name  # an installed package's copy
 
 
-def load_layout(path: Path) -> Any:
-    """The layout as accelerate's launcher reads it (its `ClusterConfig`).
+def launch_options(words: Sequence[str]) -> Namespace:
+    """accelerate launch's options, read by its own parser (unset ones are None).
 
     Raises:
-        ConfigError: not YAML, not an accelerate config (accelerate's reason in one line), or several machines.
+        ConfigError: an option accelerate launch does not know, or a value it refuses.
+    """
+    from accelerate.commands.launch import launch_command_parser
+
+    refusal = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(refusal):
+            return launch_command_parser().parse_args([*words, "doctor"])
+    except SystemExit:
+        said = refusal.getvalue().strip().splitlines()[-1:]
+        raise ConfigError(
+            f"the options after -- ({' '.join(words)}) are not accelerate launch's: {''.join(said)}"
+        ) from None
+
+
+def load_layout(path: Path, options: Namespace | None = None) -> Any:
+    """The layout as accelerate's launcher reads it (its `ClusterConfig`), with `options` (accelerate launch's)
+    giving its size and machine count where they name them.
+
+    Raises:
+        ConfigError: not YAML, not an accelerate config (accelerate's reason in one line), or several machines
+            without this machine's --machine_rank.
     """
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -124,10 +158,14 @@ def load_layout(path: Path) -> Any:
         layout = load_config_from_file(str(path))
     except Exception as error:  # noqa: BLE001 - yaml, unknown keys, a list instead of a mapping: all one line
         raise ConfigError(f"{path} is not an accelerate config: {' '.join(str(error).split())}") from None
-    if (layout.num_machines or 1) > 1:
+    for name in ("num_processes", "num_machines"):
+        if options is not None and getattr(options, name) is not None:
+            setattr(layout, name, getattr(options, name))
+    if (layout.num_machines or 1) > 1 and (options is None or options.machine_rank is None):
         raise ConfigError(
-            f"{path} spans {layout.num_machines} machines; doctor launches one machine's"
-            " processes: check a one-machine layout of them (cpu_ddp.yaml, 4gpu_ddp.yaml)"
+            f"{path} spans {layout.num_machines} machines: run the doctor on each, with this machine's rank and"
+            f" machine 0's address: accel-trainer doctor layout={path.stem} -- --machine_rank R --main_process_ip"
+            " HOST_OF_0"
         )
     return layout
 
@@ -209,7 +247,9 @@ def port_holder(port: int) -> str | None:
     return ""
 
 
-def launch(path: Path, port: int | None, folder: Path, timeout_s: float) -> tuple[str, bool]:
+def launch(
+    path: Path, port: int | None, folder: Path, timeout_s: float, launcher_options: list[str]
+) -> tuple[str, bool]:
     """Run the workers under `accelerate launch`; return the launcher's output and whether it was stopped.
 
     A launch still running after `timeout_s` is ended whole (the launcher, torchrun's agent and every worker).
@@ -220,6 +260,7 @@ def launch(path: Path, port: int | None, folder: Path, timeout_s: float) -> tupl
     # line (launch_fixes.launch_config_path), as in a training launch.
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path)]
     command += ["--main_process_port", str(port)] if port else []
+    command += launcher_options
     command += ["-m", "accel_trainer.doctor.worker", str(folder), str(0.75 * timeout_s)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as process:

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     if accelerator is not None:
         report["all_reduce"] = _timed(_all_reduce, accelerator)
         report["broadcast"] = _timed(_broadcast, accelerator)
+        report["machines"] = _timed(_machines, accelerator)
     _write(Path(folder), rank, report)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -98,6 +99,14 @@ def _broadcast(accelerator: Any) -> dict[str, Any]:
     values = BROADCAST_VALUES if accelerator.process_index == 0 else [0.0] * len(BROADCAST_VALUES)
     received = broadcast(torch.tensor(values, device=accelerator.device), from_process=0).tolist()
     return {"ok": received == BROADCAST_VALUES, "value": received}
+
+
+def _machines(accelerator: Any) -> dict[str, Any]:
+    """Every process's machine (the launcher's node rank, GROUP_RANK) and host, gathered from the whole group."""
+    from accelerate.utils import gather_object
+
+    mine = [[int(os.environ.get("GROUP_RANK", "0")), socket.gethostname(), accelerator.process_index]]
+    return {"ok": True, "value": gather_object(mine)}
 
 
 def _timed(check: Any, accelerator: Any) -> dict[str, Any]:

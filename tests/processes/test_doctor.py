@@ -4,13 +4,14 @@ per check (accel_trainer/doctor/command.py). The launches are real (gloo on the 
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 
 import pytest
 
 from accel_trainer import cli
 from accel_trainer.doctor.checks import port_in_output
-from conftest import REPO, clean_env, run_command
+from conftest import LAUNCH_TIMEOUT_S, REPO, clean_env, free_port, run_command
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
 
@@ -113,3 +114,38 @@ def test_a_bad_config_file_is_a_one_line_error_with_exit_status_2(capsys, tmp_pa
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert err.startswith("accel-trainer: error: ") and expected in err
+
+
+@pytest.mark.multiprocess
+def test_a_two_machine_layout_is_checked_by_a_doctor_on_each_machine_that_sees_both_in_one_group():
+    port = str(free_port())
+    command = [sys.executable, "-m", "accel_trainer", "doctor", "layout=2node_cpu", "--timeout_s", "120", "--",
+               "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--machine_rank"]  # fmt: skip
+    machines = [subprocess.Popen([*command, str(rank)], env=clean_env(), stdout=subprocess.PIPE, text=True)
+                for rank in (0, 1)]  # fmt: skip
+    outputs = [machine.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for machine in machines]
+
+    assert [machine.returncode for machine in machines] == [0, 0], outputs
+    for rank, output in enumerate(outputs):
+        checks = check_lines(output)
+        assert f"2node_cpu.yaml on machine {rank} of 2" in output
+        assert list(checks) == ["port", "rendezvous", "world size", "all-reduce", "broadcast", "machines", "devices"]
+        assert all(line.startswith("ok   ") for line in checks.values()), output
+        assert "1 of 1 processes joined on this machine (2 on all)" in checks["rendezvous"]
+        assert "2 of 2 machines in the group: machine 0 (" in checks["machines"] and "machine 1 (" in checks["machines"]
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ([], "spans 2 machines: run the doctor on each, with this machine's rank and machine 0's address"),
+        (["--", "--machine_rnak", "1"], "are not accelerate launch's: "),
+    ],
+    ids=["no-machine-rank", "unknown-option"],
+)
+def test_a_two_machine_layout_without_this_machines_rank_is_a_one_line_error(capsys, options, expected):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["doctor", "layout=2node_cpu", *options])
+
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
