@@ -214,6 +214,5 @@ def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:
     checker.add_argument("--timeout_s", type=float, default=60.0, help="stop the launch after this long (default 60)")
 
 
-
 if __name__ == "__main__":
     main()

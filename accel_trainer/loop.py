@@ -14,6 +14,7 @@ host except on logging, evaluation and save steps, so the device never waits on 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,8 @@ def train_loop(
         Preempted: a signal stopped the run after it saved a checkpoint.
     """
     setup_started = time.time()
-    run = prepare_run(recipe, RunIdentity(recipe_name, cfg, layout), accelerator, run_dir)
+    identity = RunIdentity(recipe_name, cfg, layout, inspect.getsourcefile(type(recipe)))
+    run = prepare_run(recipe, identity, accelerator, run_dir)
     state = run.restore()
     check_early_stop(cfg, run.data.eval_set is not None)
     if state.step >= cfg.max_steps or state.stopped_early:  # the run's files stay as they are: nothing trains

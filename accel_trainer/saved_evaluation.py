@@ -37,14 +37,15 @@ from accel_trainer.checkpoint.files import CheckpointError
 from accel_trainer.checkpoint.save import RunIdentity
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.config.train_config import resolve_settings
-from accel_trainer.errors import UserError
+from accel_trainer.errors import RecipeError, UserError
 from accel_trainer.evaluation import evaluate_run
 from accel_trainer.observe.metrics import console_line
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.layout_file import layout_environment
 from accel_trainer.prepared_run import prepare_run
 from accel_trainer.processes import end_launched_worker, run_layout
-from accel_trainer.registry import get_recipe
+from accel_trainer.recipe import Recipe
+from accel_trainer.registry import get_recipe, recipe_name_of
 
 # What an evaluation must not do with the saved config: train, resume, keep an EMA of its own, or log anywhere.
 _EVALUATION_ONLY = {"resume": "none", "ema_decay": 0.0, "evaluate_ema": False, "trackers": "", "report": False}
@@ -58,6 +59,7 @@ class SavedWeights:
     recipe_name: str
     step: int
     config_file: Path  # the saved config.yaml
+    recipe_file: str | None = None  # the file that defined the recipe (runs saved since 2026-11-26)
 
     def load(self) -> dict[str, torch.Tensor]:
         if (self.folder / checkpoint_checks.TRAIN_STATE).is_file():
@@ -87,7 +89,27 @@ def saved_weights(source: Path) -> SavedWeights:
 
 def _from_checkpoint(checkpoint: Path, weights: Path) -> SavedWeights:
     state = json.loads((checkpoint / checkpoint_checks.TRAIN_STATE).read_text())
-    return SavedWeights(weights, state["recipe"], state["step"], weights / "config.yaml")
+    return SavedWeights(weights, state["recipe"], state["step"], weights / "config.yaml", state.get("recipe_file"))
+
+
+def saved_recipe(saved: SavedWeights) -> type[Recipe]:
+    """The recipe the weights were trained with: registered, or defined in the file the run recorded (a recipe
+    file trained from another folder, `accel-trainer train ./my_gpt.py`).
+
+    Raises:
+        RecipeError: neither, with the file the run was trained from when it is known.
+    """
+    try:
+        return get_recipe(saved.recipe_name)
+    except RecipeError:
+        if not saved.recipe_file:
+            raise
+        if not Path(saved.recipe_file).is_file():
+            raise RecipeError(
+                f"recipe {saved.recipe_name!r} was defined in {saved.recipe_file}, which is not there any more:"
+                " evaluate where its recipe file is (or registered)"
+            ) from None
+    return get_recipe(recipe_name_of(saved.recipe_file))
 
 
 def evaluate_saved(source: str | Path, **overrides: Any) -> dict[str, float]:
@@ -99,7 +121,7 @@ def evaluate_saved(source: str | Path, **overrides: Any) -> dict[str, float]:
             recipe's model, or the recipe builds no eval set.
     """
     saved = saved_weights(Path(source))
-    recipe_cls = get_recipe(saved.recipe_name)
+    recipe_cls = saved_recipe(saved)
     with tempfile.TemporaryDirectory(prefix="accel-trainer-evaluate-") as scratch:  # a run folder nothing writes to
         values = {**overrides, **_EVALUATION_ONLY, "output_dir": scratch}
         cfg, layout = resolve_settings(recipe_cls.Config, saved.config_file, values, launch_settings_file())

@@ -9,7 +9,16 @@ import pytest
 
 import accel_trainer as at
 from accel_trainer import cli
-from conftest import assert_one_line_error, exit_status, free_port, read_metrics, reset_accelerate_state, run_command
+from accel_trainer.shipped import copy_shipped
+from conftest import (
+    REPO,
+    assert_one_line_error,
+    exit_status,
+    free_port,
+    read_metrics,
+    reset_accelerate_state,
+    run_command,
+)
 
 MLP = dict(max_steps=20, eval_every_steps=10, save_every_steps=10, keep_last=0, log_every_steps=0)
 
@@ -92,3 +101,17 @@ def test_a_recipe_without_an_eval_set_is_a_one_line_error(tmp_path, capsys):
     status, _, err = evaluate(capsys, tmp_path)
 
     assert_one_line_error(status, err, "recipe mlp_without_eval builds no eval set (build_datasets)")
+
+
+def test_a_run_of_a_recipe_file_is_evaluated_from_any_folder_while_its_file_is_there(tmp_path):
+    copy_shipped("mlp", tmp_path / "my_mlp.py")
+    train = [sys.executable, "-m", "accel_trainer", "train", "./my_mlp.py", "output_dir=run", "max_steps=4",
+             "show_progress_bar=false", "report=false"]  # fmt: skip
+    run_command(train, cwd=tmp_path)
+    evaluate_run = [sys.executable, "-m", "accel_trainer", "evaluate", str(tmp_path / "run")]
+
+    evaluated = run_command(evaluate_run, cwd=REPO)  # my_mlp is registered nowhere here: the run names its file
+    assert f"evaluated {tmp_path / 'run' / 'final'} (my_mlp, step 4)" in evaluated.stdout
+    (tmp_path / "my_mlp.py").rename(tmp_path / "moved.py")
+    gone = run_command(evaluate_run, cwd=REPO, check=False)
+    assert_one_line_error(gone.returncode, gone.stderr, f"was defined in {tmp_path / 'my_mlp.py'}, which is not there")

@@ -87,6 +87,7 @@ class RunIdentity:
     recipe_name: str
     cfg: TrainConfig
     layout: LayoutSettings
+    recipe_file: str | None = None  # the file defining the recipe, for `evaluate` from another folder
 
 
 def save(
@@ -265,6 +266,7 @@ def _write_small_files(
         "format": FORMAT,
         **state.to_dict(),
         "recipe": identity.recipe_name,
+        "recipe_file": identity.recipe_file,
         "config_hash": config_hash(identity.cfg),
         "world_size": accelerator.num_processes,
         "layout": {
