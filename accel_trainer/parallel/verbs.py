@@ -99,13 +99,21 @@ def step_optimizers(all_verbs: Sequence[StepVerbs]) -> list[bool]:
             else:  # sharded gradients: accelerate's step (no scaler, so never skipped)
                 verbs.optimizer.step()
         return [True] * len(all_verbs)
-    optimizers = [verbs.optimizer.optimizer for verbs in all_verbs]
+    # An optimizer none of whose parameters got a gradient this step (a phase that trains only the others) has
+    # nothing to step, and the scaler refuses it ("No inf checks were recorded for this optimizer").
+    optimizers = [verbs.optimizer.optimizer for verbs in all_verbs if _has_gradients(verbs.optimizer.optimizer)]
     for optimizer in optimizers:
         scaler.step(optimizer)  # unscales first unless the gradient norm did; skips on inf/NaN gradients
     # fp16 reads a verdict back every step anyway (the scaler's own step does for an unfused optimizer)
-    found = [sum(v.item() for v in scaler._found_inf_per_device(optimizer).values()) for optimizer in optimizers]
-    scaler.update()
-    return [not inf for inf in found]
+    found = {id(optimizer): sum(v.item() for v in scaler._found_inf_per_device(optimizer).values())
+             for optimizer in optimizers}  # fmt: skip
+    if optimizers:
+        scaler.update()
+    return [not found.get(id(verbs.optimizer.optimizer), 0) for verbs in all_verbs]
+
+
+def _has_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def discard_step(all_verbs: Sequence[StepVerbs]) -> None:

@@ -248,6 +248,20 @@ def test_two_optimizers_on_one_fp16_scaler_each_step_on_their_gradients_unscaled
     reset_accelerate_state()
 
 
+def test_under_fp16_an_optimizer_whose_parameters_got_no_gradient_is_left_alone_and_the_other_steps():
+    # torch's scaler refused it ("No inf checks were recorded for this optimizer"): a phase that trains one model
+    first, first_optimizer, first_verbs = _fp16_like_optimizer(False, optimizer_cls=torch.optim.SGD)
+    scaler = first_optimizer.scaler
+    second, _, second_verbs = _fp16_like_optimizer(False, scaler, optimizer_cls=torch.optim.SGD)
+    weights = [model.weight.detach().clone() for model in (first, second)]
+    scaler.scale(first(torch.ones(1, 4)).sum()).backward()
+
+    assert step_optimizers([first_verbs, second_verbs]) == [True, True]
+    torch.testing.assert_close(first.weight, weights[0] - 0.1, rtol=0, atol=1e-7)
+    assert torch.equal(second.weight, weights[1])
+    reset_accelerate_state()
+
+
 def test_a_step_the_nonfinite_guard_rejects_drops_every_optimizers_gradients_and_leaves_the_scaler_ready():
     # The gradient norm unscaled both optimizers' gradients; without closing the scaler's step, the next step's
     # unscale raised "unscale_() has already been called", and the second optimizer kept its NaN gradients.
