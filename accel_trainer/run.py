@@ -39,7 +39,7 @@ from accel_trainer.observe.breadcrumb import where
 from accel_trainer.observe.trackers import check_trackers
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launched_world_size
-from accel_trainer.parallel.layout_file import apply_layout, layout_environment, read_layout
+from accel_trainer.parallel.layout_file import check_launched_layout, layout_environment, read_layout
 from accel_trainer.processes import end_launched_worker, launch_processes, run_layout
 from accel_trainer.registry import describe, get_recipe, recipe_name_of
 from accel_trainer.stopping.signals import EXIT_PREEMPTED, Preempted, stop_signals_caught
@@ -87,10 +87,12 @@ def train(
     """
     show_our_warnings_as_one_line()
     recipe_name = recipe_name_of(recipe_name)
+    layout_here: contextlib.AbstractContextManager = contextlib.nullcontext()
     if layout is not None:
         spec = read_layout(str(layout))
-        if launched_world_size() is not None:
-            apply_layout(spec, launched_world_size())
+        if launched_world_size() is not None:  # this run's: the next run of a sweep starts without it
+            check_launched_layout(spec, launched_world_size())
+            layout_here = layout_environment(spec)
         else:  # the layout's processes, forked with its variables (the next run here starts without them)
             if num_processes not in (None, spec.num_processes) or spec.num_machines > 1:
                 raise LayoutError(f"layout={layout}: {spec.num_processes} processes on {spec.num_machines} machine(s),"
@@ -102,7 +104,7 @@ def train(
         resolve_config(get_recipe(recipe_name).Config, config_file, overrides)  # fail here, before any process
         metrics, run_dir = launch_processes(train, recipe_name, num_processes, config_file, overrides)
         return TrainResult(metrics=metrics, run_dir=run_dir)
-    with stop_signals_caught():  # from the start: a signal during the set-up stops the run at its first step
+    with layout_here, stop_signals_caught():  # from the start: a signal during the set-up stops the run at step 1
         return _train_here(recipe_name, config_file, overrides, keep_process_group=keep_process_group)
 
 

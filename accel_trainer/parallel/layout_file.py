@@ -78,6 +78,12 @@ def read_layout(name_or_file: str, launcher_options: list[str] | None = None) ->
             warnings.simplefilter("ignore")
             words = ["--config_file", str(path), "--main_process_port", "0", *launcher_options, "layout"]
             args, _, _ = _validate_launch_command(launch_command_parser().parse_args(words))
+            own = [name for flag, name in (("use_deepspeed", "DeepSpeed"), ("tpu", "TPU")) if getattr(args, flag, None)]
+            if own:  # their variables come from launchers of their own (deepspeed's, xla's), which layout= is not
+                raise LayoutError(
+                    f"layout {path} is a {own[0]} config, which layout= cannot apply in the workers: launch it with"
+                    f" accelerate launch --config_file {path}"
+                )
             several = (args.use_fsdp or args.multi_gpu or args.use_megatron_lm) and not args.cpu
             environment = prepare_multi_gpu_env(args) if several else prepare_simple_launcher_cmd_env(args)[1]
     except (
@@ -106,7 +112,17 @@ def read_layout(name_or_file: str, launcher_options: list[str] | None = None) ->
 
 
 def apply_layout(layout: Layout, launched_processes: int | None) -> None:
-    """Set the layout's variables in this worker before the Accelerator is built.
+    """Set the layout's variables in this worker before the Accelerator is built (for the rest of the process).
+
+    Raises:
+        LayoutError: as `check_launched_layout`.
+    """
+    check_launched_layout(layout, launched_processes)
+    os.environ.update(_naming(layout))
+
+
+def check_launched_layout(layout: Layout, launched_processes: int | None) -> None:
+    """Whether the launch that started this worker can take the layout's variables.
 
     Raises:
         LayoutError: the launcher started another number of processes, or its accelerate config set a variable
@@ -126,7 +142,6 @@ def apply_layout(layout: Layout, launched_processes: int | None) -> None:
                 f"the launcher set {key}={os.environ[key]} and layout={layout.path.name} {says}: launch with"
                 f" --config_file {layout.path} or leave layout= out"
             )
-    os.environ.update(_naming(layout))
 
 
 @contextlib.contextmanager

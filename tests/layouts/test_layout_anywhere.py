@@ -126,3 +126,10 @@ def test_canary_torchs_launcher_forwards_no_sigusr1_to_its_workers_unless_told()
     from torch.distributed.run import get_args_parser
 
     assert "SIGUSR1" not in get_args_parser().parse_args(["x.py"]).signals_to_handle
+
+
+def test_a_deepspeed_layout_which_layout_cannot_apply_in_the_workers_is_a_one_line_refusal(tmp_path):
+    config = tmp_path / "zero2.yaml"
+    config.write_text("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 2}\nnum_processes: 2\n")
+    with pytest.raises(LayoutError, match="is a DeepSpeed config, which layout= cannot apply in the workers"):
+        read_layout(str(config))
