@@ -105,9 +105,9 @@ def test_a_recipe_without_an_eval_set_is_a_one_line_error(tmp_path, capsys):
 
 def test_a_run_of_a_recipe_file_is_evaluated_from_any_folder_while_its_file_is_there(tmp_path):
     copy_shipped("mlp", tmp_path / "my_mlp.py")
-    train = [sys.executable, "-m", "accel_trainer", "train", "./my_mlp.py", "output_dir=run", "max_steps=4",
-             "show_progress_bar=false", "report=false"]  # fmt: skip
-    run_command(train, cwd=tmp_path)
+    at.train(str(tmp_path / "my_mlp.py"), output_dir=str(tmp_path / "run"), max_steps=4, show_progress_bar=False,
+             report=False)  # fmt: skip
+    reset_accelerate_state()
     evaluate_run = [sys.executable, "-m", "accel_trainer", "evaluate", str(tmp_path / "run")]
 
     evaluated = run_command(evaluate_run, cwd=REPO)  # my_mlp is registered nowhere here: the run names its file
