@@ -69,7 +69,7 @@ def get_recipe(name: str) -> type[Recipe]:
         suggestion = f"did you mean {hint[0]!r}? " if hint else ""
         raise RecipeError(
             f"unknown recipe {name!r}; {suggestion}known recipes: {', '.join(known) or 'none'}"
-            " (see `accel-trainer list`; a recipe defined in a script runs as `python script.py key=value ...`)"
+            " (see `accel-trainer list`; a recipe file trains as `accel-trainer train ./file.py key=value ...`)"
         )
     return _recipes[name]
 

@@ -229,7 +229,8 @@ def _is_lost_peer(error: BaseException) -> bool:
 def _print_help(recipe_name: str) -> None:
     recipe_cls = get_recipe(recipe_name)
     print(f"{recipe_name}: {describe(recipe_cls)}\n")
-    print("usage: [--config FILE.yaml] [--print-config] key=value | --key value | --key=value ...\n")
+    print("usage: [--config FILE.yaml] [--print-config] key=value | --key value | --key=value ...")
+    print("       [layout=NAME|FILE [-- accelerate launch options]]: on a layout's processes (accel-trainer list)\n")
     print("config fields (what to train, the same on every layout):")
     print(describe_fields(recipe_cls.Config))
     print("\nlayout settings (how this hardware runs it; also read from <accelerate config>.settings.yaml):")
@@ -248,6 +249,9 @@ def _print_config(recipe_name: str, line: CommandLine, is_rank_zero: bool, proce
         launched = launched_world_size()
         processes = f"{launched} processes of this launch" if launched else "1 process (not launched)"
     print(f"# {recipe_name}: what this command would train with ({sources}), on {processes}")
+    if processes.endswith(".yaml"):  # a layout is the command's, not the config's: --config does not carry it
+        layout_name = processes.rsplit(" of ", 1)[1]
+        print(f"# (the layout is not config: give layout={layout_name} beside --config to train on it)")
     print(config_to_yaml(cfg), end="")
     print("# layout settings")
     print(layout_to_yaml(layout), end="", flush=True)

@@ -76,7 +76,11 @@ def saved_weights(source: Path) -> SavedWeights:
     if (source / checkpoint_checks.TRAIN_STATE).is_file():
         checkpoint_files.verify(source)
         return _from_checkpoint(source, source)
+    if not source.exists():
+        raise CheckpointError(f"{source} does not exist; name a run folder or a checkpoint folder")
     if not checkpoint_files.checkpoints_dir(source).is_dir():
+        if (source / "config.yaml").is_file():
+            raise CheckpointError(f"run folder {source} holds no weights: it stopped before its first checkpoint")
         raise CheckpointError(f"{source} is neither a run folder nor a checkpoint folder; name one of them")
     newest = checkpoint_files.newest_valid_checkpoint(source)
     if newest is None:
@@ -135,7 +139,8 @@ def evaluate_saved(source: str | Path, **overrides: Any) -> dict[str, float]:
         scores = evaluate_run(run)
         seconds = time.perf_counter() - started
     if accelerator.is_main_process:
-        print(f"evaluated {saved.folder} ({saved.recipe_name}, step {saved.step})")
+        print(f"evaluated {saved.folder} ({saved.recipe_name}, step {saved.step}) on {accelerator.num_processes}"
+              " process(es)")  # fmt: skip
         print(console_line({"step": saved.step, **scores, "eval/seconds": seconds}), flush=True)
     accelerator.end_training()
     return scores

@@ -47,7 +47,7 @@ def test_a_runs_final_weights_score_exactly_what_training_logged_last_and_nothin
 
     logged = evaluation_records(mlp_run)[20]
     assert status == 0
-    assert f"evaluated {mlp_run / 'final'} (mlp, step 20)" in out
+    assert f"evaluated {mlp_run / 'final'} (mlp, step 20) on 1 process(es)" in out
     (line,) = [line for line in out.splitlines() if line.startswith("step 20 | eval/loss")]
     assert f"eval/accuracy {logged['eval/accuracy']:.4g}" in line
     assert sorted(mlp_run.rglob("*")) == files
@@ -77,6 +77,7 @@ def test_two_fsdp_processes_score_the_weights_as_one_process_does(mlp_run):
     ("arguments", "message"),
     [
         (["{tmp}"], "is neither a run folder nor a checkpoint folder"),
+        (["{tmp}/nowhere"], "nowhere does not exist; name a run folder or a checkpoint folder"),
         (["{run}", "hidden=8"], "do not fit recipe mlp's model as this config builds it: size mismatch for"),
         (["{run}", "lr=fast"], "lr='fast': expected float"),
         (["{run}", "--config", "x.yaml"], "evaluate takes key=value overrides only"),
@@ -88,6 +89,13 @@ def test_what_evaluate_cannot_use_is_a_one_line_error(mlp_run, tmp_path, capsys,
     status, _, err = evaluate(capsys, *filled)
 
     assert_one_line_error(status, err, message)
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_is_said_to_hold_no_weights(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("max_steps: 5\n")  # what a run that crashed at its first step leaves
+    status, _, err = evaluate(capsys, tmp_path)
+
+    assert_one_line_error(status, err, "holds no weights: it stopped before its first checkpoint")
 
 
 def test_a_recipe_without_an_eval_set_is_a_one_line_error(tmp_path, capsys):
