@@ -87,24 +87,21 @@ def train(
     """
     show_our_warnings_as_one_line()
     recipe_name = recipe_name_of(recipe_name)
-    layout_here: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if layout is not None:
-        spec = read_layout(str(layout))
-        if launched_world_size() is not None:  # this run's: the next run of a sweep starts without it
-            check_launched_layout(spec, launched_world_size())
-            layout_here = layout_environment(spec)
-        else:  # the layout's processes, forked with its variables (the next run here starts without them)
-            if num_processes not in (None, spec.num_processes) or spec.num_machines > 1:
-                raise LayoutError(f"layout={layout}: {spec.num_processes} processes on {spec.num_machines} machine(s),"
-                                  f" not num_processes={num_processes} here; torchrun ... layout= on each")  # fmt: skip
-            with layout_environment(spec):
-                return train(recipe_name, config_file=config_file, num_processes=spec.num_processes,
-                             keep_process_group=keep_process_group, **overrides)  # fmt: skip
+    if layout is not None:  # the layout's variables for this run alone: the next run here (a sweep's) is without
+        spec, launched = read_layout(str(layout)), launched_world_size()
+        if launched is not None:
+            check_launched_layout(spec, launched)
+        elif num_processes not in (None, spec.num_processes) or spec.num_machines > 1:
+            raise LayoutError(f"layout={layout}: {spec.num_processes} processes on {spec.num_machines} machine(s),"
+                              f" not num_processes={num_processes} here; torchrun ... layout= on each")  # fmt: skip
+        with layout_environment(spec):  # not launched: its processes, forked with its variables
+            return train(recipe_name, config_file=config_file, keep_process_group=keep_process_group,
+                         num_processes=num_processes if launched else spec.num_processes, **overrides)  # fmt: skip
     if num_processes is not None and num_processes != (launched_world_size() or 1):
         resolve_config(get_recipe(recipe_name).Config, config_file, overrides)  # fail here, before any process
         metrics, run_dir = launch_processes(train, recipe_name, num_processes, config_file, overrides)
         return TrainResult(metrics=metrics, run_dir=run_dir)
-    with layout_here, stop_signals_caught():  # from the start: a signal during the set-up stops the run at step 1
+    with stop_signals_caught():  # from the start: a signal during the set-up stops the run at its first step
         return _train_here(recipe_name, config_file, overrides, keep_process_group=keep_process_group)
 
 

@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -78,12 +79,7 @@ def read_layout(name_or_file: str, launcher_options: list[str] | None = None) ->
             warnings.simplefilter("ignore")
             words = ["--config_file", str(path), "--main_process_port", "0", *launcher_options, "layout"]
             args, _, _ = _validate_launch_command(launch_command_parser().parse_args(words))
-            own = [name for flag, name in (("use_deepspeed", "DeepSpeed"), ("tpu", "TPU")) if getattr(args, flag, None)]
-            if own:  # their variables come from launchers of their own (deepspeed's, xla's), which layout= is not
-                raise LayoutError(
-                    f"layout {path} is a {own[0]} config, which layout= cannot apply in the workers: launch it with"
-                    f" accelerate launch --config_file {path}"
-                )
+            _refuse_other_launchers(args, path)
             several = (args.use_fsdp or args.multi_gpu or args.use_megatron_lm) and not args.cpu
             environment = prepare_multi_gpu_env(args) if several else prepare_simple_launcher_cmd_env(args)[1]
     except (
@@ -109,6 +105,17 @@ def read_layout(name_or_file: str, launcher_options: list[str] | None = None) ->
     steering = frozenset(key for key in environment if key.startswith(_STEERING))
     options = tuple(launcher_options)
     return Layout(path, options, int(args.num_processes or 1), int(args.num_machines or 1), added, steering)
+
+
+def _refuse_other_launchers(args: Any, path: Path) -> None:
+    """DeepSpeed and TPU configs: their variables come from launchers of their own (deepspeed's, xla's), which
+    layout= is not."""
+    own = [name for flag, name in (("use_deepspeed", "DeepSpeed"), ("tpu", "TPU")) if getattr(args, flag, None)]
+    if own:
+        raise LayoutError(
+            f"layout {path} is a {own[0]} config, which layout= cannot apply in the workers: launch it with"
+            f" accelerate launch --config_file {path}"
+        )
 
 
 def apply_layout(layout: Layout, launched_processes: int | None) -> None:
