@@ -10,6 +10,8 @@ BIN := $(VENV)/bin
 LAUNCH_FLAGS ?=
 LAUNCH := $(BIN)/accelerate launch --quiet $(LAUNCH_FLAGS)
 RUN_RECIPE := -m accel_trainer train $(RECIPE) $(ARGS)
+# Each target names its layout twice: to accelerate launch (--config_file), and to the workers (layout=), which
+# read its settings file (accelerate does not tell them which config it read).
 # Multi-node: run the same target on every node with its NODE_RANK and node 0's address.
 NODE_RANK ?= 0
 MAIN_ADDR ?= 127.0.0.1
@@ -32,64 +34,64 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 train: install  ## the default recipe on the default layout: 1 CPU process
-	$(LAUNCH) --config_file accelerate_configs/cpu.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/cpu.yaml $(RUN_RECIPE) layout=accelerate_configs/cpu.yaml
 
 train-cpu-ddp: install  ## 2 gloo processes on the CPU
-	$(LAUNCH) --config_file accelerate_configs/cpu_ddp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/cpu_ddp.yaml $(RUN_RECIPE) layout=accelerate_configs/cpu_ddp.yaml
 
 train-cpu-fsdp: install  ## 2 gloo processes on the CPU, parameters sharded with FSDP2
-	$(LAUNCH) --config_file accelerate_configs/cpu_fsdp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/cpu_fsdp.yaml $(RUN_RECIPE) layout=accelerate_configs/cpu_fsdp.yaml
 
 train-cpu-pp: install  ## 2 gloo processes on the CPU, pipeline parallel (2 stages, 1F1B; pp_size from cpu_pp.settings.yaml)
-	$(LAUNCH) --config_file accelerate_configs/cpu_pp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/cpu_pp.yaml $(RUN_RECIPE) layout=accelerate_configs/cpu_pp.yaml
 
 train-cpu-pp-fsdp: install  ## 4 gloo processes on the CPU: 2 pipeline stages, each sharded over 2 processes with FSDP2
-	$(LAUNCH) --config_file accelerate_configs/cpu_pp_fsdp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/cpu_pp_fsdp.yaml $(RUN_RECIPE) layout=accelerate_configs/cpu_pp_fsdp.yaml
 
 train-cpu-tp: install  ## 2 gloo processes on the CPU, tensor parallel (the recipe's tp_plan; tp_size from cpu_tp.settings.yaml)
-	$(LAUNCH) --config_file accelerate_configs/cpu_tp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/cpu_tp.yaml $(RUN_RECIPE) layout=accelerate_configs/cpu_tp.yaml
 
 train-cpu-fsdp-tp: install  ## 4 gloo processes on the CPU: FSDP2 over 2 data-parallel ranks x tensor parallel pairs
-	$(LAUNCH) --config_file accelerate_configs/cpu_fsdp_tp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/cpu_fsdp_tp.yaml $(RUN_RECIPE) layout=accelerate_configs/cpu_fsdp_tp.yaml
 
 train-cpu-hsdp: install  ## 4 gloo processes on the CPU: FSDP2 within pairs, replicated across them (HSDP)
-	$(LAUNCH) --config_file accelerate_configs/cpu_hsdp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/cpu_hsdp.yaml $(RUN_RECIPE) layout=accelerate_configs/cpu_hsdp.yaml
 
 train-gpu: install
-	$(LAUNCH) --config_file accelerate_configs/gpu.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/gpu.yaml $(RUN_RECIPE) layout=accelerate_configs/gpu.yaml
 
 train-4gpu: install
-	$(LAUNCH) --config_file accelerate_configs/4gpu_ddp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/4gpu_ddp.yaml $(RUN_RECIPE) layout=accelerate_configs/4gpu_ddp.yaml
 
 train-8gpu: install
-	$(LAUNCH) --config_file accelerate_configs/8gpu_ddp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/8gpu_ddp.yaml $(RUN_RECIPE) layout=accelerate_configs/8gpu_ddp.yaml
 
 train-4gpu-fsdp: install
-	$(LAUNCH) --config_file accelerate_configs/4gpu_fsdp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/4gpu_fsdp.yaml $(RUN_RECIPE) layout=accelerate_configs/4gpu_fsdp.yaml
 
 train-8gpu-fsdp: install
-	$(LAUNCH) --config_file accelerate_configs/8gpu_fsdp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/8gpu_fsdp.yaml $(RUN_RECIPE) layout=accelerate_configs/8gpu_fsdp.yaml
 
 train-8gpu-fsdp-tp: install
-	$(LAUNCH) --config_file accelerate_configs/8gpu_fsdp_tp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/8gpu_fsdp_tp.yaml $(RUN_RECIPE) layout=accelerate_configs/8gpu_fsdp_tp.yaml
 
 train-8gpu-pp-fsdp: install
-	$(LAUNCH) --config_file accelerate_configs/8gpu_pp_fsdp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/8gpu_pp_fsdp.yaml $(RUN_RECIPE) layout=accelerate_configs/8gpu_pp_fsdp.yaml
 
 train-8gpu-fsdp-cp: install  ## GPU only: context parallelism (no CPU twin: torch has no CPU ring attention)
-	$(LAUNCH) --config_file accelerate_configs/8gpu_fsdp_cp.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/8gpu_fsdp_cp.yaml $(RUN_RECIPE) layout=accelerate_configs/8gpu_fsdp_cp.yaml
 
 train-4gpu-powersgd: install  ## PowerSGD comes from accelerate_configs/4gpu_ddp_powersgd.settings.yaml
-	$(LAUNCH) --config_file accelerate_configs/4gpu_ddp_powersgd.yaml $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/4gpu_ddp_powersgd.yaml $(RUN_RECIPE) layout=accelerate_configs/4gpu_ddp_powersgd.yaml
 
 train-2node: install  ## on each node: make train-2node NODE_RANK=r MAIN_ADDR=<node 0 address>
-	$(LAUNCH) --config_file accelerate_configs/2node_4gpu.yaml $(NODE_FLAGS) $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/2node_4gpu.yaml $(NODE_FLAGS) $(RUN_RECIPE) layout=accelerate_configs/2node_4gpu.yaml
 
 train-2node-hsdp: install  ## on each node: make train-2node-hsdp NODE_RANK=r MAIN_ADDR=<node 0 address>
-	$(LAUNCH) --config_file accelerate_configs/2node_hsdp.yaml $(NODE_FLAGS) $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/2node_hsdp.yaml $(NODE_FLAGS) $(RUN_RECIPE) layout=accelerate_configs/2node_hsdp.yaml
 
 train-2node-cpu: install  ## the CPU twin; both node ranks may run on one machine with MAIN_ADDR=127.0.0.1
-	$(LAUNCH) --config_file accelerate_configs/2node_cpu.yaml $(NODE_FLAGS) $(RUN_RECIPE)
+	$(LAUNCH) --config_file accelerate_configs/2node_cpu.yaml $(NODE_FLAGS) $(RUN_RECIPE) layout=accelerate_configs/2node_cpu.yaml
 
 test: install  ## everything but the slow tier, on three pytest workers (tests/conftest.py says how)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)

@@ -34,7 +34,7 @@ from accel_trainer.observe.metrics import drop_records_after, format_metric
 from accel_trainer.observe.observer import Observer
 from accel_trainer.observe.window import Speed
 from accel_trainer.optimizers import Optimizers, check_layout_for_several, read_optimizers
-from accel_trainer.parallel.accelerator import prepare_for_training
+from accel_trainer.parallel.accelerator import prepare_for_training, settings_note
 from accel_trainer.parallel.compiling import allow_recompiles_per_region
 from accel_trainer.parallel.mesh import DataRanks, data_ranks, mesh_shape, tensor_parallel_size
 from accel_trainer.parallel.pipeline.build import build_pipeline
@@ -112,7 +112,8 @@ class Run:
         write_run_info(run_dir, accelerator, ran, state.step, held)
         drop_records_after(run_dir, state.step)
         data_path = describe_path(self.data.train_loader, self.recipe)
-        print(header(accelerator, recipe_name, self.num_parameters, held, self.plan, data_path, run_dir), flush=True)
+        facts = (self.num_parameters, held, self.plan, data_path, run_dir, settings_note())
+        print(header(accelerator, recipe_name, *facts), flush=True)
 
     def observer(self, cfg: TrainConfig, setup_started: float) -> Observer:
         """The run's observer, once its state is restored; `cfg` as asked (micro_batch_size=auto stays auto)."""

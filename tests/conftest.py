@@ -51,6 +51,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from accel_trainer.parallel.layout_file import LAYOUT_VARIABLE
 from accel_trainer.processes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,12 +96,15 @@ def run_command(
 
 
 def accelerate_launch(config: str, script: Path | str, *arguments: str, **kwargs) -> subprocess.CompletedProcess:
-    """`ACCELERATE_LAUNCH --config_file accelerate_configs/<config>.yaml` on a free port."""
+    """`ACCELERATE_LAUNCH --config_file accelerate_configs/<config>.yaml` on a free port, its workers told the
+    layout (for its settings file) as `layout=` tells them."""
+    layout_file = REPO / "accelerate_configs" / f"{config}.yaml"
+    kwargs["env"] = {**(kwargs.get("env") or clean_env()), LAYOUT_VARIABLE: str(layout_file)}
     return run_command(
         [
             *ACCELERATE_LAUNCH,
             "--config_file",
-            REPO / "accelerate_configs" / f"{config}.yaml",
+            layout_file,
             "--main_process_port",
             str(free_port()),
             script,
@@ -204,7 +208,7 @@ class LayoutLaunches:
             process = subprocess.Popen(
                 [str(part) for part in command],
                 cwd=REPO,
-                env=dump_env(folder, world_size),
+                env={**dump_env(folder, world_size), LAYOUT_VARIABLE: str(layout_file)},  # as layout= names it
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

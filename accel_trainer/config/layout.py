@@ -8,11 +8,12 @@ precedence first, they come from:
 
     defaults < the layout's settings file < `--config file.yaml` < `key=value` overrides
 
-The layout's settings file sits beside the accelerate config the run was launched with, named
+The layout's settings file sits beside the accelerate config that `layout=` names, named
 `<config>.settings.yaml` (`accelerate_configs/4gpu_ddp_powersgd.yaml` ->
-`accelerate_configs/4gpu_ddp_powersgd.settings.yaml`), so a plain `accelerate launch --config_file` of that
-layout gets them (accelerate refuses unknown keys in its own file, and does not tell the workers which file
-it read: parallel/accelerator.py's launch_settings_file). Key=value overrides work under every launcher.
+`accelerate_configs/4gpu_ddp_powersgd.settings.yaml`), and every launcher's workers read it (accelerate refuses
+unknown keys in its own file, and does not tell the workers which file it read: a plain `accelerate launch
+--config_file` without layout= reads no settings file, and the run's header says so: parallel/accelerator.py's
+launch_settings_file and settings_note). Key=value overrides work under every launcher.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ import torch
 from accel_trainer.doctor.checks import Check, judge, port_in_output
 from accel_trainer.doctor.environment import environment_report
 from accel_trainer.errors import ConfigError
+from accel_trainer.parallel.layout_file import LAYOUT_VARIABLE
 from accel_trainer.processes import free_port
 from accel_trainer.shipped import find_layout, layouts_folder
 
@@ -204,13 +205,13 @@ def launch(
     The workers' collectives time out a little earlier, so that a process stuck in one reports where it was.
     """
     # accelerate's launch command alone: the `accelerate` command imports all its commands, and `estimate` imports
-    # transformers (docs/accelerate-traps.md). The workers find the layout's settings file from this command
-    # line (launch_fixes.launch_config_path), as in a training launch.
+    # transformers (docs/accelerate-traps.md). The workers are told the layout (for its settings file) as a
+    # launch with layout= tells them: ACCEL_TRAINER_LAYOUT.
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path)]
     command += ["--main_process_port", str(port)] if port else []
     command += launcher_options
     command += ["-m", "accel_trainer.doctor.worker", str(folder), str(0.75 * timeout_s)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", LAYOUT_VARIABLE: str(path.resolve())}
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as process:
         try:
             return process.communicate(timeout=timeout_s)[0], False

@@ -47,8 +47,10 @@ def header(
     plan: BatchPlan,
     data_path: str,
     run_dir: Path,
+    settings: str = "",
 ) -> str:
-    """The start-of-run lines: what trains, on what, with which batches and data path, where it writes."""
+    """The start-of-run lines: what trains, on what, with which batches and data path, where it writes;
+    `settings`: what the layout line says of its settings file (parallel/accelerator.py's settings_note)."""
     device = accelerator.device.type
     if device == "cuda":
         device = f"cuda ({torch.cuda.get_device_name(accelerator.device)})"
@@ -58,7 +60,7 @@ def header(
             f"accel-trainer: recipe {recipe_name}, {num_parameters:,} parameters"
             f"{f' (at most {max(held):,} held by one process)' if max(held) < num_parameters else ''}",
             f"  layout: {accelerator.num_processes} process(es) on {device}, {_strategy(accelerator)}"
-            f"{f' (mesh {mesh})' if mesh else ''}, precision {_precision(accelerator)}",
+            f"{f' (mesh {mesh})' if mesh else ''}, precision {_precision(accelerator)}{settings}",
             f"  batch: {plan.global_batch_size} per step = {plan.micro_batch_size} per micro-batch x"
             f" {plan.num_processes} {'data-parallel rank(s)' if mesh else 'process(es)'} x {plan.accumulation_steps}"
             " accumulation step(s)",

@@ -8,6 +8,7 @@ started form the world that was asked for.
 
 from __future__ import annotations
 
+import os
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -173,14 +174,24 @@ def warn_about_ineffective_settings(cfg: TrainConfig, layout: LayoutSettings, ac
 
 
 def launch_settings_file() -> Path | None:
-    """The settings file of the layout `layout=` named or, without one, of the accelerate config this process was
-    launched with (read from the launcher's command line: accelerate does not tell its workers which file it read,
-    and a plain `accelerate launch --config_file cpu_tp.yaml` must not lose its tp_size), if there is one."""
-    config = layout_path_from_environment() or launch_fixes.launch_config_path()
+    """The settings file beside the layout `layout=` named (its launcher names the file to the workers in
+    ACCEL_TRAINER_LAYOUT: parallel/layout_file.py), if there is one."""
+    config = layout_path_from_environment()
     if config is None:
         return None
     settings = settings_file_of(config)
     return settings if settings.is_file() else None
+
+
+def settings_note() -> str:
+    """For the run's header: the settings file the run read; or, under a plain `accelerate launch --config_file F`
+    (which does not tell its workers which file it read), that F.settings.yaml is read only with layout=F."""
+    settings = launch_settings_file()
+    if settings is not None:
+        return f", settings {settings.name}"
+    if layout_path_from_environment() is None and "ACCELERATE_DYNAMO_BACKEND" in os.environ:  # accelerate launch's
+        return " (no layout= named: a FILE.settings.yaml beside the accelerate config is read with layout=FILE)"
+    return ""
 
 
 def prepare_for_training(

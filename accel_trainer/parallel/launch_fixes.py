@@ -9,8 +9,6 @@ test_killed_workers.py).
   both states say FSDP and the plugin is put back: `enable_fsdp_on_cpu`.
 - Elastic restarts: restarted workers often read the dead attempt's addresses (pytorch#167288);
   `init_process_group_per_attempt` keys each attempt's rendezvous under its restart count.
-- The launch's config file: the workers are not told its path, and it refuses unknown keys, so the layout
-  settings beside it are found from the launcher's command line: `launch_config_path` (Linux /proc).
 - Meshes (TP, HSDP): accelerate refuses them under MULTI_CPU and its TP preparation is for transformers
   models, so the launcher's sizes are hidden during construction (`launcher_parallelism_sizes`,
   `parallelism_config_hidden`) and the mesh attached after it (`attach_mesh`, `_FsdpMesh`); TP itself is
@@ -30,7 +28,6 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -265,35 +262,3 @@ def prepare_loader_for_data_ranks(accelerator: Accelerator, loader: DataLoader, 
     )
     accelerator._dataloaders.append(prepared)  # as accelerator.prepare_data_loader does
     return prepared
-
-
-_CONFIG_FLAGS = ("--config_file", "--config-file")
-
-
-def launch_config_path(max_ancestors: int = 4) -> Path | None:
-    """The `--config_file` of the `accelerate launch` (or `python -m accelerate.commands.launch`) that started
-    this process, or None.
-
-    The launcher is this process's parent (one process) or grandparent-in-process (torchrun's agent runs
-    inside `accelerate launch`); mpirun adds a level. Its command line and working directory are read from
-    /proc, so a relative path resolves as the launcher resolved it.
-    """
-    pid = os.getpid()
-    for _ in range(max_ancestors):
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the parent's pid
-            words = [w.decode(errors="replace") for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-            cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
-        except (OSError, ValueError, IndexError):
-            return None
-        if pid <= 1:
-            return None
-        if "launch" not in words and "accelerate.commands.launch" not in words:  # `accelerate launch`, or
-            continue  # `python -m accelerate.commands.launch` (the launcher without the CLI's other commands)
-        for index, word in enumerate(words):
-            if word in _CONFIG_FLAGS and index + 1 < len(words):
-                return cwd / words[index + 1]
-            if word.startswith(tuple(flag + "=" for flag in _CONFIG_FLAGS)):
-                return cwd / word.split("=", 1)[1]
-        return None  # an accelerate launch without a config file
-    return None

@@ -48,6 +48,9 @@ def test_a_wheel_installed_elsewhere_lists_copies_and_trains_its_recipes_and_lay
                        "report=false")  # fmt: skip
 
     assert "2 process(es)" in launched.stdout  # the copied recipe file, launched on the copied layout
+    assert "(no layout= named: a FILE.settings.yaml beside the accelerate config is read with layout=FILE)" in (
+        launched.stdout
+    )  # a plain accelerate launch: its workers cannot know the file, and say so
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in records) == 3 and (run / "final" / "model.safetensors").is_file()
 

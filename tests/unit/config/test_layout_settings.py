@@ -118,29 +118,31 @@ def test_fsdp_options_that_would_be_a_second_switch_or_do_nothing_are_refused(pl
 
 @pytest.mark.multiprocess
 def test_canary_accelerate_does_not_tell_workers_its_config_file(tmp_path):
-    """Why launch_fixes.launch_config_path reads the launcher's command line; it still finds the file, here under
-    `python -m accelerate.commands.launch` (the powersgd test below launches with `accelerate launch`)."""
+    """Why a layout's settings file needs layout= (which names the file to the workers): accelerate launch's
+    workers cannot tell which config it read. Fails the day accelerate names it to them."""
     config = shutil.copy(REPO / "accelerate_configs" / "cpu_ddp.yaml", tmp_path / "my_layout.yaml")
     result = run_command(
         [*ACCELERATE_LAUNCH, "--config_file", config, "--main_process_port", str(free_port()),
          WORKERS / "launch_config.py", "my_layout.yaml"],
         env=clean_env(),
     )  # fmt: skip
-    assert result.stdout.count(f"env-mentions 0 found {config}") == 2, result.stdout + result.stderr
+    assert result.stdout.count("env-mentions 0") == 2, result.stdout + result.stderr
 
 
 @pytest.mark.multiprocess
-def test_a_layout_file_that_names_powersgd_runs_powersgd_under_a_plain_accelerate_launch(tmp_path):
+def test_a_layout_file_that_names_powersgd_runs_powersgd_under_accelerate_launch_with_layout(tmp_path):
     config = shutil.copy(REPO / "accelerate_configs" / "cpu_ddp.yaml", tmp_path / "cpu_ddp_powersgd.yaml")
     write_yaml(settings_file_of(config), {"ddp_comm_hook": "powersgd", "ddp_powersgd_rank": 3,
                                           "ddp_powersgd_start_step": 2})  # fmt: skip
     out = tmp_path / "run"
-    run_command(
+    launched = run_command(
         [BIN / "accelerate", "launch", "--config_file", config, "--main_process_port", str(free_port()),
-         WORKERS / "train_and_dump.py", "vae", f"output_dir={out}", *QUICK_VAE, *TEST_OVERRIDES],
+         WORKERS / "train_and_dump.py", "vae", f"output_dir={out}", f"layout={config}", *QUICK_VAE,
+         *TEST_OVERRIDES],
         env=dump_env(out, 2),
     )  # fmt: skip
 
+    assert "precision fp32, settings cpu_ddp_powersgd.settings.yaml" in launched.stdout, launched.stdout
     for rank in (0, 1):
         assert rank_summary(out, rank)["comm_hooks"] == ["powerSGD_hook rank 3"]
     assert yaml.safe_load((out / "layout.yaml").read_text())["ddp_comm_hook"] == "powersgd"
