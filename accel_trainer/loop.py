@@ -14,7 +14,7 @@ host except on logging, evaluation and save steps, so the device never waits on 
 from __future__ import annotations
 
 import contextlib
-import inspect
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,8 @@ def train_loop(
         Preempted: a signal stopped the run after it saved a checkpoint.
     """
     setup_started = time.time()
-    identity = RunIdentity(recipe_name, cfg, layout, inspect.getsourcefile(type(recipe)))
+    module = sys.modules.get(type(recipe).__module__)  # no file for a recipe typed in a notebook or `python -c`
+    identity = RunIdentity(recipe_name, cfg, layout, getattr(module, "__file__", None))
     run = prepare_run(recipe, identity, accelerator, run_dir)
     state = run.restore()
     check_early_stop(cfg, run.data.eval_set is not None)

@@ -364,45 +364,6 @@ def fresh_accelerate_state():
     reset_accelerate_state()
 
 
-def two_node_train_and_dump(out: Path, recipe: str, *overrides: str) -> list[dict]:
-    """Two launcher invocations (machine rank 0 and 1, main address 127.0.0.1) forming one 2-"node" job."""
-    port = str(free_port())
-    nodes = [
-        subprocess.Popen(
-            [
-                *ACCELERATE_LAUNCH,
-                "--config_file",
-                str(REPO / "accelerate_configs" / "2node_cpu.yaml"),
-                "--machine_rank",
-                str(rank),
-                "--main_process_ip",
-                "127.0.0.1",
-                "--main_process_port",
-                port,
-                str(WORKERS / "train_and_dump.py"),
-                recipe,
-                f"output_dir={out}",
-                *overrides,
-                *TEST_OVERRIDES,
-            ],
-            cwd=REPO,
-            env=dump_env(out, 2),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        outputs = [node.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    for rank, (node, output) in enumerate(zip(nodes, outputs, strict=True)):
-        assert node.returncode == 0, f"node {rank} exited {node.returncode}\n{output}"
-    return read_metrics(out)
-
-
 TWO_PROCESS_CP_LAYOUT = """\
 compute_environment: LOCAL_MACHINE
 distributed_type: FSDP

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import final_parameters, rank_summary, train_and_dump, trajectory, two_node_train_and_dump
+from conftest import final_parameters, rank_summary, train_and_dump, trajectory
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,15 +33,11 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # docs/accelerate-traps.md: not bitwise,
 
 
 def run_layout(layout: str, out, recipe: str, overrides: list[str]) -> list[dict]:
-    if layout == "2node_cpu":
-        return two_node_train_and_dump(out, recipe, *overrides)
     return train_and_dump(layout, out, recipe, *overrides, world_size=1 if layout == "cpu" else 2)
 
 
 def vae_run(layout: str, tmp_path) -> tuple[Path, list[dict]]:
-    """The VAE run of a layout, which the sharding test reads too (the 2-"node" job is a launch of its own)."""
-    if layout == "2node_cpu":
-        return tmp_path, run_layout(layout, tmp_path, "vae", VAE)
+    """The VAE run of a layout, which the sharding test reads too."""
     return trajectory(layout, "vae", *VAE, world_size=1 if layout == "cpu" else 2)
 
 
@@ -54,7 +50,9 @@ def vae_reference():
     return trajectory("cpu", "vae", *VAE, world_size=1)
 
 
-@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp", "2node_cpu"])
+# 2node_cpu (two "machines" on loopback): bitwise cpu_ddp's weights in tests/processes/test_slurm.py (a real Slurm's
+# two nodes, preempted and requeued), one process's in test_cluster_engines.py (Kubernetes pods, the GPT's token loss)
+@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
 def test_vae_trains_to_the_same_parameters_on_every_cpu_layout(layout, vae_reference, tmp_path):
     reference_dir, reference_records = vae_reference
     run_dir, records = vae_run(layout, tmp_path)
@@ -97,7 +95,7 @@ def gpt_reference(tmp_path_factory):
 
 
 # 2node_cpu's token loss: tests/processes/test_cluster_engines.py (the GPT on two loopback nodes, unaccumulated,
-# against one process accumulating two micro-batches); its VAE run is above.
+# against one process accumulating two micro-batches).
 @pytest.mark.parametrize("layout", ["cpu", "cpu_ddp", "cpu_fsdp"])
 def test_token_loss_gradient_equals_one_big_batch_on_every_layout(layout, gpt_reference, tmp_path):
     run_layout(layout, tmp_path, "gpt", [*GPT, ACCUMULATE])

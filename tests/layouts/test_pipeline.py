@@ -316,7 +316,7 @@ def test_export_of_a_pipeline_checkpoint_equals_the_runs_weights(pp_run, tmp_pat
 
 
 @pipelines
-@pytest.mark.parametrize("layout", ["cpu_tp", "cpu_pp"])
+@pytest.mark.parametrize("layout", ["cpu_pp"])  # TP's checkpoints continue: test_model_parallel.py (CI time)
 def test_extending_max_steps_on_a_model_parallel_layout_continues_exactly(layout, tmp_path):
     """With a constant schedule, 10 steps then `max_steps=15` on the same run folder end bitwise where one run of
     15 steps ends: the extension resumes weights, optimizer state and data position exactly."""

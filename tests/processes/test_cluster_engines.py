@@ -30,6 +30,22 @@ TINY_GPT = dict(n_layer=2, d_model=32, n_head=2, block_size=32, max_steps=3, max
                 eval_every_steps=0, show_progress_bar=False, report=False)  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The run every engine's workers must reproduce: the tiny GPT on one process."""
+    folder = tmp_path_factory.mktemp("one_process")
+    at.train("gpt", output_dir=str(folder), **TINY_GPT)
+    reset_accelerate_state()
+    return folder
+
+
+def assert_weights_of_one_process(one_process, run_dir) -> None:
+    expected, actual = final_parameters(one_process), final_parameters(run_dir)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
 def operator_environment(job: dict, replica_type: str, index: int, port: int) -> dict[str, str]:
     """What the training operator puts in a pod's environment (a fixed-size job: no elastic policy)."""
     nproc = int(job["spec"]["nprocPerNode"])
@@ -42,7 +58,7 @@ def operator_environment(job: dict, replica_type: str, index: int, port: int) ->
 
 
 @pytest.mark.multiprocess
-def test_the_pytorchjob_pods_form_one_job_that_trains_as_one_process_does(tmp_path):
+def test_the_pytorchjob_pods_form_one_job_that_trains_as_one_process_does(one_process, tmp_path):
     job, port = yaml.safe_load(MANIFEST.read_text()), free_port()
     overrides = [f"{key}={value}" for key, value in TINY_GPT.items()]
     pods = []
@@ -60,16 +76,11 @@ def test_the_pytorchjob_pods_form_one_job_that_trains_as_one_process_does(tmp_pa
     assert [pod.returncode for pod in pods] == [0, 0], outputs
     assert "layout: 2 process(es) on cpu, DDP" in outputs[0][0]
 
-    at.train("gpt", output_dir=str(tmp_path / "one"), **TINY_GPT)
-    reset_accelerate_state()
-    expected, actual = final_parameters(tmp_path / "one"), final_parameters(tmp_path / "job")
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6)
+    assert_weights_of_one_process(one_process, tmp_path / "job")
 
 
 @pytest.mark.multiprocess
-def test_ray_trains_workers_sharded_by_the_layout_as_one_process_trains(tmp_path):
+def test_ray_trains_workers_sharded_by_the_layout_as_one_process_trains(one_process, tmp_path):
     pytest.importorskip("ray.train")
     overrides = [f"{key}={value}" for key, value in TINY_GPT.items()]
     words = [sys.executable, str(REPO / "deploy" / "ray" / "train_recipe.py"), "gpt", "layout=cpu_fsdp",
@@ -80,12 +91,7 @@ def test_ray_trains_workers_sharded_by_the_layout_as_one_process_trains(tmp_path
     assert "layout: 2 process(es) on cpu, FSDP2" in output and f"run folder: {tmp_path / 'ray'} (step 3)" in output
     assert "LOAD_CONST" not in output  # no bytecode: Ray's print patch is off (the canary below)
 
-    at.train("gpt", output_dir=str(tmp_path / "one"), **TINY_GPT)
-    reset_accelerate_state()
-    expected, actual = final_parameters(tmp_path / "one"), final_parameters(tmp_path / "ray")
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6)
+    assert_weights_of_one_process(one_process, tmp_path / "ray")
 
 
 def test_canary_ray_trains_print_patch_logs_what_a_library_captured():
