@@ -112,14 +112,16 @@ def test_a_recipe_without_an_eval_set_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_a_run_of_a_recipe_file_is_evaluated_from_any_folder_while_its_file_is_there(tmp_path):
-    copy_shipped("mlp", tmp_path / "my_mlp.py")
-    at.train(str(tmp_path / "my_mlp.py"), output_dir=str(tmp_path / "run"), max_steps=4, show_progress_bar=False,
+    copy_shipped("mlp", tmp_path / "mlp_of_a_file.py")
+    at.train(str(tmp_path / "mlp_of_a_file.py"), output_dir=str(tmp_path / "run"), max_steps=4, show_progress_bar=False,
              report=False)  # fmt: skip
     reset_accelerate_state()
     evaluate_run = [sys.executable, "-m", "accel_trainer", "evaluate", str(tmp_path / "run")]
 
-    evaluated = run_command(evaluate_run, cwd=REPO)  # my_mlp is registered nowhere here: the run names its file
-    assert f"evaluated {tmp_path / 'run' / 'final'} (my_mlp, step 4)" in evaluated.stdout
-    (tmp_path / "my_mlp.py").rename(tmp_path / "moved.py")
+    evaluated = run_command(evaluate_run, cwd=REPO)  # mlp_of_a_file is registered nowhere here: the run names its file
+    assert f"evaluated {tmp_path / 'run' / 'final'} (mlp_of_a_file, step 4)" in evaluated.stdout
+    (tmp_path / "mlp_of_a_file.py").rename(tmp_path / "moved.py")
     gone = run_command(evaluate_run, cwd=REPO, check=False)
-    assert_one_line_error(gone.returncode, gone.stderr, f"was defined in {tmp_path / 'my_mlp.py'}, which is not there")
+    assert_one_line_error(
+        gone.returncode, gone.stderr, f"was defined in {tmp_path / 'mlp_of_a_file.py'}, which is not there"
+    )
