@@ -13,10 +13,18 @@ and gets the weights of one process.
 Ray Train patches `print` in its workers to copy each line to its logger, even lines a library captured on
 purpose: `datasets` (through dill) disassembles the recipe's map functions into a captured stdout to fingerprint
 them, and every worker then logs pages of bytecode. RAY_TRAIN_ENABLE_PRINT_PATCH=0 keeps print as it is.
+
+Ray starts its workers (the training workers and Ray Train's controller) at niceness 15: on a machine that also
+runs anything else at the usual niceness 0 they get next to no CPU, and Ray Train's own timeouts (resource
+requests, the worker group's start) then loop without end (a local 2-worker run on a 2-core machine with 4 busy
+processes beside it never started training in 6 minutes; with RAY_worker_niceness=0 it ended in 92 s). The local
+cluster this script starts runs its workers at niceness 0, as Ray's own job supervisor does for its drivers; on a
+cluster started with `ray start`, set RAY_worker_niceness=0 there.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,6 +48,7 @@ def train_on_ray(recipe: str, layout: str, *, use_gpu: bool = False, **overrides
     """Train `recipe` on the layout's processes as Ray Train workers."""
     num_workers = read_layout(layout).num_processes
     output_dir = Path(overrides.get("output_dir") or "outputs").resolve()
+    os.environ.setdefault("RAY_worker_niceness", "0")  # read by the local cluster ray.init starts
     ray.init(runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}, include_dashboard=False)
     trainer = TorchTrainer(
         train_worker,

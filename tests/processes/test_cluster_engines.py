@@ -113,3 +113,35 @@ def test_canary_ray_trains_print_patch_logs_what_a_library_captured():
         root.setLevel(level)
     assert captured.getvalue() == "LOAD_CONST 1 (text)\n"  # what the library captured
     assert [record.getMessage() for record in records] == ["LOAD_CONST 1 (text)"]  # logged as well: the trap
+
+
+RAY_WORKER_NICENESS = """
+import os, time, ray
+ray.init(num_cpus=1, include_dashboard=False)
+def niceness_of_ray_workers():
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline, open(f"/proc/{pid}/stat") as stat:
+                words = cmdline.read()
+                if words.startswith(b"ray::IDLE") or b"workers/default_worker.py" in words:  # a worker, not an agent
+                    yield int(stat.read().rsplit(")", 1)[1].split()[16])
+        except OSError:
+            pass
+deadline = time.monotonic() + 120  # a worker starts at 0 and lowers its priority itself
+while not any(found := set(niceness_of_ray_workers())) and time.monotonic() < deadline:
+    time.sleep(0.2)
+print(max(found, default=None))
+"""
+
+
+def test_canary_ray_starts_its_workers_at_niceness_15():
+    """deploy/ray/train_recipe.py starts its local cluster with RAY_worker_niceness=0: at Ray's default niceness 15
+    its workers starve beside any busy process and Ray Train's timeouts loop without end. Reads the niceness of the
+    idle workers a local cluster prestarts (from /proc: a worker at niceness 15 on a loaded machine would take minutes to
+    answer a task). Fails the day Ray starts its workers at the usual niceness, and the setting can go."""
+    pytest.importorskip("ray")
+    env = {key: value for key, value in clean_env().items() if key != "RAY_worker_niceness"}
+    run = subprocess.run([sys.executable, "-c", RAY_WORKER_NICENESS], env=env, capture_output=True, text=True,
+                         timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "15"
