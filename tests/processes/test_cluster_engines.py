@@ -136,9 +136,9 @@ print(max(found, default=None))
 
 def test_canary_ray_starts_its_workers_at_niceness_15():
     """deploy/ray/train_recipe.py starts its local cluster with RAY_worker_niceness=0: at Ray's default niceness 15
-    its workers starve beside any busy process and Ray Train's timeouts loop without end. Reads the niceness of the
-    idle workers a local cluster prestarts (from /proc: a worker at niceness 15 on a loaded machine would take minutes to
-    answer a task). Fails the day Ray starts its workers at the usual niceness, and the setting can go."""
+    its workers starve beside any busy process and Ray Train's timeouts loop without end. Reads the niceness of
+    the idle workers a local cluster prestarts (from /proc: a worker at niceness 15 on a loaded machine would take
+    minutes to answer a task). Fails the day Ray starts its workers at the usual niceness, and the setting can go."""
     pytest.importorskip("ray")
     env = {key: value for key, value in clean_env().items() if key != "RAY_worker_niceness"}
     run = subprocess.run([sys.executable, "-c", RAY_WORKER_NICENESS], env=env, capture_output=True, text=True,
