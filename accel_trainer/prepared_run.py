@@ -16,6 +16,7 @@ from accelerate.utils import DynamoBackend, set_seed
 
 from accel_trainer.checkpoint.checkpointer import Checkpointer
 from accel_trainer.checkpoint.final_weights import save_final
+from accel_trainer.checkpoint.frozen import FrozenWeights
 from accel_trainer.checkpoint.save import RunIdentity, Trained
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.config.layout import LayoutSettings
@@ -120,7 +121,9 @@ class Run:
         phases = tuple(p.name for p in self.optimizers.phases) if self.optimizers.alternate else (None,)
 
         def count_flops(first_batch: Any) -> tuple[float, str]:
-            return flops_per_sample(self.recipe, self.cfg, first_batch, self.num_parameters, phases)
+            frozen = self.checkpointer.trained.frozen
+            frozen_parameters = frozen.numel if frozen is not None else 0
+            return flops_per_sample(self.recipe, self.cfg, first_batch, self.num_parameters, phases, frozen_parameters)
 
         return Observer(
             accelerator=self.accelerator,
@@ -163,7 +166,7 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     set_seed(cfg.seed)  # the same initial weights on every process and layout
     ranks = data_ranks(accelerator)
     check_layout_for_several(recipe.alternate_optimizers, cfg, uses_mesh=_uses_mesh(accelerator, layout))
-    cfg, plan, model, num_parameters, summary, train_set, eval_set = _model_and_sets(
+    cfg, plan, model, frozen, num_parameters, summary, train_set, eval_set = _model_and_sets(
         recipe, cfg, layout, accelerator, ranks
     )
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
@@ -173,7 +176,8 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     set_seed(cfg.seed + ranks.rank)  # independent dropout per data-parallel rank, shared by its TP ranks
     ema = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay else None
     guard = NonfiniteGuard(cfg, accelerator, model) if cfg.skip_nonfinite_steps else None
-    trained = Trained(model, optimizers, whole=pipeline.model if pipeline is not None else None, ema=ema)
+    whole = pipeline.model if pipeline is not None else None
+    trained = Trained(model, optimizers, whole=whole, ema=ema, frozen=frozen)
     checkpointer = Checkpointer(accelerator, run_dir, trained, identity, has_eval=eval_set is not None)
     compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
     if compiled:
@@ -239,14 +243,16 @@ def _prepared(
 
 def _model_and_sets(
     recipe: Recipe, cfg: TrainConfig, layout: LayoutSettings, accelerator: Accelerator, ranks: DataRanks
-) -> tuple[TrainConfig, BatchPlan, Any, int, str, Any, Any]:
-    """The batch plan (checked before any work); the recipe's model, its size and summary, split and wrapped
-    for the layout; the recipe's checked training and eval sets. With micro_batch_size=auto, the config and
-    plan of the largest micro-batch that fits (the run's cfg holds it, its identity says auto)."""
+) -> tuple[TrainConfig, BatchPlan, Any, FrozenWeights | None, int, str, Any, Any]:
+    """The batch plan (checked before any work); the recipe's model, its frozen weights (fingerprinted as built),
+    its size and summary, split and wrapped for the layout; the recipe's checked training and eval sets. With
+    micro_batch_size=auto, the config and plan of the largest micro-batch that fits (the run's cfg holds it,
+    its identity says auto)."""
     if cfg.micro_batch_size == "auto":
         check_auto_layout(accelerator, layout, ranks)
     plan = plan_batches(cfg.global_batch_size, _fixed_micro_batch_size(cfg), ranks.size)
     model = recipe.build_model(cfg)
+    frozen = FrozenWeights.of(model)
     num_parameters, summary = sum(parameter.numel() for parameter in model.parameters()), model_summary(model)
     model = split_and_wrap(model, recipe, layout, accelerator)
     with accelerator.main_process_first():  # a datasets cache (tokenized, mapped) written once, then read
@@ -258,7 +264,7 @@ def _model_and_sets(
         micro_batch_size = choose_micro_batch_size(recipe, cfg.global_batch_size, model, train_set, accelerator, ranks)
         cfg = recipe.cfg = replace(cfg, micro_batch_size=micro_batch_size)
         plan = plan_batches(cfg.global_batch_size, micro_batch_size, ranks.size)
-    return cfg, plan, model, num_parameters, summary, train_set, eval_set
+    return cfg, plan, model, frozen, num_parameters, summary, train_set, eval_set
 
 
 def _optimizers(

@@ -34,6 +34,9 @@ from accel_trainer.checkpoint import checks as checkpoint_checks
 from accel_trainer.checkpoint import files as checkpoint_files
 from accel_trainer.checkpoint.export import consolidated_weights
 from accel_trainer.checkpoint.files import CheckpointError
+from accel_trainer.checkpoint.final_weights import write_model_folder
+from accel_trainer.checkpoint.frozen import RECORD_KEY as FROZEN_RECORD
+from accel_trainer.checkpoint.frozen import FrozenWeights, check_frozen
 from accel_trainer.checkpoint.save import RunIdentity
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.config.train_config import resolve_settings
@@ -60,6 +63,7 @@ class SavedWeights:
     step: int
     config_file: Path  # the saved config.yaml
     recipe_file: str | None = None  # the file that defined the recipe (runs saved since 2026-11-26)
+    frozen: dict[str, Any] | None = None  # a checkpoint without its frozen weights: what it recorded of them
 
     def load(self) -> dict[str, torch.Tensor]:
         if (self.folder / checkpoint_checks.TRAIN_STATE).is_file():
@@ -88,12 +92,16 @@ def saved_weights(source: Path) -> SavedWeights:
     final = source / "final"
     weights = final / "model.safetensors"  # the run's last word, unless a resume saved a newer checkpoint since
     fresh = weights.is_file() and weights.stat().st_mtime >= (newest / checkpoint_checks.TRAIN_STATE).stat().st_mtime
-    return _from_checkpoint(newest, final if fresh else newest)
+    merged = (final / "adapter").is_dir()  # final/ holds the adapter merged into its base: not the recipe's model
+    return _from_checkpoint(newest, final if fresh and not merged else newest)
 
 
 def _from_checkpoint(checkpoint: Path, weights: Path) -> SavedWeights:
     state = json.loads((checkpoint / checkpoint_checks.TRAIN_STATE).read_text())
-    return SavedWeights(weights, state["recipe"], state["step"], weights / "config.yaml", state.get("recipe_file"))
+    frozen = state.get(FROZEN_RECORD) if weights == checkpoint else None
+    return SavedWeights(
+        weights, state["recipe"], state["step"], weights / "config.yaml", state.get("recipe_file"), frozen
+    )
 
 
 def saved_recipe(saved: SavedWeights) -> type[Recipe]:
@@ -146,6 +154,18 @@ def evaluate_saved(source: str | Path, **overrides: Any) -> dict[str, float]:
     return scores
 
 
+def export_with_base(folder: Path, target: Path) -> None:
+    """Export a checkpoint that holds only the trainable weights: the recipe builds its model again (reading its
+    frozen base, checked against the checkpoint's fingerprint), takes the saved weights, and the model is written
+    as the run's final/ would be (a peft model: merged, with `adapter/`)."""
+    saved = saved_weights(folder)
+    recipe_cls = saved_recipe(saved)
+    cfg, _ = resolve_settings(recipe_cls.Config, saved.config_file, {})
+    model = _loading(recipe_cls(cfg).build_model, saved)(cfg)
+    target.mkdir(parents=True, exist_ok=True)
+    write_model_folder(model.eval(), target)
+
+
 def _loading(build_model: Any, saved: SavedWeights) -> Any:
     """The recipe's `build_model`, with the saved weights loaded into what it builds."""
 
@@ -155,8 +175,13 @@ def _loading(build_model: Any, saved: SavedWeights) -> Any:
             weights = saved.load()
         except (OSError, SafetensorError, ValueError, KeyError) as error:
             raise CheckpointError(f"{saved.folder} cannot be read: {type(error).__name__}: {error}") from None
+        frozen = FrozenWeights.of(model)
+        if saved.frozen is not None:  # the checkpoint holds the trainable weights: the frozen ones must be these
+            check_frozen(saved.folder, {FROZEN_RECORD: saved.frozen}, frozen)
         try:
-            model.load_state_dict(weights)
+            missing = model.load_state_dict(weights, strict=saved.frozen is None).missing_keys
+            if frozen is not None and set(missing) - frozen.names:
+                raise RuntimeError(f"missing keys: {sorted(set(missing) - frozen.names)[:3]}")
         except RuntimeError as error:  # missing, unexpected or misshapen tensors: the first line names them
             raise CheckpointError(
                 f"the weights in {saved.folder} do not fit recipe {saved.recipe_name}'s model as this config builds"

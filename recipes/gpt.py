@@ -47,7 +47,10 @@ IGNORE_INDEX = -100
 
 
 @dataclass
-class GPTConfig(at.TrainConfig):
+class ByteTextConfig(at.TrainConfig):
+    """The training schedule and the data of the byte-level language models (this recipe, hf_causal_lm,
+    hf_finetune): paragraphs of the Python standard library, as bytes."""
+
     max_steps: int = 600
     global_batch_size: int = 32
     micro_batch_size: int = 16
@@ -56,16 +59,8 @@ class GPTConfig(at.TrainConfig):
     min_lr_ratio: float = 0.1
     log_every_steps: int = 50
     eval_every_steps: int = 200
-    n_layer: int = 4
-    """Number of transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block; must divide d_model."""
-    d_model: int = 128
-    """Width of the residual stream (embedding size)."""
     block_size: int = 128
     """Longest context in bytes; examples are cut to at most block_size + 1 bytes (inputs plus the next byte)."""
-    dropout: float = 0.0
-    """Dropout on attention weights and on each residual branch."""
     pack_sequences: bool = False
     """Pack paragraphs back to back into windows of block_size + 1 bytes instead of padding each: every position
     trains, and attention and positions restart at each paragraph (a document mask; no context parallelism)."""
@@ -85,6 +80,18 @@ class GPTConfig(at.TrainConfig):
     """A folder for datasets' Arrow cache of the paragraphs, the split and the cut or packed examples, reused by
     later runs (datasets' fingerprints: a change of block_size or split makes a new entry); the main process
     writes it first, the others read it. Empty: built in memory by each process, nothing kept."""
+
+
+@dataclass
+class GPTConfig(ByteTextConfig):
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide d_model."""
+    d_model: int = 128
+    """Width of the residual stream (embedding size)."""
+    dropout: float = 0.0
+    """Dropout on attention weights and on each residual branch."""
 
 
 class CausalSelfAttention(nn.Module):

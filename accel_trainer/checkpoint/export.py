@@ -3,6 +3,9 @@
     accel-trainer export outputs/gpt/run1                      # the run's newest complete checkpoint
     accel-trainer export outputs/gpt/run1/checkpoints/step_00000500 --output exported/gpt
 
+A checkpoint that holds only the trainable weights (LoRA: checkpoint/frozen.py) is exported through its recipe,
+which reads the frozen base again: a peft model as the merged model plus `adapter/`, as the run's final/.
+
 Runs in one process without a process group: the shards of a sharded (FSDP) checkpoint are read from disk
 by torch.distributed.checkpoint's HF safetensors reader into full-size tensors. Only safetensors, JSON and
 YAML are read, so an export runs no code from the checkpoint; that makes it the way to keep the weights of
@@ -25,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from accel_trainer.checkpoint import checks as checkpoint_checks
 from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint import frozen as checkpoint_frozen
 from accel_trainer.checkpoint import save as checkpoint
 from accel_trainer.checkpoint import state_files
 from accel_trainer.checkpoint.files import CheckpointError
@@ -39,6 +43,12 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
     folder = _checkpoint_folder(Path(source))
     checkpoint_files.verify(folder)
     target = Path(output) if output else folder.parent.parent / "export" / folder.name
+    if checkpoint_frozen.RECORD_KEY in json.loads((folder / checkpoint_checks.TRAIN_STATE).read_text()):
+        from accel_trainer.saved_evaluation import export_with_base  # the recipe builds the model and its base
+
+        export_with_base(folder, target)
+        shutil.copyfile(folder / "config.yaml", target / "config.yaml")
+        return target
     try:  # a manifest proves integrity, not content: whoever wrote the folder may have listed no files
         weights = consolidated_weights(folder)
         target.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,6 @@ def save_final(
     The weights are loaded into a freshly built CPU model, which works the same whether the trained model is
     plain, DDP-wrapped or sharded; its state dict is written with every name, tied ones as copies.
     """
-    from safetensors.torch import save_file
-
     average_running_stats(accelerator, model)
     state: Any
     if pipeline_size(accelerator) > 1:  # each process holds its stages' weights: gathered on the main process
@@ -64,16 +62,33 @@ def save_final(
         final_dir.mkdir(parents=True, exist_ok=True)
         exported = recipe.build_model(cfg)
         exported.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
-        weights = state_files.writable(exported.state_dict())  # tied names as copies: each one is in the file
-        if hasattr(exported, "save_pretrained"):  # a transformers model: a folder from_pretrained loads
-            exported.save_pretrained(final_dir, state_dict=weights)  # type: ignore[operator]
-        else:
-            save_file(weights, str(final_dir / "model.safetensors"), metadata={"format": "pt"})
+        exported = write_model_folder(exported, final_dir)
         (final_dir / "config.yaml").write_text(config_to_yaml(cfg))
-        checkpoint_files.follow_umask(*(path for path in final_dir.iterdir() if path.is_file()))
+        checkpoint_files.follow_umask(*(path for path in final_dir.rglob("*") if path.is_file()))
         if not ema:
             recipe.write_artifacts(exported.eval(), eval_set, run_dir)
     accelerator.wait_for_everyone()
+
+
+def write_model_folder(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
+    """Write `model` into `folder` as its kind is loaded; returns the model the folder holds.
+
+    A transformers model: `save_pretrained` (model.safetensors, config.json), for `from_pretrained(folder)`. A peft
+    model: its adapter in `folder/adapter` (`PeftModel.from_pretrained(base, folder / "adapter")`), and the base
+    with the adapter merged in `folder` itself, so the folder loads as a plain transformers model. Anything else:
+    `model.safetensors`. Every name of tied weights is written (as copies), so `load_state_dict` takes the file.
+    """
+    from safetensors.torch import save_file
+
+    if hasattr(model, "peft_config") and hasattr(model, "merge_and_unload"):
+        model.save_pretrained(folder / "adapter")  # type: ignore[operator]
+        model = model.merge_and_unload()  # type: ignore[operator]
+    weights = state_files.writable(model.state_dict())
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(folder, state_dict=weights)  # type: ignore[operator]
+    else:
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return model
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

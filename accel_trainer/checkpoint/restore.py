@@ -34,6 +34,8 @@ from torch.optim import optimizer as optimizer_module
 from accel_trainer.checkpoint import files, state_files
 from accel_trainer.checkpoint.checks import TRAIN_STATE, check_compatible, check_format
 from accel_trainer.checkpoint.files import CheckpointError
+from accel_trainer.checkpoint.final_weights import full
+from accel_trainer.checkpoint.frozen import RECORD_KEY, check_frozen
 from accel_trainer.checkpoint.pipeline_state import optimizer_part, stages_part
 from accel_trainer.checkpoint.save import (
     EMA,
@@ -119,6 +121,7 @@ def _restore_checked(
             same_run=cfg.resume == "auto",
             warn=accelerator.is_main_process,
         )
+        check_frozen(folder, recorded, trained.frozen)
         rng_states = _load(accelerator, folder, recorded, trained, model_state, optimizer_state)
         return TrainState.from_dict(recorded), rng_states
     except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as error:
@@ -138,13 +141,19 @@ def _load(
         state_files.load_skeleton(folder / OPTIMIZER), optimizer_state, recorded, in_pipeline=trained.whole is not None
     )
     ema = _ema_to_load(accelerator, trained, recorded)
-    if (folder / SHARDED).is_dir():
-        optimizer_state = _load_sharded(folder, model_state, optimizer_state, optimizer_skeleton, sources, ema)
+    frozen = trained.frozen if RECORD_KEY in recorded else None  # the checkpoint holds the other weights only
+    if (folder / SHARDED).is_dir():  # loaded in place into model_state's tensors; the frozen ones stay as they are
+        saved = model_state if frozen is None else frozen.trainable_part(model_state)
+        optimizer_state = _load_sharded(folder, saved, optimizer_state, optimizer_skeleton, sources, ema)
         options = None
     else:  # full tensors, which set_state_dict shards itself when this run is FSDP
         if ema:
             trained.ema.load_full(load_file(str(folder / EMA)))  # type: ignore[union-attr]
-        model_state = load_file(str(folder / "model.safetensors"))
+        saved_weights = load_file(str(folder / "model.safetensors"))
+        if frozen is not None:  # the frozen weights as this run built them (whole: the options below want that)
+            kept = {name: full(tensor) for name, tensor in model_state.items() if name in frozen.names}
+            saved_weights = {**kept, **saved_weights}
+        model_state = saved_weights
         optimizer_state = state_files.load(folder / OPTIMIZER)
         options = StateDictOptions(full_state_dict=True)
         if trained.whole is not None:  # this process's stages' part

@@ -8,6 +8,7 @@ A checkpoint folder (`checkpoints/step_00000120/`) holds no pickle, so loading o
     optimizer.safetensors              the optimizer state (checkpoint/state_files.py: tensors, JSON structure); under
                                        FSDP only its structure, the tensors being in distributed/
     trainer.safetensors                LR scheduler and fp16 gradient-scaler state
+                                       (only the trainable weights where some are frozen: checkpoint/frozen.py)
     ema.safetensors                    the EMA of the weights (ema.py), with `ema_decay`; under FSDP or tensor
                                        parallelism its shards are `ema/` keys of distributed/ instead
     rng_rank<r>.safetensors            every process's RNG states (python, numpy, torch, cuda)
@@ -47,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from accel_trainer.checkpoint import files, state_files
 from accel_trainer.checkpoint.checks import FORMAT, TRAIN_STATE, config_hash
 from accel_trainer.checkpoint.files import CheckpointError
+from accel_trainer.checkpoint.frozen import RECORD_KEY, FrozenWeights
 from accel_trainer.checkpoint.pipeline_state import merge_optimizer_skeletons, whole_model_state
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.checkpoint.writer import BackgroundWriter
@@ -73,6 +75,7 @@ class Trained:
     optimizers: Optimizers  # each with its schedule
     whole: torch.nn.Module | None = None  # on a pipeline layout, the model whose stages `model` holds a part of
     ema: WeightAverage | None = None  # the EMA of the weights, with ema_decay
+    frozen: FrozenWeights | None = None  # the parameters build_model froze, which checkpoints leave out
 
     def shapes_and_ties(self, model_state: dict[str, Any]) -> tuple[dict[str, Any], list[list[str]]]:
         """The state whose shapes a checkpoint records and checks, and the groups of tied names: the whole
@@ -153,7 +156,7 @@ def _write_files(
     heavy_writes = _write_tensors(
         accelerator,
         temporary,
-        model_state,
+        model_state if trained.frozen is None else trained.frozen.trainable_part(model_state),
         optimizer_state,
         writer,
         sharded,
@@ -163,7 +166,7 @@ def _write_files(
     state_files.save(capture_rng_states(), temporary / rng_file_name(accelerator.process_index))
     if accelerator.is_main_process:
         shapes_and_ties = trained.shapes_and_ties(model_state)
-        _write_small_files(accelerator, temporary, state, trained.optimizers, identity, *shapes_and_ties)
+        _write_small_files(accelerator, temporary, state, trained, identity, *shapes_and_ties)
     return list(heavy_writes)
 
 
@@ -255,13 +258,13 @@ def _write_small_files(
     accelerator: Accelerator,
     temporary: Path,
     state: TrainState,
-    optimizers: Optimizers,
+    trained: Trained,
     identity: RunIdentity,
     model_state: dict[str, Any],
     tied: list[list[str]],
 ) -> None:
     scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
-    state_files.save({**optimizers.scheduler_states(), "scaler": scaler}, temporary / TRAINER)
+    state_files.save({**trained.optimizers.scheduler_states(), "scaler": scaler}, temporary / TRAINER)
     recorded = {
         "format": FORMAT,
         **state.to_dict(),
@@ -276,6 +279,7 @@ def _write_small_files(
         },
         "parameter_shapes": {name: list(t.shape) for name, t in model_state.items()},
         "tied_parameters": tied,
+        **({RECORD_KEY: trained.frozen.record()} if trained.frozen is not None else {}),
         "config": config_to_dict(identity.cfg),
     }
     (temporary / TRAIN_STATE).write_text(json.dumps(recorded, indent=1))

@@ -18,7 +18,7 @@ import warnings
 from typing import Any
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, init_empty_weights
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -61,12 +61,19 @@ def table_peak_tflops(device: torch.device, dtype: str) -> float | None:
 
 
 def flops_per_sample(
-    recipe: Recipe, cfg: TrainConfig, batch: Any, num_parameters: int, phases: tuple[str | None, ...] = (None,)
+    recipe: Recipe,
+    cfg: TrainConfig,
+    batch: Any,
+    num_parameters: int,
+    phases: tuple[str | None, ...] = (None,),
+    frozen_parameters: int = 0,
 ) -> tuple[float, str]:
     """Model FLOPs of one training sample (forward + backward) and where the figure comes from.
 
     `batch` is a micro-batch, or its meta-device copy: only shapes and dtypes are read. `phases`: the
     alternating optimizers' phases, each a forward and backward of its own (None: one loss, the usual case).
+    Counting runs the backward, which computes no gradient for a frozen weight; the estimate without it, 6N
+    (2N forward, 2N for the inputs' gradients, 2N for the weights'), leaves out 2 per frozen weight.
     """
     declared = getattr(recipe, "flops_per_sample", None)
     if declared:
@@ -76,10 +83,17 @@ def flops_per_sample(
         with rng_untouched():
             total = _count_on_meta(recipe, cfg, batch, phases)
     except Exception as error:  # noqa: BLE001 - a model that cannot be built or run on meta
-        return 6.0 * num_parameters, f"a 6N estimate: counting failed with {type(error).__name__}"
+        return _estimate(num_parameters, frozen_parameters, f"counting failed with {type(error).__name__}")
     if total <= 0:
-        return 6.0 * num_parameters, "a 6N estimate: counting found no FLOPs"
+        return _estimate(num_parameters, frozen_parameters, "counting found no FLOPs")
     return total / samples, "counted by FlopCounterMode, forward + backward"
+
+
+def _estimate(num_parameters: int, frozen_parameters: int, why: str) -> tuple[float, str]:
+    if frozen_parameters:
+        estimate = 6.0 * num_parameters - 2.0 * frozen_parameters
+        return estimate, f"a 6N estimate less 2 per frozen weight ({frozen_parameters:,} frozen): {why}"
+    return 6.0 * num_parameters, f"a 6N estimate: {why}"
 
 
 def to_meta(batch: Any) -> Any:
@@ -88,8 +102,7 @@ def to_meta(batch: Any) -> Any:
 
 
 def _count_on_meta(recipe: Recipe, cfg: TrainConfig, batch: Any, phases: tuple[str | None, ...]) -> int:
-    with torch.device("meta"):
-        model = recipe.build_model(cfg)
+    model = _model_on_meta(recipe, cfg)
     model.train()
     with FlopCounterMode(display=False) as counter:
         for phase in phases:  # a step of alternating optimizers is a forward and backward per phase
@@ -97,6 +110,20 @@ def _count_on_meta(recipe: Recipe, cfg: TrainConfig, batch: Any, phases: tuple[s
             output = read_loss_output(recipe.compute_loss(model, to_meta(batch), **extra))
             output.loss.backward()
     return counter.get_total_flops()
+
+
+def _model_on_meta(recipe: Recipe, cfg: TrainConfig) -> torch.nn.Module:
+    """The recipe's model with its parameters on the meta device. transformers' `from_pretrained` (a pretrained
+    base) refuses a meta default device, but builds under accelerate's `init_empty_weights`, which puts each
+    parameter on meta as it is registered (the buffers stay real) and so reads no weights."""
+    try:
+        with torch.device("meta"):
+            return recipe.build_model(cfg)
+    except RuntimeError as error:
+        if "from_pretrained" not in str(error):
+            raise
+    with init_empty_weights(include_buffers=False):
+        return recipe.build_model(cfg)
 
 
 def _batch_size(batch: Any) -> int | None:

@@ -34,11 +34,20 @@ from accel_trainer.parallel.tensor_parallel import apply_tensor_parallel, check_
 from accel_trainer.recipe import Recipe
 
 
+def block_classes(recipe: Recipe, model: torch.nn.Module) -> tuple[type[torch.nn.Module], ...]:
+    """The classes of the model's repeated blocks: the recipe's `wrap_classes`, else those a transformers model
+    names in `_no_split_modules` (its decoder layers; a peft model passes its base's on)."""
+    if recipe.wrap_classes:
+        return tuple(recipe.wrap_classes)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return tuple(dict.fromkeys(type(module) for module in model.modules() if type(module).__name__ in names))
+
+
 def prepare_blocks(
     model: torch.nn.Module, recipe: Recipe, activation_checkpointing: bool, *, is_main_process: bool
 ) -> None:
     """Mark the recipe's blocks as FSDP units and, if asked, checkpoint their activations (in place)."""
-    classes = tuple(recipe.wrap_classes)
+    classes = block_classes(recipe, model)
     present = [cls.__name__ for cls in classes if any(isinstance(module, cls) for module in model.modules())]
     if present:  # accelerate refuses a class the model lacks (a GPT of n_layer=0): that one model is one unit
         model._no_split_modules = present  # type: ignore[assignment]

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.errors import LayoutError
 from accel_trainer.parallel.pipeline.stages import Pipeline
+from accel_trainer.parallel.wrapping import block_classes
 from accel_trainer.recipe import Recipe
 
 
@@ -41,7 +42,7 @@ def build_pipeline(
             "a pipeline layout does not combine with sync_batchnorm or fp16 yet (fp16's"
             " loss scaler is not wired into the schedules): turn them off, or use mixed_precision=bf16"
         )
-    if layout.activation_checkpointing and not recipe.wrap_classes and accelerator.is_main_process:
+    if layout.activation_checkpointing and not block_classes(recipe, model) and accelerator.is_main_process:
         warnings.warn(
             f"accel-trainer: activation_checkpointing has no effect: {type(recipe).__name__} names no"
             " wrap_classes to checkpoint",

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 from accel_trainer.errors import ConfigError
+from accel_trainer.parallel.wrapping import block_classes
 
 
 def split_spec(model: nn.Module, recipe: Any, num_stages: int) -> dict[str, SplitPoint]:
@@ -47,7 +48,7 @@ def split_spec(model: nn.Module, recipe: Any, num_stages: int) -> dict[str, Spli
                 f" stages: name {num_stages - 1}, or drop pipeline_split to spread the wrap_classes blocks"
             )
         return dict.fromkeys(declared, SplitPoint.BEGINNING)
-    blocks = outermost_blocks(model, tuple(recipe.wrap_classes))
+    blocks = outermost_blocks(model, block_classes(recipe, model))
     if not blocks:
         raise ConfigError(
             f"pipeline parallelism needs to know where {type(model).__name__} can be cut: give the recipe"

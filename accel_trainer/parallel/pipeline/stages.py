@@ -57,6 +57,7 @@ from accel_trainer.parallel.pipeline.split import (
     stages_of_process,
     traced_pipeline,
 )
+from accel_trainer.parallel.wrapping import block_classes
 
 SCHEDULES: dict[str, tuple[Any, int]] = {  # name -> (torch schedule, stages per process)
     "gpipe": (ScheduleGPipe, 1),
@@ -111,7 +112,7 @@ class Pipeline:
         self.num_stages = self.place.stages * per_process
         self.chunks = microbatches or self.num_stages
         self.spec = split_spec(model, recipe, self.num_stages)
-        self.blocks = outermost_blocks(model, tuple(recipe.wrap_classes))  # FSDP units, checkpointed blocks
+        self.blocks = outermost_blocks(model, block_classes(recipe, model))  # FSDP units, checkpointed blocks
         self.checkpointed = self.blocks if activation_checkpointing else []
         self.stage_ids = stages_of_process(self.place.stage_rank, self.place.stages, self.num_stages)
         self._compiled: dict[Any, _Compiled] = {}

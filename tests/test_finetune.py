@@ -1,0 +1,141 @@
+"""Fine-tuning a pretrained base (recipes/hf_finetune.py): LoRA through peft, or every weight.
+
+The base is this project's own pretrained model (hf_causal_lm's final/, a save_pretrained folder). A LoRA run
+and a full fine-tune train to the same weights on 1 process, DDP and FSDP; a LoRA checkpoint holds the adapter,
+its optimizer state and the base's fingerprint, not the base (checkpoint/frozen.py), resumes bitwise, and refuses
+another base in one line; final/ loads with transformers (merged) and peft (final/adapter) with the same logits;
+export and evaluate rebuild the model from the base.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import accel_trainer as at
+from accel_trainer.checkpoint.export import export
+from accel_trainer.checkpoint.files import CheckpointError
+from accel_trainer.observe.flops import flops_per_sample
+from accel_trainer.saved_evaluation import evaluate_saved
+from conftest import final_parameters, read_metrics, reset_accelerate_state, train_and_dump
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+BASE = dict(n_layer=2, n_head=2, d_model=64, block_size=32, max_source_bytes=200_000, max_steps=4, eval_every_steps=0)
+FINETUNE = ["max_steps=6", "block_size=32", "max_source_bytes=200000", "global_batch_size=16", "warmup_steps=2",
+            "log_every_steps=1", "eval_every_steps=6", "save_every_steps=3", "lr=3e-3"]  # fmt: skip
+TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # as hf_causal_lm's: micro-batches pad to their own length
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A pretrained model of our own: hf_causal_lm trained a little, its final/ as from_pretrained reads it."""
+    run = tmp_path_factory.mktemp("base")
+    at.train("hf_causal_lm", output_dir=str(run), show_progress_bar=False, report=False, **BASE)
+    reset_accelerate_state()
+    return run / "final"
+
+
+@pytest.fixture(scope="module")
+def one_process(base, tmp_path_factory):
+    """LoRA (r=4) and full fine-tunes on one process with accumulation (micro-batches of 4)."""
+    runs = {}
+    for lora_r in (4, 0):
+        runs[lora_r] = tmp_path_factory.mktemp(f"finetune_r{lora_r}")
+        train_and_dump("cpu", runs[lora_r], "hf_finetune", f"base={base}", f"lora_r={lora_r}", *FINETUNE,
+                       "micro_batch_size=4", world_size=1)  # fmt: skip
+    return runs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
+@pytest.mark.parametrize("lora_r", [4, 0], ids=["lora", "full"])
+def test_a_finetune_trains_to_the_weights_of_one_process_on_ddp_and_fsdp(layout, lora_r, base, one_process, tmp_path):
+    train_and_dump(layout, tmp_path, "hf_finetune", f"base={base}", f"lora_r={lora_r}", *FINETUNE,
+                   "micro_batch_size=4", world_size=2)  # fmt: skip
+    expected, actual = final_parameters(one_process[lora_r]), final_parameters(tmp_path)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **TOLERANCE)
+
+
+def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_and_names_the_base(base, one_process):
+    checkpoint = one_process[4] / "checkpoints" / "step_00000006"
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    assert weights and all(".lora_A." in name or ".lora_B." in name for name in weights)
+    recorded = json.loads((checkpoint / "train_state.json").read_text())["frozen"]
+    assert recorded["base"] == str(base.resolve()) and recorded["parameters"] > 0 and len(recorded["sha256"]) == 64
+    size = sum(path.stat().st_size for path in checkpoint.iterdir())
+    base_size = (base / "model.safetensors").stat().st_size
+    assert size < base_size / 2, (size, base_size)  # the base's weights are not in it
+    full_checkpoint = one_process[0] / "checkpoints" / "step_00000006"
+    assert "frozen" not in json.loads((full_checkpoint / "train_state.json").read_text())
+    assert (
+        load_file(str(full_checkpoint / "model.safetensors")).keys()
+        >= load_file(str(base / "model.safetensors")).keys()
+    )
+
+
+def test_a_lora_run_resumes_bitwise_and_refuses_another_base_in_one_line(base, one_process, tmp_path):
+    settings = dict(item.split("=") for item in FINETUNE)
+    settings.update(micro_batch_size="4", lora_r="4", show_progress_bar="False", report="False")
+    resumed = tmp_path / "resumed"
+    at.train("hf_finetune", base=str(base), output_dir=str(resumed),
+             resume=str(one_process[4] / "checkpoints" / "step_00000003"), **settings)  # fmt: skip
+    reset_accelerate_state()
+    expected, actual = final_parameters(one_process[4]), final_parameters(resumed)
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+
+    other = tmp_path / "other_base"
+    other.mkdir()
+    for path in base.iterdir():
+        (other / path.name).write_bytes(path.read_bytes())
+    weights = load_file(str(other / "model.safetensors"))
+    first = sorted(weights)[0]
+    weights[first] = weights[first] + 1e-3
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="was trained on other frozen weights .* resume with the base"):
+        at.train("hf_finetune", base=str(other), output_dir=str(tmp_path / "wrong"),
+                 resume=str(one_process[4] / "checkpoints" / "step_00000003"), **settings)  # fmt: skip
+    reset_accelerate_state()
+
+
+def test_the_final_folder_loads_merged_with_transformers_and_as_an_adapter_with_peft(base, one_process):
+    final = one_process[4] / "final"
+    merged = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
+    adapted = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), final / "adapter")
+    untouched = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+    input_ids = torch.tensor([list(b"def main():\n    return 0\n")])
+    with torch.no_grad():
+        logits = merged(input_ids).logits
+        torch.testing.assert_close(adapted.eval()(input_ids).logits, logits, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(untouched(input_ids).logits, logits)  # the adapter trained
+
+
+def test_export_and_evaluate_of_a_lora_checkpoint_rebuild_the_model_from_its_base(one_process, tmp_path):
+    run = one_process[4]
+    exported = export(run / "checkpoints" / "step_00000006", tmp_path / "exported")
+    assert (exported / "adapter" / "adapter_model.safetensors").is_file()
+    final, written = load_file(str(run / "final" / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    assert final.keys() == written.keys() and all(torch.equal(written[name], final[name]) for name in final)
+
+    scores = evaluate_saved(run)
+    reset_accelerate_state()
+    logged = [record for record in read_metrics(run) if "eval/loss" in record][-1]
+    assert scores["eval/loss"] == pytest.approx(logged["eval/loss"], rel=1e-6)
+
+
+def test_the_flops_estimate_leaves_out_the_weight_gradients_of_frozen_weights():
+    class Unbuildable(at.Recipe):
+        def build_model(self, cfg):
+            raise RuntimeError("no model here")
+
+    recipe = Unbuildable(at.TrainConfig())
+    batch = torch.zeros(4, 8)
+    assert flops_per_sample(recipe, recipe.cfg, batch, 1000)[0] == 6000
+    flops, source = flops_per_sample(recipe, recipe.cfg, batch, 1000, frozen_parameters=900)
+    assert flops == 6000 - 2 * 900 and "900 frozen" in source
