@@ -18,6 +18,7 @@ from accel_trainer.checkpoint.checkpointer import Checkpointer
 from accel_trainer.checkpoint.final_weights import save_final
 from accel_trainer.checkpoint.frozen import FrozenWeights
 from accel_trainer.checkpoint.save import RunIdentity, Trained
+from accel_trainer.checkpoint.tokenizer import tokenizer_fingerprint
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig, config_to_yaml, layout_to_yaml
@@ -177,7 +178,8 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     ema = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay else None
     guard = NonfiniteGuard(cfg, accelerator, model) if cfg.skip_nonfinite_steps else None
     whole = pipeline.model if pipeline is not None else None
-    trained = Trained(model, optimizers, whole=whole, ema=ema, frozen=frozen)
+    tokenizer = tokenizer_fingerprint(recipe.tokenizer)
+    trained = Trained(model, optimizers, whole=whole, ema=ema, frozen=frozen, tokenizer=tokenizer)
     checkpointer = Checkpointer(accelerator, run_dir, trained, identity, has_eval=eval_set is not None)
     compiled = accelerator.state.dynamo_plugin.backend != DynamoBackend.NO
     if compiled:
@@ -251,6 +253,7 @@ def _model_and_sets(
     if cfg.micro_batch_size == "auto":
         check_auto_layout(accelerator, layout, ranks)
     plan = plan_batches(cfg.global_batch_size, _fixed_micro_batch_size(cfg), ranks.size)
+    recipe.tokenizer = recipe.build_tokenizer(cfg)
     model = recipe.build_model(cfg)
     frozen = FrozenWeights.of(model)
     num_parameters, summary = sum(parameter.numel() for parameter in model.parameters()), model_summary(model)

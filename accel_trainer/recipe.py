@@ -19,6 +19,8 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
     pipeline_split              -> optional class attribute: the modules that begin a pipeline stage
     sequence_dims               -> optional class attribute: the batch tensors context parallelism slices
     write_artifacts(model, eval_dataset, run_dir) -> optional; pictures or reports, main process only
+    build_tokenizer(cfg)        -> optional; a transformers tokenizer, kept in `self.tokenizer` before the model
+                                   and data are built, written into final/ and fingerprinted in checkpoints
 
 `self.cfg` holds the resolved config, so `compute_loss` can read recipe fields.
 """
@@ -66,6 +68,14 @@ class Recipe:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self.tokenizer: Any = None  # build_tokenizer's, once the run has built it
+
+    def build_tokenizer(self, cfg: Any) -> Any:
+        """Return the tokenizer of the model's inputs (`AutoTokenizer.from_pretrained` of a local folder, or one
+        made with `tokenizers`), or None. The run keeps it in `self.tokenizer`, built before the model and the
+        datasets; `final/` holds it, so `AutoTokenizer.from_pretrained(<run>/final)` loads it, and a resume
+        whose tokenizer differs from the checkpoint's is refused (checkpoint/tokenizer.py)."""
+        return None
 
     def build_model(self, cfg: Any) -> torch.nn.Module:
         """Return the model, on the CPU; the loop moves, wraps and shards it."""

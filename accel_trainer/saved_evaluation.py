@@ -38,6 +38,7 @@ from accel_trainer.checkpoint.final_weights import write_model_folder
 from accel_trainer.checkpoint.frozen import RECORD_KEY as FROZEN_RECORD
 from accel_trainer.checkpoint.frozen import FrozenWeights, check_frozen
 from accel_trainer.checkpoint.save import RunIdentity
+from accel_trainer.checkpoint.tokenizer import save_tokenizer
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.config.train_config import resolve_settings
 from accel_trainer.errors import RecipeError, UserError
@@ -161,9 +162,11 @@ def export_with_base(folder: Path, target: Path) -> None:
     saved = saved_weights(folder)
     recipe_cls = saved_recipe(saved)
     cfg, _ = resolve_settings(recipe_cls.Config, saved.config_file, {})
-    model = _loading(recipe_cls(cfg).build_model, saved)(cfg)
+    recipe = recipe_cls(cfg)
+    model = _loading(recipe.build_model, saved)(cfg)
     target.mkdir(parents=True, exist_ok=True)
     write_model_folder(model.eval(), target)
+    save_tokenizer(recipe.build_tokenizer(cfg), target)
 
 
 def _loading(build_model: Any, saved: SavedWeights) -> Any:

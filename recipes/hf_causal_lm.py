@@ -12,7 +12,8 @@ padded at the end of each sequence); the model is `GPT2LMHeadModel`. What is spe
   HF Trainer does (accel_trainer/hf_loss.py).
 - `wrap_classes = (GPT2Block,)`: FSDP shards each decoder block as a unit; `activation_checkpointing=true`
   uses the model's own `gradient_checkpointing_enable()` with `use_cache=False`.
-- `final/` is a `save_pretrained` folder, so `from_pretrained(<run>/final)` loads the trained model.
+- `final/` is a `save_pretrained` folder, so `from_pretrained(<run>/final)` loads the trained model, and
+  `AutoTokenizer.from_pretrained(<run>/final)` its tokenizer (`build_tokenizer`: one id per byte).
 Expect the same curve as `gpt` at the same size: eval bits per byte from about 8 down to about 3 by step 200.
 """
 
@@ -64,6 +65,11 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
         )  # fmt: skip
         return transformers.GPT2LMHeadModel(config)
 
+    def build_tokenizer(self, cfg: Any) -> Any:
+        """The model's tokenizer: each byte is its own id (0-255, as the data encodes text), 256 is padding and
+        end of text. Made with `tokenizers` (GPT-2's byte-level pre-tokenizer, no merges); final/ holds it."""
+        return byte_tokenizer()
+
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Padding is only at the end of a sequence, so causal attention never lets a real token see it.
         if self.cfg.own_loss:
@@ -99,6 +105,19 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
             )  # fmt: skip
             samples.append(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
         (run_dir / "samples.txt").write_text("\n\n----------\n\n".join(samples) + "\n")
+
+
+def byte_tokenizer() -> Any:
+    """A transformers tokenizer whose ids are the UTF-8 bytes of the text, and PAD_ID for <pad>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {character: byte for byte, character in bytes_to_unicode().items()} | {"<pad>": PAD_ID}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<pad>")
 
 
 def _transformers() -> Any:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import accel_trainer as at
@@ -53,6 +54,14 @@ class HFFinetune(HFCausalLM):  # type: ignore[valid-type,misc]
 
     Config = FinetuneConfig
     wrap_classes = ()  # the framework takes the base's _no_split_modules
+
+    def build_tokenizer(self, cfg: FinetuneConfig) -> Any:
+        """The base's tokenizer (its folder's tokenizer.json), else hf_causal_lm's byte tokenizer."""
+        if cfg.base and (Path(cfg.base) / "tokenizer.json").is_file():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(cfg.base)
+        return super().build_tokenizer(cfg)
 
     def build_model(self, cfg: FinetuneConfig) -> Any:
         if not cfg.base:

@@ -72,7 +72,11 @@ _LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The test process's environment without launcher or accelerate variables, one thread per worker."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("ACCELERATE_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _LAUNCHER_VARIABLES and not k.startswith(("ACCELERATE_", LAYOUT_VARIABLE))
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
 

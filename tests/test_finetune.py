@@ -114,6 +114,8 @@ def test_the_final_folder_loads_merged_with_transformers_and_as_an_adapter_with_
         logits = merged(input_ids).logits
         torch.testing.assert_close(adapted.eval()(input_ids).logits, logits, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(untouched(input_ids).logits, logits)  # the adapter trained
+    tokenizer = transformers.AutoTokenizer.from_pretrained(final)  # the base's, which its final/ holds
+    assert tokenizer("def main():")["input_ids"] == list(b"def main():")
 
 
 def test_export_and_evaluate_of_a_lora_checkpoint_rebuild_the_model_from_its_base(one_process, tmp_path):

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from accel_trainer.checkpoint import files as checkpoint_files
 from accel_trainer.checkpoint import state_files
+from accel_trainer.checkpoint.tokenizer import save_tokenizer
 from accel_trainer.config.train_config import TrainConfig, config_to_yaml
 from accel_trainer.parallel.batchnorm import average_running_stats
 from accel_trainer.parallel.sharding import is_sharded, pipeline_size
@@ -63,6 +64,7 @@ def save_final(
         exported = recipe.build_model(cfg)
         exported.load_state_dict({k: v.detach().cpu() for k, v in state.items()})
         exported = write_model_folder(exported, final_dir)
+        save_tokenizer(recipe.tokenizer, final_dir)
         (final_dir / "config.yaml").write_text(config_to_yaml(cfg))
         checkpoint_files.follow_umask(*(path for path in final_dir.rglob("*") if path.is_file()))
         if not ema:

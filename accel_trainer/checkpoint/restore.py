@@ -47,6 +47,7 @@ from accel_trainer.checkpoint.save import (
     RunIdentity,
     Trained,
 )
+from accel_trainer.checkpoint.tokenizer import check_tokenizer
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.parallel.sharding import is_sharded
 from accel_trainer.rng import rng_file_name
@@ -122,6 +123,7 @@ def _restore_checked(
             warn=accelerator.is_main_process,
         )
         check_frozen(folder, recorded, trained.frozen)
+        check_tokenizer(folder, recorded, trained.tokenizer)
         rng_states = _load(accelerator, folder, recorded, trained, model_state, optimizer_state)
         return TrainState.from_dict(recorded), rng_states
     except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as error:

@@ -50,6 +50,7 @@ from accel_trainer.checkpoint.checks import FORMAT, TRAIN_STATE, config_hash
 from accel_trainer.checkpoint.files import CheckpointError
 from accel_trainer.checkpoint.frozen import RECORD_KEY, FrozenWeights
 from accel_trainer.checkpoint.pipeline_state import merge_optimizer_skeletons, whole_model_state
+from accel_trainer.checkpoint.tokenizer import RECORD_KEY as TOKENIZER_KEY
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.checkpoint.writer import BackgroundWriter
 from accel_trainer.config.layout import LayoutSettings, layout_to_dict
@@ -76,6 +77,7 @@ class Trained:
     whole: torch.nn.Module | None = None  # on a pipeline layout, the model whose stages `model` holds a part of
     ema: WeightAverage | None = None  # the EMA of the weights, with ema_decay
     frozen: FrozenWeights | None = None  # the parameters build_model froze, which checkpoints leave out
+    tokenizer: str | None = None  # the fingerprint of the recipe's tokenizer (checkpoint/tokenizer.py)
 
     def shapes_and_ties(self, model_state: dict[str, Any]) -> tuple[dict[str, Any], list[list[str]]]:
         """The state whose shapes a checkpoint records and checks, and the groups of tied names: the whole
@@ -280,6 +282,7 @@ def _write_small_files(
         "parameter_shapes": {name: list(t.shape) for name, t in model_state.items()},
         "tied_parameters": tied,
         **({RECORD_KEY: trained.frozen.record()} if trained.frozen is not None else {}),
+        **({TOKENIZER_KEY: trained.tokenizer} if trained.tokenizer is not None else {}),
         "config": config_to_dict(identity.cfg),
     }
     (temporary / TRAIN_STATE).write_text(json.dumps(recorded, indent=1))

@@ -74,7 +74,7 @@ def test_a_layout_reads_as_accelerate_launch_would_set_its_workers_variables():
     assert "MASTER_PORT" not in fsdp.environment and "OMP_NUM_THREADS" not in fsdp.environment
 
 
-def test_a_launch_of_another_size_or_with_another_config_is_a_one_line_refusal(monkeypatch):
+def test_a_launch_of_another_size_or_with_another_config_is_a_one_line_refusal(monkeypatch, environment_restored):
     fsdp = read_layout("cpu_fsdp")
     with pytest.raises(LayoutError, match=r"layout=cpu_fsdp.yaml is 2 process\(es\) but this launch started 4"):
         apply_layout(fsdp, launched_processes=4)
@@ -101,7 +101,16 @@ def test_a_run_no_launcher_started_gets_the_layout_and_the_next_run_starts_witho
     assert result.metrics["step"] == 2 and layout_variables() == before
 
 
-def test_launcher_options_are_part_of_the_layout_its_workers_read_them_too(monkeypatch):
+@pytest.fixture
+def environment_restored():
+    """apply_layout sets the layout's variables for the rest of the process, as a worker wants: not this one's."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_launcher_options_are_part_of_the_layout_its_workers_read_them_too(monkeypatch, environment_restored):
     sized = read_layout("cpu_fsdp", ["--num_processes", "4", "--mixed_precision", "bf16"])
     assert sized.num_processes == 4 and sized.environment["ACCELERATE_MIXED_PRECISION"] == "bf16"
 
