@@ -67,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
         " accel_trainer evaluate RUN",
     )
     evaluator.add_argument("source", help="a run folder (its final weights) or a checkpoint folder")
+    sampler = commands.add_parser("sample", help="print what a causal LM run's final model writes after a prompt")
+    sampler.add_argument("run", help="a run folder (its final/) or a model folder")
+    sampler.add_argument("--prompt", action="append", required=True, help="text to continue; repeat for several")
+    sampler.add_argument("--max_new_tokens", type=int, default=64)
+    sampler.add_argument("--temperature", type=float, default=0.8, help="0: the most likely token each time")
+    sampler.add_argument("--seed", type=int, default=0)
     _add_doctor_parser(commands)
     return parser
 
@@ -130,6 +136,11 @@ def _run_command(known: argparse.Namespace) -> None:
         from accel_trainer.observe.report import compare
 
         print(compare([Path(run) for run in known.runs], Path(known.output) if known.output else None, known.x))
+    elif known.command == "sample":
+        from accel_trainer.sampling import sample
+
+        texts = sample(known.run, known.prompt, known.max_new_tokens, known.temperature, known.seed)
+        print("\n\n----------\n\n".join(texts))
     elif known.command == "doctor":
         from accel_trainer.doctor.command import doctor
 

@@ -18,7 +18,9 @@ from safetensors.torch import load_file, save_file
 import accel_trainer as at
 from accel_trainer.checkpoint.export import export
 from accel_trainer.checkpoint.files import CheckpointError
+from accel_trainer.errors import UserError
 from accel_trainer.observe.flops import flops_per_sample
+from accel_trainer.sampling import sample
 from accel_trainer.saved_evaluation import evaluate_saved
 from conftest import final_parameters, read_metrics, reset_accelerate_state, train_and_dump
 
@@ -141,3 +143,15 @@ def test_the_flops_estimate_leaves_out_the_weight_gradients_of_frozen_weights():
     assert flops_per_sample(recipe, recipe.cfg, batch, 1000)[0] == 6000
     flops, source = flops_per_sample(recipe, recipe.cfg, batch, 1000, frozen_parameters=900)
     assert flops == 6000 - 2 * 900 and "900 frozen" in source
+
+
+def test_sample_continues_each_prompt_with_the_runs_final_model_and_tokenizer(base, tmp_path):
+    greedy = sample(base.parent, ["def ", "import "], max_new_tokens=6, temperature=0)
+    assert [text[: len(prompt)] for text, prompt in zip(greedy, ["def ", "import "], strict=True)] == [
+        "def ",
+        "import ",
+    ]
+    assert all(len(text.encode()) > len(prompt) for text, prompt in zip(greedy, ["def ", "import "], strict=True))
+    assert sample(base.parent, ["def "], max_new_tokens=6, seed=3) == sample(base, ["def "], max_new_tokens=6, seed=3)
+    with pytest.raises(UserError, match="has no final/ yet"):
+        sample(tmp_path, ["def "])

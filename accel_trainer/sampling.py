@@ -1,0 +1,63 @@
+"""`accel-trainer sample RUN --prompt "..."`: what a trained causal language model writes after a prompt.
+
+    accel-trainer sample outputs/hf_causal_lm/run1 --prompt "def " --prompt "import "
+    accel-trainer sample outputs/hf_finetune/run2 --prompt "class " --max_new_tokens 80 --temperature 0
+
+The run's `final/` is read as transformers reads any model folder: `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` (the recipe's tokenizer, which final/ holds: checkpoint/tokenizer.py), and each
+prompt is continued with the model's own `generate`: sampled with a fixed seed (the same command prints the same
+text), or greedy with `--temperature 0`. One process, on the CPU or the first GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from accel_trainer.errors import UserError
+
+
+def sample(
+    run: str | Path, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.8, seed: int = 0
+) -> list[str]:
+    """Each prompt followed by what the run's final model writes after it.
+
+    Raises:
+        UserError: the run has no final/ model folder or tokenizer, or transformers is not installed.
+    """
+    final = _final_folder(Path(run))
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise UserError("accel-trainer sample needs transformers: pip install 'accel-trainer[hf]'") from None
+    if not (final / "config.json").is_file():
+        raise UserError(f"{final} holds no transformers model (no config.json): sample reads a causal LM's final/")
+    if not any((final / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise UserError(
+            f"{final} holds no tokenizer: its recipe builds none (a recipe's build_tokenizer is saved in final/)"
+        )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(final).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    texts = []
+    for prompt in prompts:
+        torch.manual_seed(seed)
+        encoded = tokenizer(prompt, return_tensors="pt").to(device)
+        options = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        with torch.no_grad():
+            output = model.generate(**encoded, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **options)
+        texts.append(tokenizer.decode(output[0], skip_special_tokens=True))
+    return texts
+
+
+def _final_folder(run: Path) -> Path:
+    """`run`'s final/ (or `run` itself, a final/ or export folder)."""
+    if (run / "config.json").is_file():
+        return run
+    if (run / "final").is_dir():
+        return run / "final"
+    if not run.exists():
+        raise UserError(f"{run} does not exist; name a run folder")
+    raise UserError(f"run folder {run} has no final/ yet: sample reads a finished run's final weights")
