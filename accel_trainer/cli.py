@@ -149,9 +149,9 @@ def _run_command(known: argparse.Namespace) -> None:
         layout = known.layout.removeprefix("layout=") if known.layout else None
         raise SystemExit(doctor(layout or known.config_file, known.timeout_s, known.launcher_options))
     else:
-        from accel_trainer.checkpoint.export import export
+        from accel_trainer.saved_evaluation import export_run
 
-        print(f"exported to {export(known.source, known.output)}")
+        print(f"exported to {export_run(known.source, known.output)}")
 
 
 def _print_recipes(indent: str = "") -> None:

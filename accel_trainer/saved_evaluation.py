@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -32,7 +33,12 @@ from safetensors.torch import load_file
 
 from accel_trainer.checkpoint import checks as checkpoint_checks
 from accel_trainer.checkpoint import files as checkpoint_files
-from accel_trainer.checkpoint.export import consolidated_weights
+from accel_trainer.checkpoint.export import (
+    checkpoint_folder,
+    consolidated_weights,
+    export,
+    holds_only_trainable_weights,
+)
 from accel_trainer.checkpoint.files import CheckpointError
 from accel_trainer.checkpoint.final_weights import write_model_folder
 from accel_trainer.checkpoint.frozen import RECORD_KEY as FROZEN_RECORD
@@ -155,10 +161,20 @@ def evaluate_saved(source: str | Path, **overrides: Any) -> dict[str, float]:
     return scores
 
 
-def export_with_base(folder: Path, target: Path) -> None:
-    """Export a checkpoint that holds only the trainable weights: the recipe builds its model again (reading its
-    frozen base, checked against the checkpoint's fingerprint), takes the saved weights, and the model is written
-    as the run's final/ would be (a peft model: merged, with `adapter/`)."""
+def export_run(source: str | Path, output: str | Path | None = None) -> Path:
+    """`accel-trainer export`: checkpoint/export.py's export, or for a checkpoint that holds only the trainable
+    weights, the model its recipe builds again (reading its frozen base, checked against the checkpoint's
+    fingerprint) with the saved weights, written as the run's final/ is (a peft model: merged, with `adapter/`)."""
+    folder = checkpoint_folder(Path(source))
+    if not holds_only_trainable_weights(folder):
+        return export(folder, output)
+    target = Path(output) if output else folder.parent.parent / "export" / folder.name
+    _export_with_base(folder, target)
+    shutil.copyfile(folder / "config.yaml", target / "config.yaml")
+    return target
+
+
+def _export_with_base(folder: Path, target: Path) -> None:
     saved = saved_weights(folder)
     recipe_cls = saved_recipe(saved)
     cfg, _ = resolve_settings(recipe_cls.Config, saved.config_file, {})

@@ -10,6 +10,8 @@ padded at the end of each sequence); the model is `GPT2LMHeadModel`. What is spe
   exact under accumulation on any layout. With `own_loss=true` it returns the model's own `out.loss` from
   `labels`, which the loop makes exact too by passing the step's token count as `num_items_in_batch`, as the
   HF Trainer does (accel_trainer/hf_loss.py).
+- `pack_sequences=true` gives the model each token's position in its paragraph and a causal mask within each
+  paragraph (`model_inputs`), so packed paragraphs never attend to each other, as in the GPT recipe.
 - `wrap_classes = (GPT2Block,)`: FSDP shards each decoder block as a unit; `activation_checkpointing=true`
   uses the model's own `gradient_checkpointing_enable()` with `use_cache=False`.
 - `final/` is a `save_pretrained` folder, so `from_pretrained(<run>/final)` loads the trained model, and
@@ -73,19 +75,24 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Padding is only at the end of a sequence, so causal attention never lets a real token see it.
         if self.cfg.own_loss:
-            return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-        return at.token_cross_entropy(model(input_ids=batch["input_ids"]).logits, batch["targets"], IGNORE_INDEX)
+            return model(**model_inputs(batch), labels=batch["labels"]).loss
+        return at.token_cross_entropy(model(**model_inputs(batch)).logits, batch["targets"], IGNORE_INDEX)
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """The GPT's batch; with own_loss also transformers' `labels`: the inputs, IGNORE_INDEX at padding (the
         model shifts them itself, so the last byte of each sequence is not a target there)."""
         batch = super().collate(examples)
+        if self.cfg.own_loss and "documents" in batch:
+            raise at.RecipeError(
+                "own_loss=true does not combine with pack_sequences=true: the model's own loss shifts its labels"
+                " across the paragraphs of a window; use the default loss (own_loss=false)"
+            )
         if self.cfg.own_loss:
             batch["labels"] = batch["input_ids"].masked_fill(batch["input_ids"] == PAD_ID, IGNORE_INDEX)
         return batch
 
     def eval_metrics(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        logits = model(input_ids=batch["input_ids"]).logits.float()
+        logits = model(**model_inputs(batch)).logits.float()
         targets = batch["targets"]
         losses = torch.nn.functional.cross_entropy(
             logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
@@ -96,6 +103,7 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
     def write_artifacts(self, model: Any, eval_dataset: Any, run_dir: Path) -> None:
         """Save `samples.txt`: what the model writes after a few Python prompts (sampled, fixed seed)."""
         torch.manual_seed(self.cfg.seed)
+        tokenizer = self.tokenizer if self.tokenizer is not None else byte_tokenizer()
         samples = []
         for prompt in ["def ", "class ", "import "]:
             ids = torch.tensor([list(prompt.encode())])
@@ -103,8 +111,26 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.cfg.block_size - ids.shape[1],
                 do_sample=True, temperature=0.8, pad_token_id=PAD_ID, bad_words_ids=[[PAD_ID]],
             )  # fmt: skip
-            samples.append(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
+            samples.append(tokenizer.decode(out[0], skip_special_tokens=True))
         (run_dir / "samples.txt").write_text("\n\n----------\n\n".join(samples) + "\n")
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model reads of a batch. A packed one (pack_sequences=true) also gives each token its position in
+    its own paragraph and a causal mask within each paragraph (4-D, True where a token may attend): transformers'
+    GPT-2 would otherwise count positions across the window and let a paragraph attend to the one before it
+    (position_ids alone change nothing there)."""
+    if "documents" not in batch:
+        return {"input_ids": batch["input_ids"]}
+    documents = batch["documents"]
+    length = documents.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
+    same_paragraph = documents[:, :, None] == documents[:, None, :]
+    return {
+        "input_ids": batch["input_ids"],
+        "position_ids": batch["positions"],
+        "attention_mask": (same_paragraph & causal)[:, None],
+    }
 
 
 def byte_tokenizer() -> Any:

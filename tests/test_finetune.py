@@ -1,10 +1,11 @@
-"""Fine-tuning a pretrained base (recipes/hf_finetune.py): LoRA through peft, or every weight.
+"""Fine-tuning a pretrained base (recipes/hf_finetune.py, recipes/sft_chat.py): LoRA through peft, or every weight.
 
 The base is this project's own pretrained model (hf_causal_lm's final/, a save_pretrained folder). A LoRA run
 and a full fine-tune train to the same weights on 1 process, DDP and FSDP; a LoRA checkpoint holds the adapter,
 its optimizer state and the base's fingerprint, not the base (checkpoint/frozen.py), resumes bitwise, and refuses
 another base in one line; final/ loads with transformers (merged) and peft (final/adapter) with the same logits;
-export and evaluate rebuild the model from the base.
+export and evaluate rebuild the model from the base. The chat recipe trains on the assistant's tokens only, its
+packed conversations apart, to the same weights on one process and FSDP.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from accel_trainer.checkpoint.files import CheckpointError
 from accel_trainer.errors import UserError
 from accel_trainer.observe.flops import flops_per_sample
 from accel_trainer.sampling import sample
-from accel_trainer.saved_evaluation import evaluate_saved
+from accel_trainer.saved_evaluation import evaluate_saved, export_run
 from conftest import final_parameters, read_metrics, reset_accelerate_state, train_and_dump
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-BASE = dict(n_layer=2, n_head=2, d_model=64, block_size=32, max_source_bytes=200_000, max_steps=4, eval_every_steps=0)
+BASE = dict(n_layer=2, n_head=2, d_model=64, block_size=128, max_source_bytes=200_000, max_steps=4, eval_every_steps=0)
 FINETUNE = ["max_steps=6", "block_size=32", "max_source_bytes=200000", "global_batch_size=16", "warmup_steps=2",
             "log_every_steps=1", "eval_every_steps=6", "save_every_steps=3", "lr=3e-3"]  # fmt: skip
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # as hf_causal_lm's: micro-batches pad to their own length
@@ -122,7 +123,9 @@ def test_the_final_folder_loads_merged_with_transformers_and_as_an_adapter_with_
 
 def test_export_and_evaluate_of_a_lora_checkpoint_rebuild_the_model_from_its_base(one_process, tmp_path):
     run = one_process[4]
-    exported = export(run / "checkpoints" / "step_00000006", tmp_path / "exported")
+    with pytest.raises(CheckpointError, match="holds only the trainable weights"):  # not a partial file
+        export(run / "checkpoints" / "step_00000006", tmp_path / "partial")
+    exported = export_run(run / "checkpoints" / "step_00000006", tmp_path / "exported")
     assert (exported / "adapter" / "adapter_model.safetensors").is_file()
     final, written = load_file(str(run / "final" / "model.safetensors")), load_file(str(exported / "model.safetensors"))
     assert final.keys() == written.keys() and all(torch.equal(written[name], final[name]) for name in final)
@@ -155,3 +158,58 @@ def test_sample_continues_each_prompt_with_the_runs_final_model_and_tokenizer(ba
     assert sample(base.parent, ["def "], max_new_tokens=6, seed=3) == sample(base, ["def "], max_new_tokens=6, seed=3)
     with pytest.raises(UserError, match="has no final/ yet"):
         sample(tmp_path, ["def "])
+
+
+def test_a_transformers_models_no_split_modules_are_its_blocks_unless_the_recipe_names_its_own(base):
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from accel_trainer.parallel.wrapping import block_classes
+
+    recipe = at.get_recipe("hf_finetune")(at.get_recipe("hf_finetune").Config(base=str(base), lora_r=4))
+    model = recipe.build_model(recipe.cfg)  # a peft model passes its base's _no_split_modules on
+    assert block_classes(recipe, model) == (GPT2Block,)
+    recipe.wrap_classes = (torch.nn.Linear,)
+    assert block_classes(recipe, model) == (torch.nn.Linear,)
+
+
+SFT = ["max_steps=4", "block_size=128", "max_answer_chars=60", "max_source_bytes=150000", "global_batch_size=8",
+       "micro_batch_size=4", "warmup_steps=1", "log_every_steps=1", "eval_every_steps=4", "lr=3e-3"]  # fmt: skip
+
+
+def test_a_chat_batch_targets_the_assistants_tokens_only_and_keeps_packed_conversations_apart(base):
+    recipe_cls = at.get_recipe("sft_chat")
+    recipe = recipe_cls(
+        recipe_cls.Config(base=str(base), block_size=128, max_answer_chars=60, max_source_bytes=150_000)
+    )
+    recipe.tokenizer = recipe.build_tokenizer(recipe.cfg)
+    train, _ = recipe.build_datasets(recipe.cfg)
+    batch = recipe.collate([train[0], train[1]])
+    tokenizer, ids, targets = recipe.tokenizer, batch["input_ids"], batch["targets"]
+    for row in range(2):
+        documents = batch["documents"][row]
+        for document in documents.unique().tolist():
+            if document < 0:  # a window's padding
+                continue
+            where = (documents == document).nonzero().flatten()
+            text = tokenizer.decode(ids[row, where])
+            trained = tokenizer.decode(targets[row, where][targets[row, where] != -100])
+            assert text.startswith("### Question\nWhat does ") and "\n### Answer\n" in text
+            answer = text.split("\n### Answer\n")[1]
+            # every token of the answer and its end of text (which the window's last input may not hold)
+            assert trained.endswith("<pad>") and trained.removesuffix("<pad>") == answer.removesuffix("<pad>")
+            assert batch["positions"][row, where].tolist() == list(range(len(where)))
+
+
+@pytest.mark.multiprocess
+def test_a_chat_finetune_trains_to_the_weights_of_one_process_on_fsdp_and_writes_its_answers(base, tmp_path):
+    one, fsdp = tmp_path / "one", tmp_path / "fsdp"
+    records = train_and_dump("cpu", one, "sft_chat", f"base={base}", *SFT, world_size=1)
+    train_and_dump("cpu_fsdp", fsdp, "sft_chat", f"base={base}", *SFT, world_size=2)
+    expected, actual = final_parameters(one), final_parameters(fsdp)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **TOLERANCE)
+    assert [r for r in records if "eval/loss" in r]  # the held-out assistant-token loss
+    assert (one / "answers.md").read_text().count("- model: ") >= 1  # up to 5 held-out questions
+    tokenizer = transformers.AutoTokenizer.from_pretrained(one / "final")
+    assert "{% generation %}" in tokenizer.chat_template

@@ -112,3 +112,48 @@ def test_labels_other_than_the_batchs_are_refused_and_a_batch_without_labels_is_
 
     with pytest.warns(UserWarning, match=r"the model computes its own loss from labels.* at.token_cross_entropy"):
         at.train("hf_own_loss_no_labels", output_dir=str(tmp_path / "none"), own_loss=True, **options)
+
+
+def test_a_packed_window_reads_each_paragraph_as_if_it_were_alone():
+    """pack_sequences=true: positions restart and attention stays within each paragraph of a window, as in the
+    GPT recipe (transformers' GPT-2 gets position_ids and a 4-D mask; it shared attention across them before)."""
+    import sys
+
+    import accel_trainer as at
+
+    recipe_cls = at.get_recipe("hf_causal_lm")
+    recipe = recipe_cls(recipe_cls.Config(n_layer=2, n_head=2, d_model=32, block_size=16, pack_sequences=True))
+    model = recipe.build_model(recipe.cfg).eval()
+    first, second = list(b"def f():"), list(b"x = 12;\n\n")  # 8 + 9 bytes: a window of block_size + 1
+    batch = recipe.collate([{"input_ids": first + second, "documents": [0] * 8 + [1] * 9}])
+    inputs = sys.modules[recipe_cls.__module__].model_inputs(batch)
+    with torch.no_grad():
+        packed = model(**inputs).logits
+        alone = [model(input_ids=torch.tensor([ids])).logits for ids in (first, second[:-1])]
+    torch.testing.assert_close(packed[:, :8], alone[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[:, 8:], alone[1], rtol=1e-5, atol=1e-5)
+
+
+def test_canary_transformers_gpt2_lets_packed_sequences_attend_to_each_other_given_position_ids_alone():
+    """hf_causal_lm's model_inputs passes a 4-D mask beside the restarted positions: with position_ids alone,
+    transformers' GPT-2 (sdpa) lets a packed sequence attend to the one before it. Fails the day position_ids
+    keep packed sequences apart, and the mask can go."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=257, n_positions=16, n_embd=16,
+                                                                 n_layer=1, n_head=2)).eval()  # fmt: skip
+    first, second = torch.randint(0, 256, (1, 5)), torch.randint(0, 256, (1, 7))
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat([first, second], 1), position_ids=positions).logits
+        alone = model(input_ids=second).logits
+    assert not torch.allclose(packed[:, 5:], alone, atol=1e-4)
+
+
+def test_canary_from_pretrained_refuses_a_meta_default_device(tmp_path):
+    """observe/flops.py builds a from_pretrained model under accelerate's init_empty_weights for the FLOP count:
+    transformers refuses torch.device("meta"), which builds every other model without weights. Fails the day it
+    takes it, and the fallback can go."""
+    config = transformers.GPT2Config(vocab_size=257, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    with pytest.raises(RuntimeError, match="from_pretrained"), torch.device("meta"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -3,8 +3,9 @@
     accel-trainer export outputs/gpt/run1                      # the run's newest complete checkpoint
     accel-trainer export outputs/gpt/run1/checkpoints/step_00000500 --output exported/gpt
 
-A checkpoint that holds only the trainable weights (LoRA: checkpoint/frozen.py) is exported through its recipe,
-which reads the frozen base again: a peft model as the merged model plus `adapter/`, as the run's final/.
+A checkpoint that holds only the trainable weights (LoRA: checkpoint/frozen.py) needs its recipe to read the
+frozen base again: `accel-trainer export` does that (saved_evaluation.export_run), writing a peft model as the
+run's final/ is written, the merged model plus `adapter/`; `export` here refuses it in one line.
 
 Runs in one process without a process group: the shards of a sharded (FSDP) checkpoint are read from disk
 by torch.distributed.checkpoint's HF safetensors reader into full-size tensors. Only safetensors, JSON and
@@ -40,15 +41,14 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
     Raises:
         CheckpointError: no complete checkpoint there, or it is incomplete or corrupt.
     """
-    folder = _checkpoint_folder(Path(source))
+    folder = checkpoint_folder(Path(source))
     checkpoint_files.verify(folder)
     target = Path(output) if output else folder.parent.parent / "export" / folder.name
-    if checkpoint_frozen.RECORD_KEY in json.loads((folder / checkpoint_checks.TRAIN_STATE).read_text()):
-        from accel_trainer.saved_evaluation import export_with_base  # the recipe builds the model and its base
-
-        export_with_base(folder, target)
-        shutil.copyfile(folder / "config.yaml", target / "config.yaml")
-        return target
+    if holds_only_trainable_weights(folder):
+        raise CheckpointError(
+            f"checkpoint {folder} holds only the trainable weights (its frozen base is not in it): export it with"
+            " `accel-trainer export`, which rebuilds the model from its base (saved_evaluation.export_run)"
+        )
     try:  # a manifest proves integrity, not content: whoever wrote the folder may have listed no files
         weights = consolidated_weights(folder)
         target.mkdir(parents=True, exist_ok=True)
@@ -58,6 +58,16 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
         raise CheckpointError(f"checkpoint {folder} cannot be exported: {type(error).__name__}: {error}") from None
     checkpoint_files.follow_umask(target / "model.safetensors", target / "config.yaml")
     return target
+
+
+def holds_only_trainable_weights(folder: Path) -> bool:
+    """Whether a checkpoint leaves its frozen weights out (checkpoint/frozen.py); False for an unreadable record,
+    whose export then fails with the reason."""
+    try:
+        recorded = json.loads((folder / checkpoint_checks.TRAIN_STATE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and checkpoint_frozen.RECORD_KEY in recorded
 
 
 def consolidated_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -71,7 +81,7 @@ def consolidated_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _checkpoint_folder(source: Path) -> Path:
+def checkpoint_folder(source: Path) -> Path:
     if (source / checkpoint_checks.TRAIN_STATE).is_file() or (source / checkpoint_files.MANIFEST).is_file():
         return source
     if checkpoint_files.checkpoints_dir(source).is_dir():

@@ -35,7 +35,7 @@ from accel_trainer.checkpoint import files, state_files
 from accel_trainer.checkpoint.checks import TRAIN_STATE, check_compatible, check_format
 from accel_trainer.checkpoint.files import CheckpointError
 from accel_trainer.checkpoint.final_weights import full
-from accel_trainer.checkpoint.frozen import RECORD_KEY, check_frozen
+from accel_trainer.checkpoint.frozen import RECORD_KEY, FrozenWeights, check_frozen
 from accel_trainer.checkpoint.pipeline_state import optimizer_part, stages_part
 from accel_trainer.checkpoint.save import (
     EMA,
@@ -151,11 +151,7 @@ def _load(
     else:  # full tensors, which set_state_dict shards itself when this run is FSDP
         if ema:
             trained.ema.load_full(load_file(str(folder / EMA)))  # type: ignore[union-attr]
-        saved_weights = load_file(str(folder / "model.safetensors"))
-        if frozen is not None:  # the frozen weights as this run built them (whole: the options below want that)
-            kept = {name: full(tensor) for name, tensor in model_state.items() if name in frozen.names}
-            saved_weights = {**kept, **saved_weights}
-        model_state = saved_weights
+        model_state = _full_weights(folder, model_state, frozen)
         optimizer_state = state_files.load(folder / OPTIMIZER)
         options = StateDictOptions(full_state_dict=True)
         if trained.whole is not None:  # this process's stages' part
@@ -181,6 +177,15 @@ def _load(
             )
         return None
     return state_files.load(rng_file)
+
+
+def _full_weights(folder: Path, model_state: dict[str, Any], frozen: FrozenWeights | None) -> dict[str, Any]:
+    """The checkpoint's model.safetensors, and where it leaves them out, the frozen weights as this run built
+    them (whole tensors: the full-state-dict load wants them so)."""
+    saved = load_file(str(folder / "model.safetensors"))
+    if frozen is None:
+        return saved
+    return {**{name: full(tensor) for name, tensor in model_state.items() if name in frozen.names}, **saved}
 
 
 def _set_states(
