@@ -12,6 +12,7 @@ text), or greedy with `--temperature 0`. One process, on the CPU or the first GP
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,7 +39,8 @@ def sample(
             f"{final} holds no tokenizer: its recipe builds none (a recipe's build_tokenizer is saved in final/)"
         )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(final).to(device).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(final)
+    model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(final)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     texts = []
@@ -48,7 +50,7 @@ def sample(
         options = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         with torch.no_grad():
             output = model.generate(**encoded, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **options)
-        texts.append(tokenizer.decode(output[0], skip_special_tokens=True))
+        texts.append(str(tokenizer.decode(output[0], skip_special_tokens=True)))
     return texts
 
 
