@@ -142,12 +142,14 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
             test_size=self.cfg.eval_fraction, seed=self.cfg.split_seed
         )["test"]
         lines = ["# Answers to held-out questions\n"]
+        context = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
         for row in held_out.select(range(min(5, len(held_out)))):
             question, reference = row["messages"]
             prompt = tokenizer.apply_chat_template([question], tokenize=True, return_tensors="pt", return_dict=True)
             with torch.no_grad():
+                room = context - prompt["input_ids"].shape[1]  # the model's positions end there
                 output = model.generate(
-                    **prompt, max_new_tokens=self.cfg.max_answer_chars, do_sample=False,
+                    **prompt, max_new_tokens=min(self.cfg.max_answer_chars + 1, room), do_sample=False,
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                 )  # fmt: skip
             answer = tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
