@@ -73,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     sampler.add_argument("--max_new_tokens", type=int, default=64)
     sampler.add_argument("--temperature", type=float, default=0.8, help="0: the most likely token each time")
     sampler.add_argument("--seed", type=int, default=0)
+    sampler.add_argument("--chat", action="store_true", help="each prompt is a user's message: the reply alone")
     _add_doctor_parser(commands)
     return parser
 
@@ -139,7 +140,7 @@ def _run_command(known: argparse.Namespace) -> None:
     elif known.command == "sample":
         from accel_trainer.sampling import sample
 
-        texts = sample(known.run, known.prompt, known.max_new_tokens, known.temperature, known.seed)
+        texts = sample(known.run, known.prompt, known.max_new_tokens, known.temperature, known.seed, known.chat)
         print("\n\n----------\n\n".join(texts))
     elif known.command == "doctor":
         from accel_trainer.doctor.command import doctor

@@ -2,6 +2,7 @@
 
     accel-trainer sample outputs/hf_causal_lm/run1 --prompt "def " --prompt "import "
     accel-trainer sample outputs/hf_finetune/run2 --prompt "class " --max_new_tokens 80 --temperature 0
+    accel-trainer sample outputs/sft_chat/run3 --chat --prompt "What does json.dumps do?"
 
 The run's `final/` is read as transformers reads any model folder: `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` (the recipe's tokenizer, which final/ holds: checkpoint/tokenizer.py), and each
@@ -20,12 +21,20 @@ from accel_trainer.errors import UserError
 
 
 def sample(
-    run: str | Path, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.8, seed: int = 0
+    run: str | Path,
+    prompts: list[str],
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    seed: int = 0,
+    chat: bool = False,
 ) -> list[str]:
-    """Each prompt followed by what the run's final model writes after it.
+    """Each prompt followed by what the run's final model writes after it; with `chat`, each prompt is a user's
+    message put through the tokenizer's chat template (a chat recipe's, saved in final/) and the result is the
+    assistant's reply alone, up to the end-of-text token.
 
     Raises:
-        UserError: the run has no final/ model folder or tokenizer, or transformers is not installed.
+        UserError: the run has no final/ model folder or tokenizer (or chat template, with `chat`), or
+            transformers is not installed.
     """
     final = _final_folder(Path(run))
     try:
@@ -42,15 +51,22 @@ def sample(
     model: Any = AutoModelForCausalLM.from_pretrained(final)
     model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(final)
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{final}'s tokenizer has no chat template: sample it without --chat")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     texts = []
     for prompt in prompts:
         torch.manual_seed(seed)
-        encoded = tokenizer(prompt, return_tensors="pt").to(device)
+        text = prompt
+        if chat:
+            message = [{"role": "user", "content": prompt}]
+            text = str(tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True))
+        encoded = tokenizer(text, return_tensors="pt").to(device)
         options = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         with torch.no_grad():
             output = model.generate(**encoded, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **options)
-        texts.append(str(tokenizer.decode(output[0], skip_special_tokens=True)))
+        new_tokens = output[0, encoded["input_ids"].shape[1] :] if chat else output[0]
+        texts.append(str(tokenizer.decode(new_tokens, skip_special_tokens=True)))
     return texts
 
 

@@ -44,7 +44,8 @@ from accel_trainer.checkpoint.final_weights import write_model_folder
 from accel_trainer.checkpoint.frozen import RECORD_KEY as FROZEN_RECORD
 from accel_trainer.checkpoint.frozen import FrozenWeights, check_frozen
 from accel_trainer.checkpoint.save import RunIdentity
-from accel_trainer.checkpoint.tokenizer import save_tokenizer
+from accel_trainer.checkpoint.tokenizer import RECORD_KEY as TOKENIZER_RECORD
+from accel_trainer.checkpoint.tokenizer import check_tokenizer, save_tokenizer, tokenizer_fingerprint
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.config.train_config import resolve_settings
 from accel_trainer.errors import RecipeError, UserError
@@ -71,6 +72,7 @@ class SavedWeights:
     config_file: Path  # the saved config.yaml
     recipe_file: str | None = None  # the file that defined the recipe (runs saved since 2026-11-26)
     frozen: dict[str, Any] | None = None  # a checkpoint without its frozen weights: what it recorded of them
+    tokenizer: str | None = None  # the fingerprint of the tokenizer the weights were trained with, if recorded
 
     def load(self) -> dict[str, torch.Tensor]:
         if (self.folder / checkpoint_checks.TRAIN_STATE).is_file():
@@ -107,8 +109,9 @@ def _from_checkpoint(checkpoint: Path, weights: Path) -> SavedWeights:
     state = json.loads((checkpoint / checkpoint_checks.TRAIN_STATE).read_text())
     frozen = state.get(FROZEN_RECORD) if weights == checkpoint else None
     return SavedWeights(
-        weights, state["recipe"], state["step"], weights / "config.yaml", state.get("recipe_file"), frozen
-    )
+        weights, state["recipe"], state["step"], weights / "config.yaml", state.get("recipe_file"), frozen,
+        state.get(TOKENIZER_RECORD),
+    )  # fmt: skip
 
 
 def saved_recipe(saved: SavedWeights) -> type[Recipe]:
@@ -146,7 +149,7 @@ def evaluate_saved(source: str | Path, **overrides: Any) -> dict[str, float]:
         cfg, layout = resolve_settings(recipe_cls.Config, saved.config_file, values, launch_settings_file())
         accelerator = build_accelerator(cfg, layout)
         recipe = recipe_cls(cfg)
-        recipe.build_model = _loading(recipe.build_model, saved)  # type: ignore[method-assign]
+        recipe.build_model = _loading(recipe, saved)  # type: ignore[method-assign]
         run = prepare_run(recipe, RunIdentity(saved.recipe_name, cfg, layout), accelerator, Path(scratch))
         if run.data.eval_set is None:
             raise UserError(f"recipe {saved.recipe_name} builds no eval set (build_datasets): nothing to evaluate")
@@ -179,16 +182,20 @@ def _export_with_base(folder: Path, target: Path) -> None:
     recipe_cls = saved_recipe(saved)
     cfg, _ = resolve_settings(recipe_cls.Config, saved.config_file, {})
     recipe = recipe_cls(cfg)
-    model = _loading(recipe.build_model, saved)(cfg)
+    recipe.tokenizer = recipe.build_tokenizer(cfg)
+    model = _loading(recipe, saved)(cfg)
     target.mkdir(parents=True, exist_ok=True)
     write_model_folder(model.eval(), target)
-    save_tokenizer(recipe.build_tokenizer(cfg), target)
+    save_tokenizer(recipe.tokenizer, target)
 
 
-def _loading(build_model: Any, saved: SavedWeights) -> Any:
+def _loading(recipe: Recipe, saved: SavedWeights) -> Any:
     """The recipe's `build_model`, with the saved weights loaded into what it builds."""
 
+    build_model = recipe.build_model
+
     def build_saved_model(cfg: Any) -> Any:
+        check_tokenizer(saved.folder, {TOKENIZER_RECORD: saved.tokenizer}, tokenizer_fingerprint(recipe.tokenizer))
         model = build_model(cfg)
         try:
             weights = saved.load()

@@ -4,7 +4,7 @@ on the assistant's tokens only.
     accel-trainer train hf_causal_lm output_dir=runs/base max_steps=600       # pretrain a base of our own
     accel-trainer train sft_chat base=runs/base/final output_dir=runs/sft      # LoRA (lora_r=8)
     accel-trainer train sft_chat base=runs/base/final lora_r=0 lr=3e-4         # every weight
-    accel-trainer sample runs/sft --prompt $'### Question\\nWhat does abc.abstractmethod do?\\n### Answer\\n'
+    accel-trainer sample runs/sft --chat --prompt "What does abc.abstractmethod do?"
 
 Data: questions and answers made from text on disk, the docstrings of the standard library modules the GPT recipe
 reads: for each documented public function or class, "What does <module>.<name> do?" answered by the first

@@ -136,6 +136,23 @@ def test_export_and_evaluate_of_a_lora_checkpoint_rebuild_the_model_from_its_bas
     assert scores["eval/loss"] == pytest.approx(logged["eval/loss"], rel=1e-6)
 
 
+def test_evaluate_refuses_weights_trained_with_another_tokenizer(one_process, monkeypatch):
+    recipe_cls = at.get_recipe("hf_finetune")
+    original = recipe_cls.build_tokenizer
+
+    def another_tokenizer(self, cfg):
+        tokenizer = original(self, cfg)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>"]})
+        return tokenizer
+
+    monkeypatch.setattr(recipe_cls, "build_tokenizer", another_tokenizer)
+    try:
+        with pytest.raises(CheckpointError, match="was trained with another tokenizer"):
+            evaluate_saved(one_process[4])
+    finally:
+        reset_accelerate_state()
+
+
 def test_the_flops_estimate_leaves_out_the_weight_gradients_of_frozen_weights():
     class Unbuildable(at.Recipe):
         def build_model(self, cfg):
@@ -213,3 +230,10 @@ def test_a_chat_finetune_trains_to_the_weights_of_one_process_on_fsdp_and_writes
     assert (one / "answers.md").read_text().count("- model: ") >= 1  # up to 5 held-out questions
     tokenizer = transformers.AutoTokenizer.from_pretrained(one / "final")
     assert "{% generation %}" in tokenizer.chat_template
+    [reply] = sample(one, ["What does abc.ABC do?"], max_new_tokens=8, temperature=0, chat=True)
+    question = [{"role": "user", "content": "What does abc.ABC do?"}]
+    templated = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    assert templated.endswith("### Answer\n")
+    assert sample(one, [templated], max_new_tokens=8, temperature=0) == [templated + reply]  # the reply alone
+    with pytest.raises(UserError, match="has no chat template"):
+        sample(base, ["What does abc.ABC do?"], chat=True)
