@@ -90,8 +90,7 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
 
     def build_datasets(self, cfg: SFTChatConfig) -> tuple[datasets.Dataset, datasets.Dataset]:
         tokenizer = self.tokenizer if self.tokenizer is not None else self.build_tokenizer(cfg)
-        rows = [{"messages": messages} for messages in stdlib_questions(cfg.max_source_bytes, cfg.max_answer_chars)]
-        splits = datasets.Dataset.from_list(rows).train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
+        splits = conversation_splits(cfg)
 
         def tokenize(row: dict[str, Any]) -> dict[str, Any]:
             encoded = tokenizer.apply_chat_template(
@@ -117,18 +116,10 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Packed windows: inputs and targets shifted by one; a target counts where it is the assistant's and in
         its input's conversation; positions from each conversation's start; conversation marks for attention."""
-        ids, marks, assistant = (
-            torch.stack([torch.as_tensor(example[key], dtype=torch.long) for example in examples])
-            for key in ("input_ids", "documents", "assistant")
-        )
-        documents = marks[:, :-1]
-        trained = (marks[:, 1:] == documents) & assistant[:, 1:].bool()
-        index = torch.arange(documents.shape[1]).expand_as(documents)
-        starts = torch.ones_like(documents, dtype=torch.bool)
-        starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-        positions = index - torch.where(starts, index, 0).cummax(dim=1).values
-        targets = torch.where(trained, ids[:, 1:], IGNORE_INDEX)
-        return {"input_ids": ids[:, :-1], "targets": targets, "positions": positions, "documents": documents}
+        batch = gpt_module.collate_packed(examples)  # the GPT's packed windows: targets within each conversation
+        assistant = torch.stack([torch.as_tensor(example["assistant"], dtype=torch.bool) for example in examples])
+        batch["targets"] = batch["targets"].masked_fill(~assistant[:, 1:], IGNORE_INDEX)
+        return batch
 
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return at.token_cross_entropy(model(**model_inputs(batch)).logits, batch["targets"], IGNORE_INDEX)
@@ -137,10 +128,7 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
         """`answers.md`: the model's answers (greedy, to the end-of-text token) to the first held-out questions,
         beside the docstrings' answers."""
         tokenizer = self.tokenizer
-        rows = [{"messages": messages} for messages in stdlib_questions(self.cfg.max_source_bytes, 160)]
-        held_out = datasets.Dataset.from_list(rows).train_test_split(
-            test_size=self.cfg.eval_fraction, seed=self.cfg.split_seed
-        )["test"]
+        held_out = conversation_splits(self.cfg)["test"]  # the eval set's conversations, as messages
         lines = ["# Answers to held-out questions\n"]
         context = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
         for row in held_out.select(range(min(5, len(held_out)))):
@@ -157,6 +145,12 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
                 f"**{question['content']}**\n\n- model: {answer.strip()}\n- docstring: {reference['content']}\n"
             )
         (run_dir / "answers.md").write_text("\n".join(lines))
+
+
+def conversation_splits(cfg: SFTChatConfig) -> datasets.DatasetDict:
+    """The stdlib conversations as messages, split into "train" and "test" (held out) with the config's seed."""
+    rows = [{"messages": messages} for messages in stdlib_questions(cfg.max_source_bytes, cfg.max_answer_chars)]
+    return datasets.Dataset.from_list(rows).train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
 
 
 def stdlib_questions(max_source_bytes: int, max_answer_chars: int) -> list[list[dict[str, str]]]:

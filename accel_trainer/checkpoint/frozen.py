@@ -86,13 +86,10 @@ def check_frozen(folder: Path, recorded: dict[str, Any], frozen: FrozenWeights |
 
 def base_source(model: torch.nn.Module) -> str | None:
     """The folder or hub name a transformers or peft model was loaded from, or None."""
-    peft_config = getattr(model, "peft_config", None)
-    if isinstance(peft_config, dict):
-        for adapter in peft_config.values():
-            name = getattr(adapter, "base_model_name_or_path", None)
-            if name:
-                return str(Path(name).resolve()) if Path(name).is_dir() else str(name)
-    name = getattr(getattr(model, "config", None), "_name_or_path", None)
-    if name and Path(name).is_dir():
-        return str(Path(name).resolve())
-    return str(name) if name else None
+    adapters = getattr(model, "peft_config", None)
+    adapters = adapters if isinstance(adapters, dict) else {}  # a peft model's, by adapter name
+    names = [getattr(adapter, "base_model_name_or_path", None) for adapter in adapters.values()]
+    name = next(filter(None, names), None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not name:
+        return None
+    return str(Path(name).resolve()) if Path(name).is_dir() else str(name)
