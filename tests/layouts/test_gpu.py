@@ -314,3 +314,26 @@ def test_two_optimizers_stepped_together_under_fp16_follow_the_fp32_run(tmp_path
     print(f"distance moved from the initial weights, fp32 vs fp16: {moved}")
     for name in ("0.weight", "2.weight"):
         assert moved["fp16"][name] == pytest.approx(moved["no"][name], rel=0.05), name
+
+
+def test_a_lora_finetune_on_cuda_in_bf16_checkpoints_the_adapter_alone_and_resumes_bitwise(tmp_path):
+    # The fine-tuning path (issue 24) on the GPU: frozen base weights fingerprinted on CUDA, the adapter and its
+    # fused AdamW state saved, a resume that fills the base from the run's model and follows the same trajectory.
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    launch_on_gpus("gpu", tmp_path / "base", "hf_causal_lm", "n_layer=2", "n_head=2", "d_model=64",
+                   "block_size=128", "max_source_bytes=200000", "max_steps=4", "eval_every_steps=0")  # fmt: skip
+    tune = [f"base={tmp_path / 'base' / 'final'}", "lora_r=4", "max_steps=6", "block_size=32",
+            "max_source_bytes=200000", "global_batch_size=16", "micro_batch_size=4", "log_every_steps=1",
+            "eval_every_steps=0", "save_every_steps=3", "mixed_precision=bf16"]  # fmt: skip
+    full = launch_on_gpus("gpu", tmp_path / "full", "hf_finetune", *tune)
+    step_3 = tmp_path / "full" / "checkpoints" / "step_00000003"
+    resumed = launch_on_gpus("gpu", tmp_path / "resumed", "hf_finetune", *tune, f"resume={step_3}")
+
+    assert all(".lora_A." in name or ".lora_B." in name for name in load_file(str(step_3 / "model.safetensors")))
+    assert [r["loss"] for r in training_records(resumed)] == [r["loss"] for r in training_records(full)][3:]
+    expected, actual = final_parameters(tmp_path / "full"), final_parameters(tmp_path / "resumed")
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final").num_parameters() > 0
