@@ -106,6 +106,7 @@ bench: install  ## per-step overhead against a plain loop, checkpoint throughput
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/prefetch.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/layout_memory.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/gpt_throughput.py
+	$(BIN)/python benchmarks/gpt_mfu.py
 
 lint: install
 	$(BIN)/ruff check accel_trainer recipes tests benchmarks

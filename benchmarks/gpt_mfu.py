@@ -42,7 +42,7 @@ class ContiguousWindowsGPT(ByteGPT):
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         ids = torch.stack([torch.as_tensor(example["input_ids"], dtype=torch.long) for example in examples])
-        positions = torch.arange(ids.shape[1] - 1).expand(ids.shape[0], -1)
+        positions = torch.arange(ids.shape[1] - 1).repeat(ids.shape[0], 1)  # pinned memory refuses an expand()
         return {"input_ids": ids[:, :-1], "targets": ids[:, 1:], "positions": positions}
 
 
@@ -64,6 +64,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--extra", nargs="*", default=[], help="more key=value overrides for every variant")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpt_mfu: no CUDA GPU here, so nothing measured (not verified on GPU)")
+        return
     device = torch.cuda.get_device_name()
     print(f"| GPT-2 small shape, bf16, compiled, {device} | MFU | TFLOP/s | tokens/s | GB | data wait |")
     print("|---|---|---|---|---|---|")
