@@ -36,6 +36,7 @@ from accel_trainer.observe.metrics import drop_records_after, format_metric
 from accel_trainer.observe.observer import Observer
 from accel_trainer.observe.window import Speed
 from accel_trainer.optimizers import Optimizers, check_layout_for_several, read_optimizers
+from accel_trainer.parallel import fsdp_loading
 from accel_trainer.parallel.accelerator import prepare_for_training, settings_note
 from accel_trainer.parallel.compiling import allow_recompiles_per_region
 from accel_trainer.parallel.mesh import DataRanks, data_ranks, mesh_shape, tensor_parallel_size
@@ -254,8 +255,8 @@ def _model_and_sets(
         check_auto_layout(accelerator, layout, ranks)
     plan = plan_batches(cfg.global_batch_size, _fixed_micro_batch_size(cfg), ranks.size)
     recipe.tokenizer = recipe.build_tokenizer(cfg)
-    model = recipe.build_model(cfg)
-    frozen = FrozenWeights.of(model)
+    model = fsdp_loading.build_model(recipe, cfg, accelerator)
+    frozen = FrozenWeights.agreed(model)
     num_parameters, summary = sum(parameter.numel() for parameter in model.parameters()), model_summary(model)
     model = split_and_wrap(model, recipe, layout, accelerator)
     with accelerator.main_process_first():  # a datasets cache (tokenized, mapped) written once, then read

@@ -202,7 +202,8 @@ def _loading(recipe: Recipe, saved: SavedWeights) -> Any:
         except (OSError, SafetensorError, ValueError, KeyError) as error:
             raise CheckpointError(f"{saved.folder} cannot be read: {type(error).__name__}: {error}") from None
         frozen = FrozenWeights.of(model)
-        if saved.frozen is not None:  # the checkpoint holds the trainable weights: the frozen ones must be these
+        on_meta = any(parameter.is_meta for parameter in model.parameters())  # filled by FSDP's broadcast
+        if saved.frozen is not None and not on_meta:  # the checkpoint holds the trainable weights: these frozen ones
             check_frozen(saved.folder, {FROZEN_RECORD: saved.frozen}, frozen)
         try:
             missing = model.load_state_dict(weights, strict=saved.frozen is None).missing_keys

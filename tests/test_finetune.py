@@ -58,8 +58,11 @@ def one_process(base, tmp_path_factory):
 @pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
 @pytest.mark.parametrize("lora_r", [4, 0], ids=["lora", "full"])
 def test_a_finetune_trains_to_the_weights_of_one_process_on_ddp_and_fsdp(layout, lora_r, base, one_process, tmp_path):
-    train_and_dump(layout, tmp_path, "hf_finetune", f"base={base}", f"lora_r={lora_r}", *FINETUNE,
+    # cpu_fsdp loads RAM-efficiently: the main process alone reads the base, the other gets it from the broadcast
+    train_and_dump(layout, tmp_path, "finetune_reporting_reads", f"base={base}", f"lora_r={lora_r}", *FINETUNE,
                    "micro_batch_size=4", world_size=2)  # fmt: skip
+    reads = [(tmp_path / f"read_base_rank{rank}").read_text() for rank in (0, 1)]
+    assert reads == (["True", "False"] if layout == "cpu_fsdp" else ["True", "True"])
     expected, actual = final_parameters(one_process[lora_r]), final_parameters(tmp_path)
     assert expected.keys() == actual.keys()
     for name in expected:

@@ -19,7 +19,7 @@ LAYERS = [  # bottom first; a unit is a top-level module or a whole package
     {"errors", "rng", "warning_lines", "closed_stdout"},
     {"config"},
     {"losses"},
-    {"recipe", "hf_loss", "eval_outputs", "batch_rows", "schedules", "model_calls", "shipped"},
+    {"recipe", "hf_loss", "eval_outputs", "batch_rows", "schedules", "model_calls", "shipped", "pretrained"},
     {"registry"},
     {"parallel"},
     {"data"},

@@ -14,15 +14,20 @@ same on every layout.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.state import PartialState
+from accelerate.utils import broadcast_object_list
 
 from accel_trainer.checkpoint.files import CheckpointError
+from accel_trainer.pretrained import base_source
 
 RECORD_KEY = "frozen"  # train_state.json's entry
+_TAKEN: weakref.WeakKeyDictionary[torch.nn.Module, FrozenWeights | None] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,14 @@ class FrozenWeights:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> FrozenWeights | None:
-        """The frozen weights of `model` (unwrapped, as built), or None when every parameter trains."""
+        """The frozen weights of `model` (unwrapped, as built), or None when every parameter trains. Taken once
+        per model object (evaluate checks the model it built, then prepares it)."""
+        if model not in _TAKEN:
+            _TAKEN[model] = cls._take(model)
+        return _TAKEN[model]
+
+    @classmethod
+    def _take(cls, model: torch.nn.Module) -> FrozenWeights | None:
         frozen = {name: p for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         if not frozen:
             return None
@@ -49,6 +61,17 @@ class FrozenWeights:
                 digest.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
         numel = sum(p.numel() for p in dict((id(p), p) for p in frozen.values()).values())
         return cls(frozenset(frozen), digest.hexdigest(), base_source(model), numel)
+
+    @classmethod
+    def agreed(cls, model: torch.nn.Module) -> FrozenWeights | None:
+        """`of(model)` as the main process finds it, given to every process (a collective): only the main process
+        is sure to hold the weights (FSDP's RAM-efficient loading builds the others' on the meta device), and a
+        base is hashed once per launch."""
+        state = PartialState()
+        found = [cls.of(model) if state.is_main_process else None]
+        if state.num_processes > 1:
+            broadcast_object_list(found)
+        return found[0]
 
     def trainable_part(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` (a model state dict) without the frozen parameters."""
@@ -82,14 +105,3 @@ def check_frozen(folder: Path, recorded: dict[str, Any], frozen: FrozenWeights |
             f" {saved['parameters']} frozen parameters, sha256 {saved['sha256'][:12]}, here {len(frozen.names)},"
             f" {frozen.fingerprint[:12]}; resume with the base it was trained from"
         )
-
-
-def base_source(model: torch.nn.Module) -> str | None:
-    """The folder or hub name a transformers or peft model was loaded from, or None."""
-    adapters = getattr(model, "peft_config", None)
-    adapters = adapters if isinstance(adapters, dict) else {}  # a peft model's, by adapter name
-    names = [getattr(adapter, "base_model_name_or_path", None) for adapter in adapters.values()]
-    name = next(filter(None, names), None) or getattr(getattr(model, "config", None), "_name_or_path", None)
-    if not name:
-        return None
-    return str(Path(name).resolve()) if Path(name).is_dir() else str(name)

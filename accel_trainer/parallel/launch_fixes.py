@@ -14,7 +14,8 @@ test_killed_workers.py).
   `parallelism_config_hidden`) and the mesh attached after it (`attach_mesh`, `_FsdpMesh`); TP itself is
   parallel/tensor_parallel.py's, applied before `prepare`.
 - FSDP2's `cpu_ram_efficient_loading` re-ties tied weights only through `tie_weights()`, so a plain model's
-  LM head and embedding silently train apart: `load_weights_on_every_process` turns it off.
+  LM head and embedding silently train apart: `load_weights_on_every_process_if_ties_need_it` turns it off for
+  such a model (a transformers model keeps it: one process per machine reads the weights).
 - Pipelines: accelerate has no pipeline dimension and would give each stage different data: `attach_pipeline`
   records the stage count, `prepare_loader_for_data_ranks` prepares loaders for the data ranks.
 
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig, find_tied_parameters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
@@ -120,12 +121,33 @@ def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParalle
     PartialState().distributed_type = DistributedType.FSDP
 
 
-def load_weights_on_every_process(plugin: FullyShardedDataParallelPlugin | None) -> None:
-    """Turn off FSDP2's rank-0-only weight loading, which unties the weights of a model without a
-    `tie_weights()` method (canary: test_launch_fixes.py)."""
+def ram_efficient_loading_as_configured(plugin: FullyShardedDataParallelPlugin | None) -> None:
+    """Tell transformers what FSDP2 will do: with `cpu_ram_efficient_loading` its `from_pretrained` reads the
+    weights on each machine's first process only and builds the others on the meta device; FSDP2 then broadcasts
+    the main process's weights into the shards (FSDP_CPU_RAM_EFFICIENT_LOADING is what it reads)."""
     if plugin is not None:
-        plugin.cpu_ram_efficient_loading = False
-        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"  # what transformers' from_pretrained reads
+        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = str(bool(plugin.cpu_ram_efficient_loading)).lower()
+
+
+def load_weights_on_every_process_if_ties_need_it(plugin: FullyShardedDataParallelPlugin | None, model: Any) -> None:
+    """Turn off FSDP2's rank-0-only weight loading for a model whose tied weights it would untie: one that
+    shares a parameter between modules and has no `tie_weights()` to tie them again (canary:
+    test_launch_fixes.py). A transformers or peft model keeps it, and one without ties.
+
+    Raises:
+        LayoutError: such a model was built on the meta device (a transformers model inside a plain module).
+    """
+    if plugin is None or not plugin.cpu_ram_efficient_loading or hasattr(model, "tie_weights"):
+        return
+    if not find_tied_parameters(model):
+        return
+    if any(parameter.is_meta for parameter in model.parameters()):
+        raise LayoutError(
+            f"{type(model).__name__} ties weights and has no tie_weights() method, so FSDP's RAM-efficient loading"
+            " would untie them; set fsdp_cpu_ram_efficient_loading: false in the accelerate config"
+        )
+    plugin.cpu_ram_efficient_loading = False
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
 
 
 def init_process_group_per_attempt(timeout_s: float) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from accelerate import Accelerator
 
 from accel_trainer import LayoutError
@@ -61,24 +62,56 @@ def test_canary_accelerates_ram_efficient_fsdp2_loading_reties_weights_only_thro
     assert 'if hasattr(model, "tie_weights"):' in source
 
 
-def test_fsdp_loads_the_weights_on_every_process(monkeypatch):
+class TiedLinear(torch.nn.Module):
+    """An embedding and a head sharing one weight, as a plain module ties them (no `tie_weights()`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(4, 3)
+        self.head = torch.nn.Linear(3, 4, bias=False)
+        self.head.weight = self.embedding.weight
+
+
+class TiedLinearThatReties(TiedLinear):
+    def tie_weights(self):
+        self.head.weight = self.embedding.weight
+
+
+def test_fsdp_loads_the_weights_on_every_process_only_for_a_model_whose_ties_it_would_break(monkeypatch):
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
-    plugin = SimpleNamespace(cpu_ram_efficient_loading=True)
-    launch_fixes.load_weights_on_every_process(plugin)
-    assert plugin.cpu_ram_efficient_loading is False
+    for model, kept in ((TiedLinearThatReties(), True), (torch.nn.Linear(3, 4), True), (TiedLinear(), False)):
+        plugin = SimpleNamespace(cpu_ram_efficient_loading=True)
+        launch_fixes.load_weights_on_every_process_if_ties_need_it(plugin, model)
+        assert plugin.cpu_ram_efficient_loading is kept, type(model).__name__
     assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
-    launch_fixes.load_weights_on_every_process(None)  # not an FSDP layout: nothing to do
+    launch_fixes.load_weights_on_every_process_if_ties_need_it(None, TiedLinear())  # not an FSDP layout
+
+    with torch.device("meta"):  # built for the broadcast: too late to load it on every process
+        on_meta = TiedLinear()
+    with pytest.raises(LayoutError, match="set fsdp_cpu_ram_efficient_loading: false"):
+        launch_fixes.load_weights_on_every_process_if_ties_need_it(
+            SimpleNamespace(cpu_ram_efficient_loading=True), on_meta
+        )
+
+
+def test_transformers_is_told_whether_fsdp_loads_ram_efficiently(monkeypatch):
+    monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING", raising=False)
+    launch_fixes.ram_efficient_loading_as_configured(SimpleNamespace(cpu_ram_efficient_loading=True))
+    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true"
+    launch_fixes.ram_efficient_loading_as_configured(SimpleNamespace(cpu_ram_efficient_loading=False))
+    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
 
 
 @pytest.mark.multiprocess
-def test_an_fsdp_config_that_leaves_ram_efficient_loading_on_trains_tied_weights_like_one_that_turns_it_off(tmp_path):
-    default = "\n".join(line for line in (REPO / "accelerate_configs" / "cpu_fsdp.yaml").read_text().splitlines()
-                         if "fsdp_cpu_ram_efficient_loading" not in line)  # fmt: skip
-    (tmp_path / "fsdp_default_loading.yaml").write_text(default)
+def test_an_fsdp_config_with_ram_efficient_loading_trains_tied_weights_like_one_that_turns_it_off(tmp_path):
+    shipped = (REPO / "accelerate_configs" / "cpu_fsdp.yaml").read_text()
+    assert "fsdp_cpu_ram_efficient_loading: true" in shipped
+    off = shipped.replace("fsdp_cpu_ram_efficient_loading: true", "fsdp_cpu_ram_efficient_loading: false")
+    (tmp_path / "fsdp_loading_off.yaml").write_text(off)
     gpt = ["n_layer=1", "d_model=32", "block_size=32", "max_steps=2", "global_batch_size=8", "micro_batch_size=4",
            "log_every_steps=1", "eval_every_steps=0", "max_source_bytes=100000"]  # fmt: skip
     norms = []
-    for config in (str(tmp_path / "fsdp_default_loading"), "cpu_fsdp"):  # a layout file's path, or a layout's name
+    for config in ("cpu_fsdp", str(tmp_path / "fsdp_loading_off")):  # a layout's name, or a layout file's path
         records = train_and_dump(config, tmp_path / Path(config).name, "gpt", *gpt, world_size=2)
         norms.append([r["grad_norm"] for r in records if "grad_norm" in r])
     assert norms[0] == pytest.approx(norms[1], rel=1e-6)

@@ -1,0 +1,19 @@
+"""Where a model's pretrained weights came from: the one place that reads transformers' and peft's records of it
+(checkpoints fingerprint the base, FSDP's RAM-efficient loading reads a base on the main process only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def base_source(model: torch.nn.Module) -> str | None:
+    """The folder or hub name a transformers or peft model was loaded from, or None."""
+    adapters = getattr(model, "peft_config", None)
+    adapters = adapters if isinstance(adapters, dict) else {}  # a peft model's, by adapter name
+    names = [getattr(adapter, "base_model_name_or_path", None) for adapter in adapters.values()]
+    name = next(filter(None, names), None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not name:
+        return None
+    return str(Path(name).resolve()) if Path(name).is_dir() else str(name)
