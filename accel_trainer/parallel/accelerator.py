@@ -59,7 +59,6 @@ def build_accelerator(cfg: TrainConfig, layout: LayoutSettings) -> Accelerator:
     launch_fixes.enable_fsdp_on_cpu(accelerator, fsdp_plugin)
     check_supported(accelerator.distributed_type)
     check_fsdp_options(getattr(accelerator.state, "fsdp_plugin", None))
-    launch_fixes.ram_efficient_loading_as_configured(getattr(accelerator.state, "fsdp_plugin", None))
     set_up_mesh(accelerator, layout)
     warn_about_ineffective_settings(cfg, layout, accelerator)
     return accelerator

@@ -14,8 +14,9 @@ test_killed_workers.py).
   `parallelism_config_hidden`) and the mesh attached after it (`attach_mesh`, `_FsdpMesh`); TP itself is
   parallel/tensor_parallel.py's, applied before `prepare`.
 - FSDP2's `cpu_ram_efficient_loading` re-ties tied weights only through `tie_weights()`, so a plain model's
-  LM head and embedding silently train apart: `load_weights_on_every_process_if_ties_need_it` turns it off for
-  such a model (a transformers model keeps it: one process per machine reads the weights).
+  LM head and embedding silently train apart, and fails on buffers in the state dict (BatchNorm):
+  `load_weights_on_every_process_unless_broadcastable` turns it off for such models (parallel/fsdp_loading.py
+  keeps it for the others, a pretrained base read by the main process alone).
 - Pipelines: accelerate has no pipeline dimension and would give each stage different data: `attach_pipeline`
   records the stage count, `prepare_loader_for_data_ranks` prepares loaders for the data ranks.
 
@@ -121,33 +122,34 @@ def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParalle
     PartialState().distributed_type = DistributedType.FSDP
 
 
-def ram_efficient_loading_as_configured(plugin: FullyShardedDataParallelPlugin | None) -> None:
-    """Tell transformers what FSDP2 will do: with `cpu_ram_efficient_loading` its `from_pretrained` reads the
-    weights on each machine's first process only and builds the others on the meta device; FSDP2 then broadcasts
-    the main process's weights into the shards (FSDP_CPU_RAM_EFFICIENT_LOADING is what it reads)."""
-    if plugin is not None:
-        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = str(bool(plugin.cpu_ram_efficient_loading)).lower()
-
-
-def load_weights_on_every_process_if_ties_need_it(plugin: FullyShardedDataParallelPlugin | None, model: Any) -> None:
-    """Turn off FSDP2's rank-0-only weight loading for a model whose tied weights it would untie: one that
-    shares a parameter between modules and has no `tie_weights()` to tie them again (canary:
-    test_launch_fixes.py). A transformers or peft model keeps it, and one without ties.
+def load_weights_on_every_process_unless_broadcastable(
+    plugin: FullyShardedDataParallelPlugin | None, model: Any
+) -> None:
+    """Turn off FSDP2's RAM-efficient loading (the main process's weights broadcast into every shard) for a model
+    it gets wrong (`broadcastable`); the others keep it.
 
     Raises:
         LayoutError: such a model was built on the meta device (a transformers model inside a plain module).
     """
-    if plugin is None or not plugin.cpu_ram_efficient_loading or hasattr(model, "tie_weights"):
-        return
-    if not find_tied_parameters(model):
+    if plugin is None or not plugin.cpu_ram_efficient_loading or broadcastable(model):
         return
     if any(parameter.is_meta for parameter in model.parameters()):
         raise LayoutError(
-            f"{type(model).__name__} ties weights and has no tie_weights() method, so FSDP's RAM-efficient loading"
-            " would untie them; set fsdp_cpu_ram_efficient_loading: false in the accelerate config"
+            f"{type(model).__name__} ties weights without a tie_weights() method or keeps buffers in its state dict,"
+            " which FSDP's RAM-efficient loading gets wrong; set fsdp_cpu_ram_efficient_loading: false in the"
+            " accelerate config"
         )
     plugin.cpu_ram_efficient_loading = False
-    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
+
+
+def broadcastable(model: torch.nn.Module) -> bool:
+    """Whether accelerate's RAM-efficient FSDP2 loading keeps `model` whole. It does not when the model ties
+    weights and has no `tie_weights()` to tie them again (they come back untied and train apart), nor when its
+    state dict holds buffers (a BatchNorm's statistics): the broadcast takes every entry for a sharded parameter
+    (AttributeError: 'Tensor' object has no attribute 'device_mesh'). Canaries: test_launch_fixes.py."""
+    ties_kept = hasattr(model, "tie_weights") or not find_tied_parameters(model)
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return ties_kept and set(model.state_dict()) <= parameters
 
 
 def init_process_group_per_attempt(timeout_s: float) -> None:

@@ -6,7 +6,6 @@ The launch traps are shown for real in test_multiprocess.py; these are the in-pr
 from __future__ import annotations
 
 import inspect
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,29 +76,35 @@ class TiedLinearThatReties(TiedLinear):
         self.head.weight = self.embedding.weight
 
 
-def test_fsdp_loads_the_weights_on_every_process_only_for_a_model_whose_ties_it_would_break(monkeypatch):
-    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
-    for model, kept in ((TiedLinearThatReties(), True), (torch.nn.Linear(3, 4), True), (TiedLinear(), False)):
+def test_fsdp_loads_the_weights_on_every_process_only_for_a_model_its_broadcast_gets_wrong():
+    models = [
+        (TiedLinearThatReties(), True),
+        (torch.nn.Linear(3, 4), True),
+        (TiedLinear(), False),  # its tie would be lost
+        (torch.nn.BatchNorm1d(3), False),  # its statistics are buffers in the state dict
+    ]
+    for model, kept in models:
         plugin = SimpleNamespace(cpu_ram_efficient_loading=True)
-        launch_fixes.load_weights_on_every_process_if_ties_need_it(plugin, model)
+        launch_fixes.load_weights_on_every_process_unless_broadcastable(plugin, model)
         assert plugin.cpu_ram_efficient_loading is kept, type(model).__name__
-    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
-    launch_fixes.load_weights_on_every_process_if_ties_need_it(None, TiedLinear())  # not an FSDP layout
+    launch_fixes.load_weights_on_every_process_unless_broadcastable(None, TiedLinear())  # not an FSDP layout
 
     with torch.device("meta"):  # built for the broadcast: too late to load it on every process
         on_meta = TiedLinear()
+    plugin = SimpleNamespace(cpu_ram_efficient_loading=True)
     with pytest.raises(LayoutError, match="set fsdp_cpu_ram_efficient_loading: false"):
-        launch_fixes.load_weights_on_every_process_if_ties_need_it(
-            SimpleNamespace(cpu_ram_efficient_loading=True), on_meta
-        )
+        launch_fixes.load_weights_on_every_process_unless_broadcastable(plugin, on_meta)
 
 
-def test_transformers_is_told_whether_fsdp_loads_ram_efficiently(monkeypatch):
-    monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING", raising=False)
-    launch_fixes.ram_efficient_loading_as_configured(SimpleNamespace(cpu_ram_efficient_loading=True))
-    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true"
-    launch_fixes.ram_efficient_loading_as_configured(SimpleNamespace(cpu_ram_efficient_loading=False))
-    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
+def test_canary_accelerates_ram_efficient_fsdp2_loading_takes_every_state_dict_entry_for_a_sharded_parameter():
+    """Why a model with buffers in its state dict (BatchNorm) loads on every process: accelerate's broadcast reads
+    `device_mesh` of each entry, which a buffer FSDP left unsharded has not ('Tensor' object has no attribute
+    'device_mesh'). When accelerate skips or broadcasts buffers, this fails and `broadcastable` can drop it."""
+    from accelerate.utils import fsdp_utils
+
+    source = inspect.getsource(fsdp_utils.fsdp2_load_full_state_dict)
+    assert "device_mesh = sharded_param.device_mesh" in source
+    assert "for param_name, sharded_param in meta_sharded_sd.items():" in source
 
 
 @pytest.mark.multiprocess
