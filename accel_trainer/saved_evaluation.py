@@ -50,6 +50,7 @@ from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.config.train_config import resolve_settings
 from accel_trainer.errors import RecipeError, UserError
 from accel_trainer.evaluation import evaluate_run
+from accel_trainer.observe.flops import model_on_meta
 from accel_trainer.observe.metrics import console_line
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.layout_file import layout_environment
@@ -165,16 +166,26 @@ def evaluate_saved(source: str | Path, **overrides: Any) -> dict[str, float]:
 
 
 def export_run(source: str | Path, output: str | Path | None = None) -> Path:
-    """`accel-trainer export`: checkpoint/export.py's export, or for a checkpoint that holds only the trainable
-    weights, the model its recipe builds again (reading its frozen base, checked against the checkpoint's
-    fingerprint) with the saved weights, written as the run's final/ is (a peft model: merged, with `adapter/`)."""
+    """`accel-trainer export`: checkpoint/export.py's export, or for a transformers model or a checkpoint that holds
+    only the trainable weights, the model its recipe builds again (reading its frozen base, checked against the
+    checkpoint's fingerprint) with the saved weights, written as the run's final/ is (save_pretrained with the
+    tokenizer; a peft model: merged, with `adapter/`)."""
     folder = checkpoint_folder(Path(source))
-    if not holds_only_trainable_weights(folder):
+    if not holds_only_trainable_weights(folder) and not _saves_pretrained(folder):
         return export(folder, output)
     target = Path(output) if output else folder.parent.parent / "export" / folder.name
     _export_with_base(folder, target)
     shutil.copyfile(folder / "config.yaml", target / "config.yaml")
     return target
+
+
+def _saves_pretrained(folder: Path) -> bool:
+    """Whether the recipe's model is a transformers model, whose export is a from_pretrained folder with its
+    config and tokenizer (built on the meta device to see: no weight read)."""
+    saved = saved_weights(folder)
+    recipe_cls = saved_recipe(saved)
+    cfg, _ = resolve_settings(recipe_cls.Config, saved.config_file, {})
+    return hasattr(model_on_meta(recipe_cls(cfg), cfg), "save_pretrained")
 
 
 def _export_with_base(folder: Path, target: Path) -> None:

@@ -31,11 +31,11 @@ ByteTextConfig = sys.modules[ByteGPT.__module__].ByteTextConfig  # the schedule 
 
 
 @dataclass
-class FinetuneConfig(ByteTextConfig):  # type: ignore[valid-type,misc]
-    max_steps: int = 100
-    lr: float = 1e-3
-    warmup_steps: int = 10
-    block_size: int = 64
+class PretrainedBase:
+    """The fields of a fine-tune of a local pretrained model (this recipe's and sft_chat's), checked when the
+    config is made: a one-line error before any work, and the base's folder kept as an absolute path, so the
+    run's config.yaml, its checkpoints and final/adapter name it from any working directory."""
+
     base: str = ""
     """The pretrained model: a folder `AutoModelForCausalLM.from_pretrained` reads (a run's final/)."""
     lora_r: int = 8
@@ -44,6 +44,31 @@ class FinetuneConfig(ByteTextConfig):  # type: ignore[valid-type,misc]
     """LoRA's scale numerator: the adapter's update is scaled by lora_alpha / lora_r."""
     lora_dropout: float = 0.0
     """Dropout on the adapter's input."""
+
+    def __post_init__(self) -> None:
+        if self.lora_r < 0:
+            raise at.ConfigError(f"lora_r={self.lora_r}: must be at least 0 (0 trains every weight, no adapter)")
+        if not 0 <= self.lora_dropout < 1:
+            raise at.ConfigError(f"lora_dropout={self.lora_dropout}: must be in [0, 1)")
+        if not self.base:
+            return
+        folder = Path(self.base).expanduser()
+        if not (folder / "config.json").is_file() and (folder / "final" / "config.json").is_file():
+            raise at.ConfigError(f"base={self.base} is a run folder; its model is base={folder / 'final'}")
+        if not (folder / "config.json").is_file():
+            raise at.ConfigError(
+                f"base={self.base} is not a pretrained model's folder (no {folder / 'config.json'}): give a folder"
+                " that save_pretrained wrote, such as a run's final/"
+            )
+        self.base = str(folder.resolve())
+
+
+@dataclass
+class FinetuneConfig(PretrainedBase, ByteTextConfig):  # type: ignore[valid-type,misc]
+    max_steps: int = 100
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    block_size: int = 64
     own_loss: bool = False
     """As in hf_causal_lm: the model's own out.loss from labels instead of at.token_cross_entropy."""
 
@@ -65,7 +90,7 @@ class HFFinetune(HFCausalLM):  # type: ignore[valid-type,misc]
 
     def build_model(self, cfg: FinetuneConfig) -> Any:
         if not cfg.base:
-            raise at.RecipeError("recipe hf_finetune needs base=FOLDER: a pretrained model's folder (a run's final/)")
+            raise at.ConfigError("this recipe needs base=FOLDER: a pretrained model's folder (a run's final/)")
         from transformers import AutoModelForCausalLM
         from transformers.pytorch_utils import Conv1D
 

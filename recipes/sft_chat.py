@@ -35,6 +35,7 @@ import accel_trainer as at
 
 HFCausalLM = at.get_recipe("hf_causal_lm")
 HFFinetune = at.get_recipe("hf_finetune")
+PretrainedBase = sys.modules[HFFinetune.__module__].PretrainedBase  # base, lora_r, lora_alpha, lora_dropout
 gpt_module = sys.modules[at.get_recipe("gpt").__module__]
 model_inputs = sys.modules[HFCausalLM.__module__].model_inputs
 PAD_ID, IGNORE_INDEX = 256, -100  # as in recipes/gpt.py
@@ -48,7 +49,7 @@ CHAT_TEMPLATE = (
 
 
 @dataclass
-class SFTChatConfig(at.TrainConfig):
+class SFTChatConfig(PretrainedBase, at.TrainConfig):  # type: ignore[valid-type,misc]
     max_steps: int = 300
     global_batch_size: int = 16
     micro_batch_size: int = 8
@@ -56,14 +57,6 @@ class SFTChatConfig(at.TrainConfig):
     warmup_steps: int = 20
     log_every_steps: int = 20
     eval_every_steps: int = 100
-    base: str = ""
-    """The pretrained model: a folder `AutoModelForCausalLM.from_pretrained` reads (hf_causal_lm's final/)."""
-    lora_r: int = 8
-    """Rank of the LoRA adapter on every linear layer but the output head; 0 trains every weight instead."""
-    lora_alpha: float = 16.0
-    """LoRA's scale numerator: the adapter's update is scaled by lora_alpha / lora_r."""
-    lora_dropout: float = 0.0
-    """Dropout on the adapter's input."""
     block_size: int = 128
     """Tokens per packed window (conversations longer than block_size + 1 are left out)."""
     max_answer_chars: int = 160

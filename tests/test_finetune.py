@@ -104,7 +104,7 @@ def test_a_lora_run_resumes_bitwise_and_refuses_another_base_in_one_line(base, o
     first = sorted(weights)[0]
     weights[first] = weights[first] + 1e-3
     save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="was trained on other frozen weights .* resume with the base"):
+    with pytest.raises(CheckpointError, match="trained on other frozen weights .* use the base it was trained from"):
         at.train("hf_finetune", base=str(other), output_dir=str(tmp_path / "wrong"),
                  resume=str(one_process[4] / "checkpoints" / "step_00000003"), **settings)  # fmt: skip
     reset_accelerate_state()
@@ -137,6 +137,27 @@ def test_export_and_evaluate_of_a_lora_checkpoint_rebuild_the_model_from_its_bas
     reset_accelerate_state()
     logged = [record for record in read_metrics(run) if "eval/loss" in record][-1]
     assert scores["eval/loss"] == pytest.approx(logged["eval/loss"], rel=1e-6)
+
+
+def test_the_export_of_a_full_finetune_is_a_folder_transformers_loads_with_its_tokenizer(one_process, tmp_path):
+    run = one_process[0]
+    exported = export_run(run / "checkpoints" / "step_00000006", tmp_path / "exported")
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    final = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(model.state_dict()[name], final[name]) for name in final)
+    assert transformers.AutoTokenizer.from_pretrained(exported)("def")["input_ids"] == list(b"def")
+
+
+def test_a_base_that_is_no_model_folder_and_a_negative_rank_are_refused_when_the_config_is_made(base, monkeypatch):
+    config = at.get_recipe("hf_finetune").Config
+    with pytest.raises(at.ConfigError, match="is not a pretrained model's folder"):
+        config(base=str(base.parent / "nowhere"))
+    with pytest.raises(at.ConfigError, match=f"is a run folder; its model is base={base}"):
+        config(base=str(base.parent))
+    with pytest.raises(at.ConfigError, match="lora_r=-4: must be at least 0"):
+        config(base=str(base), lora_r=-4)
+    monkeypatch.chdir(base.parent)  # a relative base is kept absolute: the run is read from any folder
+    assert config(base="final").base == str(base.resolve())
 
 
 def test_evaluate_refuses_weights_trained_with_another_tokenizer(one_process, monkeypatch):

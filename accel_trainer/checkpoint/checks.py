@@ -41,6 +41,7 @@ _BOOKKEEPING_KEYS = RUN_CONTROL_KEYS | {
     "evaluate_ema",
     "skip_nonfinite_steps",
     "max_nonfinite_in_a_row",
+    "report",
 }
 # max_steps (extending a run): changing it continues the run, with a warning. The layout settings are not
 # config keys: a checkpoint resumes on another layout.
@@ -93,6 +94,7 @@ def check_compatible(
     }
     listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
     if same_run and set(changed) - _CONTINUABLE_KEYS:
+        listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items() if key != "max_steps")
         raise CheckpointError(
             f"the run in this output_dir was trained with another config ({listed}); resume=auto continues only"
             " the same run: use a new output_dir for a new run, or resume=<checkpoint> with a new output_dir to"

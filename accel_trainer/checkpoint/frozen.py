@@ -100,8 +100,11 @@ def check_frozen(folder: Path, recorded: dict[str, Any], frozen: FrozenWeights |
         )
     if saved["sha256"] != frozen.fingerprint or saved["parameters"] != len(frozen.names):
         here = f" (base {frozen.source})" if frozen.source else ""
+        if where and where == here:  # the same folder: its files changed
+            what = f"the frozen weights in base {frozen.source} changed since it was trained:"
+        else:
+            what = f"it was trained on other frozen weights{where} than this run's model{here}:"
         raise CheckpointError(
-            f"checkpoint {folder} was trained on other frozen weights{where} than this run's model{here}:"
-            f" {saved['parameters']} frozen parameters, sha256 {saved['sha256'][:12]}, here {len(frozen.names)},"
-            f" {frozen.fingerprint[:12]}; resume with the base it was trained from"
+            f"checkpoint {folder}: {what} {saved['parameters']} frozen parameters, sha256 {saved['sha256'][:12]},"
+            f" here {len(frozen.names)}, {frozen.fingerprint[:12]}; use the base it was trained from"
         )

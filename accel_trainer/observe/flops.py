@@ -83,7 +83,8 @@ def flops_per_sample(
         with rng_untouched():
             total = _count_on_meta(recipe, cfg, batch, phases)
     except Exception as error:  # noqa: BLE001 - a model that cannot be built or run on meta
-        return _estimate(num_parameters, frozen_parameters, f"counting failed with {type(error).__name__}")
+        reason = (str(error).strip().splitlines() or [""])[0][:120]
+        return _estimate(num_parameters, frozen_parameters, f"counting failed with {type(error).__name__}: {reason}")
     if total <= 0:
         return _estimate(num_parameters, frozen_parameters, "counting found no FLOPs")
     return total / samples, "counted by FlopCounterMode, forward + backward"
@@ -102,7 +103,7 @@ def to_meta(batch: Any) -> Any:
 
 
 def _count_on_meta(recipe: Recipe, cfg: TrainConfig, batch: Any, phases: tuple[str | None, ...]) -> int:
-    model = _model_on_meta(recipe, cfg)
+    model = model_on_meta(recipe, cfg)
     model.train()
     with FlopCounterMode(display=False) as counter:
         for phase in phases:  # a step of alternating optimizers is a forward and backward per phase
@@ -112,18 +113,22 @@ def _count_on_meta(recipe: Recipe, cfg: TrainConfig, batch: Any, phases: tuple[s
     return counter.get_total_flops()
 
 
-def _model_on_meta(recipe: Recipe, cfg: TrainConfig) -> torch.nn.Module:
+def model_on_meta(recipe: Recipe, cfg: TrainConfig) -> torch.nn.Module:
     """The recipe's model with its parameters on the meta device. transformers' `from_pretrained` (a pretrained
     base) refuses a meta default device, but builds under accelerate's `init_empty_weights`, which puts each
     parameter on meta as it is registered (the buffers stay real) and so reads no weights."""
     try:
         with torch.device("meta"):
-            return recipe.build_model(cfg)
+            model = recipe.build_model(cfg)
     except RuntimeError as error:
         if "from_pretrained" not in str(error):
             raise
-    with init_empty_weights(include_buffers=False):
-        return recipe.build_model(cfg)
+        with init_empty_weights(include_buffers=False):
+            model = recipe.build_model(cfg)
+    config = getattr(model, "config", None)
+    if getattr(config, "pad_token_id", None) is not None:  # transformers reads token values to warn about padding
+        config.pad_token_id = None  # (`.item()`, which meta tensors refuse); this copy only counts
+    return model
 
 
 def _batch_size(batch: Any) -> int | None:
