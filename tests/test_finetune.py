@@ -213,6 +213,22 @@ def test_a_transformers_models_no_split_modules_are_its_blocks_unless_the_recipe
     assert block_classes(recipe, model) == (torch.nn.Linear,)
 
 
+def test_a_transformers_models_declared_tp_plan_is_the_default_in_this_frameworks_styles():
+    from accel_trainer.parallel.tensor_parallel import from_transformers_plan
+    from accel_trainer.parallel.wrapping import tp_plan_of
+
+    recipe = at.get_recipe("hf_causal_lm")(at.get_recipe("hf_causal_lm").Config())
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    plan = tp_plan_of(recipe, transformers.LlamaForCausalLM(config))
+    assert plan["model.embed_tokens"] == "embedding" and plan["lm_head"] == "colwise_gather_output"
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    recipe.tp_plan = {"lm_head": "colwise_gather_output"}  # the recipe's own plan wins
+    assert tp_plan_of(recipe, transformers.LlamaForCausalLM(config)) == {"lm_head": "colwise_gather_output"}
+    with pytest.raises(at.ConfigError, match="'local_colwise', which accel-trainer does not split"):
+        from_transformers_plan({"model.layers.*.mlp.up_proj": "local_colwise"})
+
+
 SFT = ["max_steps=4", "block_size=128", "max_answer_chars=60", "max_source_bytes=150000", "global_batch_size=8",
        "micro_batch_size=4", "warmup_steps=1", "log_every_steps=1", "eval_every_steps=4", "lr=3e-3"]  # fmt: skip
 

@@ -4,7 +4,8 @@ A recipe names modules and styles, never processes (transformers' style names):
 
     tp_plan = {"blocks.*.attention.q": "colwise", "blocks.*.attention.proj": "rowwise", ...}
 
-Keys are module names in which `*` stands for one component (a block's index). Styles:
+Keys are module names in which `*` stands for one component (a block's index). A transformers model's own
+plan (`base_model_tp_plan`) is the default for a recipe without one (`from_transformers_plan`). Styles:
 - "colwise": the layer's output features are split (an nn.Linear's weight rows and bias); its output stays
   split along the last dimension, which the next "rowwise" layer takes as its input;
 - "rowwise": the input features are split and the partial outputs summed over the tensor-parallel ranks;
@@ -42,6 +43,28 @@ from torch.distributed.tensor.parallel import (
 from accel_trainer.errors import ConfigError
 
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding", "sequence_parallel")
+# transformers' style names (`base_model_tp_plan`) that mean one of ours
+TRANSFORMERS_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather_output",
+    "embedding_rowwise": "embedding",
+}
+
+
+def from_transformers_plan(plan: dict[str, str]) -> dict[str, str]:
+    """A transformers model's tp_plan in this module's styles.
+
+    Raises:
+        ConfigError: a style with no counterpart here (packed, local or expert-parallel styles).
+    """
+    unknown = sorted({style for style in plan.values() if style not in TRANSFORMERS_STYLES})
+    if unknown:
+        raise ConfigError(
+            f"the model's own tp_plan (transformers' base_model_tp_plan) uses {', '.join(map(repr, unknown))}, which"
+            " accel-trainer does not split: write the recipe's tp_plan = {module pattern: style} (docs/layouts.md)"
+        )
+    return {name: TRANSFORMERS_STYLES[style] for name, style in plan.items()}
 
 
 def check_tp_plan(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, nn.Module, str]]:
@@ -87,7 +110,10 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMe
         _replicate(model.get_submodule(name), mesh)
     if sequence_parallel:
         model.register_forward_pre_hook(_check_sequence_lengths(mesh.size()), with_kwargs=True)
-    model.tp_size = mesh.size()  # type: ignore[assignment]  # accelerate's prepare checks it on a tensor-parallel layout without FSDP
+    # accelerate's prepare checks the model's tp_size on a tensor-parallel layout without FSDP; a transformers
+    # model keeps it behind a read-only property
+    size_field = "_tp_size" if isinstance(getattr(type(model), "tp_size", None), property) else "tp_size"
+    setattr(model, size_field, mesh.size())
 
 
 def _unplanned(name: str, module: nn.Module) -> ConfigError:

@@ -30,7 +30,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.errors import ConfigError
 from accel_trainer.parallel.batchnorm import convert_to_sync_batchnorm
-from accel_trainer.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
+from accel_trainer.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan, from_transformers_plan
 from accel_trainer.recipe import Recipe
 
 
@@ -41,6 +41,18 @@ def block_classes(recipe: Recipe, model: torch.nn.Module) -> tuple[type[torch.nn
         return tuple(recipe.wrap_classes)
     names = set(getattr(model, "_no_split_modules", None) or ())
     return tuple(dict.fromkeys(type(module) for module in model.modules() if type(module).__name__ in names))
+
+
+def tp_plan_of(recipe: Recipe, model: torch.nn.Module) -> dict[str, str]:
+    """The recipe's `tp_plan`, else the plan a transformers model declares (its class's and its config's
+    `base_model_tp_plan`, as `model.tp_plan` gathers them with full module names) in this framework's styles. A
+    peft model's plan names its base's modules, which the adapter wraps: it has none."""
+    if recipe.tp_plan:
+        return dict(recipe.tp_plan)
+    if getattr(model, "peft_config", None):
+        return {}
+    declared = getattr(model, "tp_plan", None)
+    return from_transformers_plan(declared) if isinstance(declared, dict) else {}
 
 
 def prepare_blocks(
@@ -76,7 +88,7 @@ def split_and_wrap(model: Any, recipe: Recipe, layout: LayoutSettings, accelerat
     """Tensor parallelism, SyncBatchNorm, FSDP units and activation checkpointing, as the layout asks."""
     mesh = accelerator.torch_device_mesh
     if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
-        apply_tensor_parallel(model.to(accelerator.device), dict(recipe.tp_plan), mesh["tp"])
+        apply_tensor_parallel(model.to(accelerator.device), tp_plan_of(recipe, model), mesh["tp"])
     else:  # a plan's mistakes show on the first run, though only a tensor-parallel layout needs it right
         _warn_about_tp_plan(model, recipe, accelerator.is_main_process)
     if layout.sync_batchnorm:
@@ -88,7 +100,7 @@ def split_and_wrap(model: Any, recipe: Recipe, layout: LayoutSettings, accelerat
 
 def _warn_about_tp_plan(model: Any, recipe: Recipe, is_main_process: bool) -> None:
     try:
-        check_tp_plan(model, dict(recipe.tp_plan))
+        check_tp_plan(model, tp_plan_of(recipe, model))
     except ConfigError as error:
         if is_main_process:
             warnings.warn(f"accel-trainer: {error} (it matters on a tensor-parallel layout only)", stacklevel=3)

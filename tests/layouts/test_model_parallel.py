@@ -1,7 +1,8 @@
 """Tensor parallelism and 2-D meshes on the CPU: the trajectory of one process, each rank holding its shard.
 
 {1 process} = {TP 2} = {FSDP x TP 2x2} = {HSDP 2x2}, for the variable-length token-loss GPT (sequence parallel,
-LM head tied to the vocabulary-split embedding) and a mean-loss MLP (a LayerNorm left to replication): the
+LM head tied to the vocabulary-split embedding) and a mean-loss MLP (a LayerNorm left to replication), and TP 2
+for a transformers Llama split by the plan its config declares (`base_model_tp_plan`): the
 gradient norm and the loss of every step agree to 1e-6 (relative), the weights after 10 AdamW steps to 1e-4,
 and each process holds the share of the parameters its mesh gives it. Checkpoints of a tensor-parallel run are
 sharded, resume bitwise on the same layout and continue on another, and export to the run's own weights.
@@ -40,6 +41,7 @@ RECIPES = {
         "eval_every_steps=0",
     ],  # fmt: skip
     "mlp_tp": [*COMMON, "eval_every_steps=5"],
+    "tiny_llama": [*COMMON, "block_size=32", "max_source_bytes=100000", "eval_every_steps=0"],  # transformers' plan
 }
 WORLD = {"cpu": 1, "cpu_tp": 2, "cpu_fsdp_tp": 4, "cpu_hsdp": 4}
 GRADIENTS = dict(rtol=1e-6, atol=1e-7)
@@ -55,7 +57,7 @@ def references():
 @pytest.mark.parametrize(
     ("recipe", "layout"),
     [("gpt", "cpu_tp"), ("mlp_tp", "cpu_tp"), ("gpt", "cpu_fsdp_tp"), ("mlp_tp", "cpu_fsdp_tp"),
-     ("gpt", "cpu_hsdp"), ("mlp_tp", "cpu_hsdp")],
+     ("gpt", "cpu_hsdp"), ("mlp_tp", "cpu_hsdp"), ("tiny_llama", "cpu_tp")],
 )  # fmt: skip
 def test_a_mesh_layout_follows_the_one_process_trajectory(recipe, layout, references):
     reference_dir, reference_records = references[recipe]
