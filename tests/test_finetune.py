@@ -230,7 +230,8 @@ def test_a_transformers_models_declared_tp_plan_is_the_default_in_this_framework
 
 
 SFT = ["max_steps=4", "block_size=128", "max_answer_chars=60", "max_source_bytes=150000", "global_batch_size=8",
-       "micro_batch_size=4", "warmup_steps=1", "log_every_steps=1", "eval_every_steps=4", "lr=3e-3"]  # fmt: skip
+       "micro_batch_size=4", "warmup_steps=1", "log_every_steps=1", "eval_every_steps=4", "save_every_steps=2",
+       "lr=3e-3"]  # fmt: skip
 
 
 def test_a_chat_batch_targets_the_assistants_tokens_only_and_keeps_packed_conversations_apart(base):
@@ -257,16 +258,54 @@ def test_a_chat_batch_targets_the_assistants_tokens_only_and_keeps_packed_conver
             assert batch["positions"][row, where].tolist() == list(range(len(where)))
 
 
+@pytest.fixture(scope="module")
+def chat_one_process(base, tmp_path_factory):
+    """sft_chat with LoRA (r=4) and in full on one process, a checkpoint every 2 steps."""
+    runs = {}
+    for lora_r in (4, 0):
+        runs[lora_r] = tmp_path_factory.mktemp(f"chat_r{lora_r}")
+        train_and_dump("cpu", runs[lora_r], "sft_chat", f"base={base}", f"lora_r={lora_r}", *SFT, world_size=1)
+    return runs
+
+
 @pytest.mark.multiprocess
-def test_a_chat_finetune_trains_to_the_weights_of_one_process_on_fsdp_and_writes_its_answers(base, tmp_path):
-    one, fsdp = tmp_path / "one", tmp_path / "fsdp"
-    records = train_and_dump("cpu", one, "sft_chat", f"base={base}", *SFT, world_size=1)
-    train_and_dump("cpu_fsdp", fsdp, "sft_chat", f"base={base}", *SFT, world_size=2)
-    expected, actual = final_parameters(one), final_parameters(fsdp)
+@pytest.mark.parametrize(("layout", "lora_r"), [("cpu_fsdp", 4), ("cpu_ddp", 4), ("cpu_fsdp", 0)],
+                         ids=["lora-cpu_fsdp", "lora-cpu_ddp", "full-cpu_fsdp"])  # fmt: skip
+def test_a_chat_finetune_trains_to_the_weights_of_one_process_on_ddp_and_fsdp(
+    layout, lora_r, base, chat_one_process, tmp_path
+):
+    train_and_dump(layout, tmp_path, "sft_chat", f"base={base}", f"lora_r={lora_r}", *SFT, world_size=2)
+    expected, actual = final_parameters(chat_one_process[lora_r]), final_parameters(tmp_path)
     assert expected.keys() == actual.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], **TOLERANCE)
-    assert [r for r in records if "eval/loss" in r]  # the held-out assistant-token loss
+
+
+def test_a_chat_finetune_resumes_bitwise_and_lowers_the_held_out_assistant_loss_below_the_bases(
+    base, chat_one_process, tmp_path
+):
+    settings = dict(item.split("=") for item in SFT)
+    settings.update(base=str(base), lora_r="4", show_progress_bar="False", report="False")
+    run = chat_one_process[4]
+    at.train("sft_chat", output_dir=str(tmp_path / "resumed"), resume=str(run / "checkpoints" / "step_00000002"),
+             **settings)  # fmt: skip
+    reset_accelerate_state()
+    expected, actual = final_parameters(run), final_parameters(tmp_path / "resumed")
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+
+    # The quality bar at this test's scale (a base trained 4 steps, 4 steps of LoRA): the held-out
+    # assistant-token loss falls at least 2% below the base's (measured: 5.464 -> 5.275). The README gives it at
+    # the recipe's own scale (2.411 -> 1.985 nats).
+    settings.update(lr="0", max_steps="1", eval_every_steps="1")  # the adapter starts at zero: the base itself
+    at.train("sft_chat", output_dir=str(tmp_path / "base_eval"), **settings)
+    reset_accelerate_state()
+    base_loss = [r["eval/loss"] for r in read_metrics(tmp_path / "base_eval") if "eval/loss" in r][0]
+    tuned_loss = [r["eval/loss"] for r in read_metrics(run) if "eval/loss" in r][-1]
+    assert tuned_loss < 0.98 * base_loss, (base_loss, tuned_loss)
+
+
+def test_a_chat_runs_final_folder_answers_in_its_chat_template_and_its_report_holds_answers(base, chat_one_process):
+    one = chat_one_process[4]
     assert (one / "answers.md").read_text().count("- model: ") >= 1  # up to 5 held-out questions
     tokenizer = transformers.AutoTokenizer.from_pretrained(one / "final")
     assert "{% generation %}" in tokenizer.chat_template
