@@ -2,8 +2,9 @@
 
 The average starts as the initial weights and after every optimizer step taken moves towards the new ones
 (torch's `get_ema_multi_avg_fn`: one foreach lerp, on the device, no host sync). It covers every floating-point
-entry of the model's state dict, parameters and running statistics alike (like timm's ModelEma), each kept
-in fp32 and shaped like its entry: under FSDP or tensor parallelism an entry is a DTensor shard, so its average is
+entry of the model's state dict, parameters and running statistics alike (like timm's ModelEma), but the frozen
+weights (a LoRA run's base never moves: the average is the adapter's, and so is its size in a checkpoint), each
+kept in fp32 and shaped like its entry: under FSDP or tensor parallelism an entry is a DTensor shard, so its average is
 a shard with the same placement and the EMA costs one fp32 copy of this process's part of the model.
 
 Checkpoints hold it beside the model (checkpoint/save.py: `ema.safetensors`, or `ema/` keys of the sharded files), so it
@@ -29,13 +30,13 @@ from accel_trainer.parallel.sharding import local_part
 class WeightAverage:
     """The EMA of a prepared model's floating-point state, keyed like its checkpoint entries."""
 
-    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+    def __init__(self, model: torch.nn.Module, decay: float, frozen: frozenset[str] = frozenset()) -> None:
         self.model = model
         state: dict[str, Any] = get_model_state_dict(model)  # the names checkpoints use, whatever wraps the model
         self.average: dict[str, torch.Tensor] = {
             name: tensor.detach().to(torch.float32, copy=True)
             for name, tensor in state.items()
-            if tensor.is_floating_point()
+            if tensor.is_floating_point() and name not in frozen  # a frozen weight is its own average
         }
         self._update = get_ema_multi_avg_fn(decay)
         self._live: list[torch.Tensor] | None = None

@@ -176,7 +176,7 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
         recipe, cfg, layout, accelerator, ranks, plan, model, train_set, eval_set
     )
     set_seed(cfg.seed + ranks.rank)  # independent dropout per data-parallel rank, shared by its TP ranks
-    ema = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay else None
+    ema = WeightAverage(model, cfg.ema_decay, frozen.names if frozen else frozenset()) if cfg.ema_decay else None
     guard = NonfiniteGuard(cfg, accelerator, model) if cfg.skip_nonfinite_steps else None
     whole = pipeline.model if pipeline is not None else None
     tokenizer = tokenizer_fingerprint(recipe.tokenizer)

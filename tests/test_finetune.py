@@ -110,6 +110,22 @@ def test_a_lora_run_resumes_bitwise_and_refuses_another_base_in_one_line(base, o
     reset_accelerate_state()
 
 
+def test_a_lora_runs_weight_average_leaves_out_the_frozen_base_and_resumes_bitwise(base, tmp_path):
+    settings = dict(base=str(base), lora_r=4, max_steps=4, save_every_steps=2, block_size=32, ema_decay=0.9,
+                    max_source_bytes=200_000, global_batch_size=8, micro_batch_size=8, eval_every_steps=0,
+                    show_progress_bar=False, report=False)  # fmt: skip
+    at.train("hf_finetune", output_dir=str(tmp_path / "full"), **settings)
+    reset_accelerate_state()
+    average = load_file(str(tmp_path / "full" / "checkpoints" / "step_00000004" / "ema.safetensors"))
+    assert average and all(".lora_A." in name or ".lora_B." in name for name in average)
+    at.train("hf_finetune", output_dir=str(tmp_path / "resumed"), **settings,
+             resume=str(tmp_path / "full" / "checkpoints" / "step_00000002"))  # fmt: skip
+    reset_accelerate_state()
+    expected = load_file(str(tmp_path / "full" / "final" / "ema" / "model.safetensors"))
+    actual = load_file(str(tmp_path / "resumed" / "final" / "ema" / "model.safetensors"))
+    assert expected.keys() == actual.keys() and all(torch.equal(actual[k], expected[k]) for k in expected)
+
+
 def test_the_final_folder_loads_merged_with_transformers_and_as_an_adapter_with_peft(base, one_process):
     final = one_process[4] / "final"
     merged = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
