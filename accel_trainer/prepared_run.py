@@ -115,7 +115,8 @@ class Run:
         write_run_info(run_dir, accelerator, ran, state.step, held)
         drop_records_after(run_dir, state.step)
         data_path = describe_path(self.data.train_loader, self.recipe)
-        facts = (self.num_parameters, held, self.plan, data_path, run_dir, settings_note())
+        frozen = self.checkpointer.trained.frozen
+        facts = (self.num_parameters, held, self.plan, data_path, run_dir, settings_note(), frozen and frozen.numel)
         print(header(accelerator, recipe_name, *facts), flush=True)
 
     def observer(self, cfg: TrainConfig, setup_started: float) -> Observer:

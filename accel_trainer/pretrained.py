@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -17,3 +19,12 @@ def base_source(model: torch.nn.Module) -> str | None:
     if not name:
         return None
     return str(Path(name).resolve()) if Path(name).is_dir() else str(name)
+
+
+def quiet_progress_bars() -> None:
+    """transformers' and huggingface_hub's progress bars off in this process ("Loading weights" at every build,
+    "Writing model shards" at every save: three or four bars a run between the framework's own lines). The
+    environment variable covers a later import of transformers; `HF_HUB_DISABLE_PROGRESS_BARS=0` keeps them."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] != "0":
+        sys.modules["transformers"].utils.logging.disable_progress_bar()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from accel_trainer.errors import UserError
+from accel_trainer.pretrained import quiet_progress_bars
 
 
 def sample(
@@ -48,6 +49,7 @@ def sample(
             f"{final} holds no tokenizer: its recipe builds none (a recipe's build_tokenizer is saved in final/)"
         )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    quiet_progress_bars()
     model: Any = AutoModelForCausalLM.from_pretrained(final)
     model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(final)

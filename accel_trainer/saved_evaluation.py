@@ -55,6 +55,7 @@ from accel_trainer.observe.metrics import console_line
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.layout_file import layout_environment
 from accel_trainer.prepared_run import prepare_run
+from accel_trainer.pretrained import quiet_progress_bars
 from accel_trainer.processes import end_launched_worker, run_layout
 from accel_trainer.recipe import Recipe
 from accel_trainer.registry import get_recipe, recipe_name_of
@@ -171,6 +172,7 @@ def export_run(source: str | Path, output: str | Path | None = None) -> Path:
     checkpoint's fingerprint) with the saved weights, written as the run's final/ is (save_pretrained with the
     tokenizer; a peft model: merged, with `adapter/`)."""
     folder = checkpoint_folder(Path(source))
+    quiet_progress_bars()
     if not holds_only_trainable_weights(folder) and not _saves_pretrained(folder):
         return export(folder, output)
     target = Path(output) if output else folder.parent.parent / "export" / folder.name

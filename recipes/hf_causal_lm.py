@@ -21,6 +21,7 @@ Expect the same curve as `gpt` at the same size: eval bits per byte from about 8
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,7 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
 
     def build_model(self, cfg: HFCausalLMConfig) -> Any:
         transformers = _transformers()
+        quiet_padding_advice()
         config = transformers.GPT2Config(
             vocab_size=VOCAB_SIZE, n_positions=cfg.block_size, n_embd=cfg.d_model, n_layer=cfg.n_layer,
             n_head=cfg.n_head, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
@@ -113,6 +115,20 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
             )  # fmt: skip
             samples.append(tokenizer.decode(out[0], skip_special_tokens=True))
         (run_dir / "samples.txt").write_text("\n\n----------\n\n".join(samples) + "\n")
+
+
+class _RightPaddingAdvice(logging.Filter):
+    """transformers' advice to pass an attention_mask when input_ids hold the pad token: these batches pad on the
+    right only, where causal attention never lets a real token see padding, and the loss ignores it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "attention_mask" not in record.getMessage()
+
+
+def quiet_padding_advice() -> None:
+    logger = logging.getLogger("transformers.modeling_utils")
+    if not any(isinstance(existing, _RightPaddingAdvice) for existing in logger.filters):
+        logger.addFilter(_RightPaddingAdvice())
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

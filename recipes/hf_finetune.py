@@ -19,6 +19,7 @@ be a byte-level model such as hf_causal_lm's `final/`; block_size may not exceed
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,10 +95,13 @@ class HFFinetune(HFCausalLM):  # type: ignore[valid-type,misc]
         from transformers import AutoModelForCausalLM
         from transformers.pytorch_utils import Conv1D
 
+        sys.modules[HFCausalLM.__module__].quiet_padding_advice()  # its batches, padded on the right
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.base)
         except OSError as error:
             raise at.RecipeError(f"base={cfg.base} cannot be loaded: {str(error).splitlines()[0]}") from None
+        if getattr(model, "loss_type", "") is None:  # a base saved without one: transformers says so at each forward
+            model.loss_type = "ForCausalLM"
         context = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 0)
         if context and cfg.block_size > context:
             raise at.RecipeError(f"block_size={cfg.block_size} is longer than the base's context, {context}")
@@ -108,7 +112,9 @@ class HFFinetune(HFCausalLM):  # type: ignore[valid-type,misc]
             r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules="all-linear",
             fan_in_fan_out=any(isinstance(module, Conv1D) for module in model.modules()), task_type="CAUSAL_LM",
         )  # fmt: skip
-        return peft.get_peft_model(model, lora)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return peft.get_peft_model(model, lora)
 
 
 def _peft() -> Any:

@@ -48,9 +48,11 @@ def header(
     data_path: str,
     run_dir: Path,
     settings: str = "",
+    frozen: int | None = None,
 ) -> str:
     """The start-of-run lines: what trains, on what, with which batches and data path, where it writes;
-    `settings`: what the layout line says of its settings file (parallel/accelerator.py's settings_note)."""
+    `settings`: what the layout line says of its settings file (parallel/accelerator.py's settings_note);
+    `frozen`: how many of the parameters do not train (a LoRA run's base)."""
     device = accelerator.device.type
     if device == "cuda":
         device = f"cuda ({torch.cuda.get_device_name(accelerator.device)})"
@@ -58,6 +60,7 @@ def header(
     return "\n".join(
         [
             f"accel-trainer: recipe {recipe_name}, {num_parameters:,} parameters"
+            f"{f', {num_parameters - frozen:,} of them trained' if frozen else ''}"
             f"{f' (at most {max(held):,} held by one process)' if max(held) < num_parameters else ''}",
             f"  layout: {accelerator.num_processes} process(es) on {device}, {_strategy(accelerator)}"
             f"{f' (mesh {mesh})' if mesh else ''}, precision {_precision(accelerator)}{settings}",

@@ -24,7 +24,7 @@ from accelerate.utils import broadcast_object_list, patch_environment, set_modul
 
 from accel_trainer.errors import RecipeError
 from accel_trainer.parallel import launch_fixes
-from accel_trainer.pretrained import base_source
+from accel_trainer.pretrained import base_source, quiet_progress_bars
 from accel_trainer.recipe import Recipe
 
 READ_ONCE, EVERY_PROCESS, FAILED = "read by the main process", "built by every process", "failed"
@@ -34,6 +34,7 @@ def build_model(recipe: Recipe, cfg: Any, accelerator: Accelerator) -> torch.nn.
     """The recipe's model, built for the layout's way of loading (see the module's docstring). transformers is
     told nothing of FSDP (FSDP_CPU_RAM_EFFICIENT_LOADING=false while building): its own non-main-process path
     still reads the weights, and leaves non-persistent buffers (rotary frequencies) as zeros for FSDP to fill."""
+    quiet_progress_bars()
     with patch_environment(FSDP_CPU_RAM_EFFICIENT_LOADING="false"):
         return _built(recipe, cfg, accelerator)
 
