@@ -115,8 +115,8 @@ class Run:
         write_run_info(run_dir, accelerator, ran, state.step, held)
         drop_records_after(run_dir, state.step)
         data_path = describe_path(self.data.train_loader, self.recipe)
-        frozen = self.checkpointer.trained.frozen
-        facts = (self.num_parameters, held, self.plan, data_path, run_dir, settings_note(), frozen and frozen.numel)
+        frozen = self.checkpointer.trained.frozen.numel if self.checkpointer.trained.frozen else 0
+        facts = (self.num_parameters, held, self.plan, data_path, run_dir, settings_note(), frozen)
         print(header(accelerator, recipe_name, *facts), flush=True)
 
     def observer(self, cfg: TrainConfig, setup_started: float) -> Observer:

@@ -126,8 +126,10 @@ def model_on_meta(recipe: Recipe, cfg: TrainConfig) -> torch.nn.Module:
         with init_empty_weights(include_buffers=False):
             model = recipe.build_model(cfg)
     config = getattr(model, "config", None)
-    if getattr(config, "pad_token_id", None) is not None:  # transformers reads token values to warn about padding
-        config.pad_token_id = None  # (`.item()`, which meta tensors refuse); this copy only counts
+    # transformers reads token values to warn about padding (`.item()`, which meta tensors refuse): this copy
+    # only counts, so it forgets its pad token
+    if config is not None and getattr(config, "pad_token_id", None) is not None:
+        config.pad_token_id = None
     return model
 
 

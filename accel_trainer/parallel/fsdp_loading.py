@@ -78,4 +78,4 @@ def materialise_trainable_parameters(model: torch.nn.Module) -> None:
             value = torch.empty(parameter.shape, dtype=parameter.dtype)
             set_module_tensor_to_device(model, name, "cpu", value=value)
     if hasattr(model, "tie_weights"):
-        model.tie_weights()
+        model.tie_weights()  # type: ignore[operator]
