@@ -69,6 +69,57 @@ def test_a_finetune_trains_to_the_weights_of_one_process_on_ddp_and_fsdp(layout,
         torch.testing.assert_close(actual[name], expected[name], **TOLERANCE)
 
 
+class SafetensorsReadSpy:
+    """A safetensors file that notes every tensor read from it (a slice's `[...]`)."""
+
+    def __init__(self, opened, reads):
+        self.opened, self.reads = opened, reads
+
+    def get_slice(self, name):
+        real, reads = self.opened.get_slice(name), self.reads
+
+        class Slice:
+            def __getitem__(self, index):
+                reads.append(name)
+                return real[index]
+
+            def __getattr__(self, attribute):
+                return getattr(real, attribute)
+
+        return Slice()
+
+    def __getattr__(self, attribute):
+        return getattr(self.opened, attribute)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.opened.__exit__(*exc)
+
+
+def test_the_other_processes_build_a_pretrained_base_reading_nothing_of_its_weights_file_but_the_header(
+    base, monkeypatch
+):
+    """Also the canary of fsdp_loading.weights_unread: transformers 5 reads every tensor of the file even where it
+    places the parameter on the meta device; when it stops, the first assertion fails and the stand-in can go."""
+    from accelerate import init_empty_weights
+    from transformers import modeling_utils
+
+    from accel_trainer.parallel.fsdp_loading import weights_unread
+
+    reads = []
+    original = modeling_utils.safe_open
+    monkeypatch.setattr(modeling_utils, "safe_open", lambda *a, **k: SafetensorsReadSpy(original(*a, **k), reads))
+    with init_empty_weights(include_buffers=False):
+        transformers.AutoModelForCausalLM.from_pretrained(base)
+    assert reads  # transformers' own way: every tensor read, then dropped on the meta device
+    reads.clear()
+    with weights_unread(), init_empty_weights(include_buffers=False):
+        model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    assert reads == [] and all(parameter.is_meta for parameter in model.parameters())
+
+
 def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_and_names_the_base(base, one_process):
     checkpoint = one_process[4] / "checkpoints" / "step_00000006"
     weights = load_file(str(checkpoint / "model.safetensors"))
@@ -86,7 +137,9 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_and_names_t
     )
 
 
-def test_a_lora_run_resumes_bitwise_and_refuses_another_base_in_one_line(base, one_process, tmp_path):
+def test_a_lora_run_and_a_full_finetune_resume_bitwise_and_another_base_is_refused_in_one_line(
+    base, one_process, tmp_path
+):
     settings = dict(item.split("=") for item in FINETUNE)
     settings.update(micro_batch_size="4", lora_r="4", show_progress_bar="False", report="False")
     resumed = tmp_path / "resumed"
@@ -95,6 +148,13 @@ def test_a_lora_run_resumes_bitwise_and_refuses_another_base_in_one_line(base, o
     reset_accelerate_state()
     expected, actual = final_parameters(one_process[4]), final_parameters(resumed)
     assert all(torch.equal(actual[name], expected[name]) for name in expected)
+    settings.update(lora_r="0")  # and a full fine-tune
+    at.train("hf_finetune", base=str(base), output_dir=str(tmp_path / "resumed_full"),
+             resume=str(one_process[0] / "checkpoints" / "step_00000003"), **settings)  # fmt: skip
+    reset_accelerate_state()
+    expected, actual = final_parameters(one_process[0]), final_parameters(tmp_path / "resumed_full")
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+    settings.update(lora_r="4")
 
     other = tmp_path / "other_base"
     other.mkdir()

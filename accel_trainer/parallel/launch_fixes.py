@@ -14,9 +14,9 @@ test_killed_workers.py).
   `parallelism_config_hidden`) and the mesh attached after it (`attach_mesh`, `_FsdpMesh`); TP itself is
   parallel/tensor_parallel.py's, applied before `prepare`.
 - FSDP2's `cpu_ram_efficient_loading` re-ties tied weights only through `tie_weights()`, so a plain model's
-  LM head and embedding silently train apart, and fails on buffers in the state dict (BatchNorm):
-  `load_weights_on_every_process_unless_broadcastable` turns it off for such models (parallel/fsdp_loading.py
-  keeps it for the others, a pretrained base read by the main process alone).
+  LM head and embedding silently train apart, fails on buffers in the state dict (BatchNorm) and on a plain
+  module's top-level parameters: parallel/fsdp_loading.py keeps it only for a pretrained transformers model that
+  `broadcastable` says it keeps whole, and turns it off for every other model.
 - Pipelines: accelerate has no pipeline dimension and would give each stage different data: `attach_pipeline`
   records the stage count, `prepare_loader_for_data_ranks` prepares loaders for the data ranks.
 
@@ -122,31 +122,13 @@ def enable_fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParalle
     PartialState().distributed_type = DistributedType.FSDP
 
 
-def load_weights_on_every_process_unless_broadcastable(
-    plugin: FullyShardedDataParallelPlugin | None, model: Any
-) -> None:
-    """Turn off FSDP2's RAM-efficient loading (the main process's weights broadcast into every shard) for a model
-    it gets wrong (`broadcastable`); the others keep it.
-
-    Raises:
-        LayoutError: such a model was built on the meta device (a transformers model inside a plain module).
-    """
-    if plugin is None or not plugin.cpu_ram_efficient_loading or broadcastable(model):
-        return
-    if any(parameter.is_meta for parameter in model.parameters()):
-        raise LayoutError(
-            f"{type(model).__name__} ties weights without a tie_weights() method or keeps buffers in its state dict,"
-            " which FSDP's RAM-efficient loading gets wrong; set fsdp_cpu_ram_efficient_loading: false in the"
-            " accelerate config"
-        )
-    plugin.cpu_ram_efficient_loading = False
-
-
 def broadcastable(model: torch.nn.Module) -> bool:
     """Whether accelerate's RAM-efficient FSDP2 loading keeps `model` whole. It does not when the model ties
     weights and has no `tie_weights()` to tie them again (they come back untied and train apart), nor when its
     state dict holds buffers (a BatchNorm's statistics): the broadcast takes every entry for a sharded parameter
-    (AttributeError: 'Tensor' object has no attribute 'device_mesh'). Canaries: test_launch_fixes.py."""
+    (AttributeError: 'Tensor' object has no attribute 'device_mesh'). It also looks each entry up with
+    transformers' `get_parameter_or_buffer`, which a plain module lacks (its fallback fails on a top-level
+    parameter): parallel/fsdp_loading.py uses it for transformers models only. Canaries: test_launch_fixes.py."""
     ties_kept = hasattr(model, "tie_weights") or not find_tied_parameters(model)
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return ties_kept and set(model.state_dict()) <= parameters

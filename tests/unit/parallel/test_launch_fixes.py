@@ -9,7 +9,6 @@ import inspect
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -76,24 +75,21 @@ class TiedLinearThatReties(TiedLinear):
         self.head.weight = self.embedding.weight
 
 
-def test_fsdp_loads_the_weights_on_every_process_only_for_a_model_its_broadcast_gets_wrong():
-    models = [
-        (TiedLinearThatReties(), True),
-        (torch.nn.Linear(3, 4), True),
-        (TiedLinear(), False),  # its tie would be lost
-        (torch.nn.BatchNorm1d(3), False),  # its statistics are buffers in the state dict
-    ]
-    for model, kept in models:
-        plugin = SimpleNamespace(cpu_ram_efficient_loading=True)
-        launch_fixes.load_weights_on_every_process_unless_broadcastable(plugin, model)
-        assert plugin.cpu_ram_efficient_loading is kept, type(model).__name__
-    launch_fixes.load_weights_on_every_process_unless_broadcastable(None, TiedLinear())  # not an FSDP layout
+def test_accelerates_broadcast_is_known_to_keep_a_model_whole_unless_it_ties_without_tie_weights_or_has_buffers():
+    assert launch_fixes.broadcastable(TiedLinearThatReties())
+    assert launch_fixes.broadcastable(torch.nn.Linear(3, 4))
+    assert not launch_fixes.broadcastable(TiedLinear())  # its tie would be lost
+    assert not launch_fixes.broadcastable(torch.nn.BatchNorm1d(3))  # its statistics are buffers in the state dict
 
-    with torch.device("meta"):  # built for the broadcast: too late to load it on every process
-        on_meta = TiedLinear()
-    plugin = SimpleNamespace(cpu_ram_efficient_loading=True)
-    with pytest.raises(LayoutError, match="set fsdp_cpu_ram_efficient_loading: false"):
-        launch_fixes.load_weights_on_every_process_unless_broadcastable(plugin, on_meta)
+
+def test_canary_accelerates_ram_efficient_fsdp2_loading_looks_entries_up_with_a_transformers_method():
+    """Why fsdp_loading keeps RAM-efficient loading for transformers models only: accelerate reads each entry with
+    `model.get_parameter_or_buffer` (transformers'), whose fallback fails on a plain module's top-level parameter
+    ('FSDPLinear' object has no attribute 'get_parameter_or_buffer'). When that changes, this fails."""
+    from accelerate.utils import fsdp_utils
+
+    assert "model.get_parameter_or_buffer(param_name)" in inspect.getsource(fsdp_utils.fsdp2_load_full_state_dict)
+    assert not hasattr(torch.nn.Module, "get_parameter_or_buffer")
 
 
 def test_canary_accelerates_ram_efficient_fsdp2_loading_takes_every_state_dict_entry_for_a_sharded_parameter():
