@@ -79,11 +79,11 @@ def weights_unread() -> Iterator[None]:
     from transformers import modeling_utils
 
     original = modeling_utils.safe_open
-    modeling_utils.safe_open = lambda *args, **kwargs: _HeaderOnly(original(*args, **kwargs))  # type: ignore[assignment]
+    modeling_utils.safe_open = lambda *args, **kwargs: _HeaderOnly(original(*args, **kwargs))  # type: ignore[assignment,misc]
     try:
         yield
     finally:
-        modeling_utils.safe_open = original  # type: ignore[assignment]
+        modeling_utils.safe_open = original  # type: ignore[assignment,misc]
 
 
 class _HeaderOnly:
