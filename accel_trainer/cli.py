@@ -70,9 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     sampler = commands.add_parser("sample", help="print what a causal LM run's final model writes after a prompt")
     sampler.add_argument("run", help="a run folder (its final/) or a model folder")
     sampler.add_argument("--prompt", action="append", required=True, help="text to continue; repeat for several")
-    sampler.add_argument("--max_new_tokens", type=int, default=64)
-    sampler.add_argument("--temperature", type=float, default=0.8, help="0: the most likely token each time")
-    sampler.add_argument("--seed", type=int, default=0)
+    sampler.add_argument("--max_new_tokens", type=int, default=64, help="tokens to write (default: 64)")
+    sampler.add_argument(
+        "--temperature", type=float, default=0.8, help="sampling temperature (default: 0.8); 0: the most likely token"
+    )
+    sampler.add_argument("--seed", type=int, default=0, help="of the sampling (default: 0)")
     sampler.add_argument("--chat", action="store_true", help="each prompt is a user's message: the reply alone")
     _add_doctor_parser(commands)
     return parser
