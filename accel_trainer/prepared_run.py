@@ -16,7 +16,7 @@ from accelerate.utils import DynamoBackend, set_seed
 
 from accel_trainer.checkpoint.checkpointer import Checkpointer
 from accel_trainer.checkpoint.final_weights import save_final
-from accel_trainer.checkpoint.frozen import FrozenWeights
+from accel_trainer.checkpoint.frozen import FrozenWeights, frozen_count
 from accel_trainer.checkpoint.save import RunIdentity, Trained
 from accel_trainer.checkpoint.tokenizer import tokenizer_fingerprint
 from accel_trainer.checkpoint.train_state import TrainState
@@ -115,7 +115,7 @@ class Run:
         write_run_info(run_dir, accelerator, ran, state.step, held)
         drop_records_after(run_dir, state.step)
         data_path = describe_path(self.data.train_loader, self.recipe)
-        frozen = self.checkpointer.trained.frozen.numel if self.checkpointer.trained.frozen else 0
+        frozen = frozen_count(self.checkpointer.trained.frozen)
         facts = (self.num_parameters, held, self.plan, data_path, run_dir, settings_note(), frozen)
         print(header(accelerator, recipe_name, *facts), flush=True)
 
@@ -124,8 +124,7 @@ class Run:
         phases = tuple(p.name for p in self.optimizers.phases) if self.optimizers.alternate else (None,)
 
         def count_flops(first_batch: Any) -> tuple[float, str]:
-            frozen = self.checkpointer.trained.frozen
-            frozen_parameters = frozen.numel if frozen is not None else 0
+            frozen_parameters = frozen_count(self.checkpointer.trained.frozen)
             return flops_per_sample(self.recipe, self.cfg, first_batch, self.num_parameters, phases, frozen_parameters)
 
         return Observer(

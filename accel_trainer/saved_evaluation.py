@@ -173,30 +173,22 @@ def export_run(source: str | Path, output: str | Path | None = None) -> Path:
     tokenizer; a peft model: merged, with `adapter/`)."""
     folder = checkpoint_folder(Path(source))
     quiet_progress_bars()
-    if not holds_only_trainable_weights(folder) and not _saves_pretrained(folder):
-        return export(folder, output)
-    target = Path(output) if output else folder.parent.parent / "export" / folder.name
-    _export_with_base(folder, target)
-    shutil.copyfile(folder / "config.yaml", target / "config.yaml")
-    return target
-
-
-def _saves_pretrained(folder: Path) -> bool:
-    """Whether the recipe's model is a transformers model, whose export is a from_pretrained folder with its
-    config and tokenizer (built on the meta device to see: no weight read)."""
-    saved = saved_weights(folder)
-    recipe_cls = saved_recipe(saved)
-    cfg, _ = resolve_settings(recipe_cls.Config, saved.config_file, {})
-    return hasattr(model_on_meta(recipe_cls(cfg), cfg), "save_pretrained")
-
-
-def _export_with_base(folder: Path, target: Path) -> None:
     saved = saved_weights(folder)
     recipe_cls = saved_recipe(saved)
     cfg, _ = resolve_settings(recipe_cls.Config, saved.config_file, {})
     recipe = recipe_cls(cfg)
-    recipe.tokenizer = recipe.build_tokenizer(cfg)
-    model = _loading(recipe, saved)(cfg)
+    # a transformers model's export is a from_pretrained folder with its tokenizer (built on meta to see)
+    if not holds_only_trainable_weights(folder) and not hasattr(model_on_meta(recipe, cfg), "save_pretrained"):
+        return export(folder, output)
+    target = Path(output) if output else folder.parent.parent / "export" / folder.name
+    _export_with_base(recipe, saved, target)
+    shutil.copyfile(folder / "config.yaml", target / "config.yaml")
+    return target
+
+
+def _export_with_base(recipe: Recipe, saved: SavedWeights, target: Path) -> None:
+    recipe.tokenizer = recipe.build_tokenizer(recipe.cfg)
+    model = _loading(recipe, saved)(recipe.cfg)
     target.mkdir(parents=True, exist_ok=True)
     write_model_folder(model.eval(), target)
     save_tokenizer(recipe.tokenizer, target)

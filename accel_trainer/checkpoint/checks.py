@@ -92,11 +92,11 @@ def check_compatible(
         for key, value in config_to_dict(cfg).items()
         if state["config"].get(key) != value and key not in _BOOKKEEPING_KEYS
     }
-    listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
+    listed = {key: f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()}
     if same_run and set(changed) - _CONTINUABLE_KEYS:
-        listed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items() if key != "max_steps")
+        refused = ", ".join(line for key, line in listed.items() if key not in _CONTINUABLE_KEYS)
         raise CheckpointError(
-            f"the run in this output_dir was trained with another config ({listed}); resume=auto continues only"
+            f"the run in this output_dir was trained with another config ({refused}); resume=auto continues only"
             " the same run: use a new output_dir for a new run, or resume=<checkpoint> with a new output_dir to"
             " start from that checkpoint with the new values"
         )
@@ -110,7 +110,8 @@ def check_compatible(
             )
     if changed and warn:
         stretched = "; the LR schedule is stretched to the new max_steps from here" if "max_steps" in changed else ""
-        warnings.warn(f"accel-trainer: config keys changed since the checkpoint: {listed}{stretched}", stacklevel=2)
+        described = ", ".join(listed.values())
+        warnings.warn(f"accel-trainer: config keys changed since the checkpoint: {described}{stretched}", stacklevel=2)
 
 
 def config_hash(cfg: TrainConfig) -> str:

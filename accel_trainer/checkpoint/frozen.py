@@ -81,6 +81,11 @@ class FrozenWeights:
         return {"parameters": len(self.names), "sha256": self.fingerprint, "base": self.source}
 
 
+def frozen_count(frozen: FrozenWeights | None) -> int:
+    """How many numbers the frozen weights hold (0 without any)."""
+    return frozen.numel if frozen is not None else 0
+
+
 def check_frozen(folder: Path, recorded: dict[str, Any], frozen: FrozenWeights | None) -> None:
     """Refuse to load a checkpoint whose frozen weights are not this model's (a checkpoint that holds every
     weight, written before this format or by a run without frozen weights, loads into any model).

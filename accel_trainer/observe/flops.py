@@ -25,6 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.losses import read_loss_output
+from accel_trainer.parallel.fsdp_loading import weights_unread
 from accel_trainer.recipe import Recipe
 from accel_trainer.rng import rng_untouched
 
@@ -116,14 +117,15 @@ def _count_on_meta(recipe: Recipe, cfg: TrainConfig, batch: Any, phases: tuple[s
 def model_on_meta(recipe: Recipe, cfg: TrainConfig) -> torch.nn.Module:
     """The recipe's model with its parameters on the meta device. transformers' `from_pretrained` (a pretrained
     base) refuses a meta default device, but builds under accelerate's `init_empty_weights`, which puts each
-    parameter on meta as it is registered (the buffers stay real) and so reads no weights."""
+    parameter on meta as it is registered (the buffers stay real), with `weights_unread` so that transformers
+    reads nothing of the base's weights file but its header."""
     try:
         with torch.device("meta"):
             model = recipe.build_model(cfg)
     except RuntimeError as error:
         if "from_pretrained" not in str(error):
             raise
-        with init_empty_weights(include_buffers=False):
+        with weights_unread(), init_empty_weights(include_buffers=False):  # the base's file: its header alone
             model = recipe.build_model(cfg)
     config = getattr(model, "config", None)
     # transformers reads token values to warn about padding (`.item()`, which meta tensors refuse): this copy

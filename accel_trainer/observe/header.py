@@ -48,7 +48,7 @@ def header(
     data_path: str,
     run_dir: Path,
     settings: str = "",
-    frozen: int | None = None,
+    frozen: int = 0,
 ) -> str:
     """The start-of-run lines: what trains, on what, with which batches and data path, where it writes;
     `settings`: what the layout line says of its settings file (parallel/accelerator.py's settings_note);
