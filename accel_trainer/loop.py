@@ -73,6 +73,8 @@ def train_loop(
     finally:
         observer.close()
         run.checkpointer.close()  # never leave with a checkpoint half written, preempted or not
+    for written in run.checkpointer.background_writes():
+        observer.event("checkpoint_written", **written)
     run.final_weights()
     observer.finish()
     return final
@@ -96,14 +98,14 @@ def _train_steps(run: Run, batches: Any, observe: Observer, stopping: Stopping) 
         scores = evaluate_after(run, observe, step)
         stop = stopping.after_step(state, scores)
         note_where("the save of step", step)
-        if (position := run.data.stream_position()) is not None:  # a map-style set's follows from the step
-            state.data_position = position
         pending = None if is_log_step else observe.pending_items()
         folder, seconds = observe.timed(
-            run.checkpointer.after_step, stop is not None, scores, count_pending_items=pending
+            run.checkpointer.after_step, stop is not None, scores, pending, run.data.stream_position
         )
-        if folder is not None:
+        if folder is not None:  # seconds: how long training was blocked, waiting for an earlier write included
             observe.event("checkpoint", step=step, seconds=seconds, background=run.checkpointer.writer is not None)
+        for written in run.checkpointer.background_writes():
+            observe.event("checkpoint_written", **written)
         if stop is not None:
             return stopping.end(stop, state, folder, observe)
     return state.metrics

@@ -141,6 +141,7 @@ def optimizer_step(
         discard_step([phase.verbs for phase in phases if phase.verbs is not None])  # counted in state
         return figures, False, False
     stepped = False
+    run.checkpointer.before_update()
     taken = step_optimizers([phase.verbs for phase in phases if phase.verbs is not None])
     for phase, phase_taken in zip(phases, taken, strict=True):
         assert phase.verbs is not None

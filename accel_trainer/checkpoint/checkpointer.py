@@ -17,6 +17,7 @@ import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
@@ -47,7 +48,7 @@ class Checkpointer:
         self.state = TrainState()
         self.resume_rng: Callable[[], None] | None = None
         """Applies the saved RNG states; the data path calls it at the moment the uninterrupted run was at."""
-        self.writer = BackgroundWriter() if self.cfg.async_save else None
+        self.writer = BackgroundWriter(identity.layout.collective_timeout_s) if self.cfg.async_save else None
 
     def restore(self) -> TrainState:
         """Load the checkpoint `resume` names, if any, into the prepared objects; return the run's state."""
@@ -62,13 +63,18 @@ class Checkpointer:
         return self.state
 
     def after_step(
-        self, stop: bool, scores: dict[str, float] | None, count_pending_items: Callable[[], float] | None = None
+        self,
+        stop: bool,
+        scores: dict[str, float] | None,
+        count_pending_items: Callable[[], float] | None = None,
+        data_position: Callable[[], Any] | None = None,
     ) -> Path | None:
         """Save the checkpoint of `state.step` if it is due; return its folder, or None.
 
         Due: on a stop signal, at `max_steps`, every `save_every_steps`, and when `scores` (this step's
-        evaluation) hold a new best `keep_best_metric`. Before a save, `count_pending_items` (a reduction
-        over the processes, which a save, itself collective, can afford) brings `items_seen` up to date.
+        evaluation) hold a new best `keep_best_metric`. Before a save, `count_pending_items` brings `items_seen`
+        up to date and `data_position` gives a stream's position (both may be collectives, which a save, itself
+        collective, can afford).
         """
         step, cfg = self.state.step, self.cfg
         new_best = self._note_best(scores)
@@ -79,6 +85,8 @@ class Checkpointer:
             return None
         if count_pending_items is not None:
             self.state.items_seen += count_pending_items()
+        if data_position is not None:
+            self.state.data_position = data_position()
         average_running_stats(self.accelerator, self.trained.model)  # the saved statistics are those evaluated
         best = self.state.best_checkpoint
         keep = files.checkpoints_dir(self.run_dir) / best if best else None
@@ -95,7 +103,21 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for a background write: never leave with a checkpoint half written (raises its failure)."""
         if self.writer is not None:
-            self.writer.wait()
+            self.writer.close()
+
+    def before_update(self) -> None:
+        """Called before an optimizer step changes the weights: a sharded background save's copy of them to host
+        memory, which overlaps the step's forward and backward, must be done by then."""
+        if self.writer is not None:
+            self.writer.wait_for_staging()
+
+    def background_writes(self) -> list[dict[str, float]]:
+        """The background writes finished since the last call (step, write_s, and waited_s: how long training
+        waited for it at the next save or at the end), for events.jsonl."""
+        if self.writer is None:
+            return []
+        finished, self.writer.finished = self.writer.finished, []
+        return finished
 
     def _note_best(self, scores: dict[str, float] | None) -> bool:
         """Record a new best `keep_best_metric` among `scores`; whether there was one (never at step 0)."""

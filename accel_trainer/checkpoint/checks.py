@@ -34,6 +34,7 @@ _BOOKKEEPING_KEYS = RUN_CONTROL_KEYS | {
     "async_save",
     "num_dataloader_workers",
     "num_prefetch_batches",
+    "stream_split",  # the stream position a checkpoint holds says how it was read, and refuses the other way
     "trackers",
     "profile_steps",
     "max_time",

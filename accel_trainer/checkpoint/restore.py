@@ -43,10 +43,10 @@ from accel_trainer.checkpoint.save import (
     MODEL_PREFIX,
     OPTIMIZER,
     SHARDED,
-    TRAINER,
     RunIdentity,
     Trained,
 )
+from accel_trainer.checkpoint.small_files import TRAINER
 from accel_trainer.checkpoint.tokenizer import check_tokenizer
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.parallel.sharding import is_sharded

@@ -28,8 +28,8 @@ format, or one holding any file accel-trainer does not write, is refused with on
 
 from __future__ import annotations
 
+import copy
 import functools
-import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,23 +46,21 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from accel_trainer.checkpoint import files, state_files
-from accel_trainer.checkpoint.checks import FORMAT, TRAIN_STATE, config_hash
 from accel_trainer.checkpoint.files import CheckpointError
-from accel_trainer.checkpoint.frozen import RECORD_KEY, FrozenWeights
+from accel_trainer.checkpoint.frozen import FrozenWeights
 from accel_trainer.checkpoint.pipeline_state import merge_optimizer_skeletons, whole_model_state
-from accel_trainer.checkpoint.tokenizer import RECORD_KEY as TOKENIZER_KEY
+from accel_trainer.checkpoint.small_files import small_files
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.checkpoint.writer import BackgroundWriter
-from accel_trainer.config.layout import LayoutSettings, layout_to_dict
-from accel_trainer.config.train_config import TrainConfig, config_to_dict, config_to_yaml
+from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.ema import WeightAverage
 from accel_trainer.optimizers import Optimizers
-from accel_trainer.parallel.sharding import is_sharded, tied_names
+from accel_trainer.parallel.sharding import is_sharded, local_part, tied_names
 from accel_trainer.rng import capture_rng_states, rng_file_name
 
 SHARDED = "distributed"
 OPTIMIZER = "optimizer.safetensors"
-TRAINER = "trainer.safetensors"
 MODEL_PREFIX = "model/"  # keys of the model's tensors among the sharded files' (the optimizer's: "optimizer/")
 EMA_PREFIX = "ema/"  # and of the EMA's
 EMA = "ema.safetensors"
@@ -107,9 +105,9 @@ def save(
 ) -> Path:
     """Write and publish the checkpoint of `state.step` (every process takes part); returns its folder.
 
-    With a `writer`, the main process snapshots the full model and optimizer state in host memory and writes
-    them, publishes and runs `after_publish` (retention) in the background, so training continues during
-    the write. A sharded (FSDP, tensor-parallel) save is always synchronous: it needs collectives.
+    With a `writer`, the tensors are snapshot in host memory (the main process's full state, or every
+    process's shards through DCP's async save) and written in the background; the main process then publishes
+    and runs `after_publish` (retention) there too, so training continues during the write.
     """
     step, sharded = state.step, is_sharded(accelerator, trained.model)
     temporary = files.temporary_folder(run_dir, step)
@@ -123,18 +121,17 @@ def save(
         problem = _agree(accelerator, _attempt(lambda: heavy_writes.extend(write(*states))))
 
     def finish() -> None:
-        for write in heavy_writes:
+        for write in heavy_writes:  # on the main process of a sharded save, the last returns once all have written
             write()
-        files.publish(temporary)
-        if after_publish is not None:
-            after_publish()
-
-    # Decided alike on every process: a background write (the main process's only) needs no agreement now;
-    # its failure is raised by writer.wait() at the next save, where the processes agree on it.
-    in_background = writer is not None and not sharded
-    if problem is None and in_background:
         if accelerator.is_main_process:
-            writer.start(finish)  # type: ignore[union-attr]
+            files.publish(temporary)
+            if after_publish is not None:
+                after_publish()
+
+    # Decided alike on every process: a background write needs no agreement now; its failure is raised by
+    # writer.wait() at the next save, where the processes agree on it.
+    if problem is None and writer is not None:
+        writer.start(finish, label=step)
     elif problem is None:
         problem = _agree(accelerator, _attempt(finish) if accelerator.is_main_process else None)
     if problem is not None:
@@ -154,22 +151,38 @@ def _write_files(
     optimizer_state: Any,
 ) -> list[Callable[[], None]]:
     """This process's files of the checkpoint: its tensors (or their snapshot, for a background writer, whose
-    writes are returned), its RNG states and, on the main process, the small files."""
+    writes are returned), its RNG states and, on the main process, the small files (in the background too: the
+    main process publishes after them, where another process's file must be written before it returns)."""
+    saved = model_state if trained.frozen is None else trained.frozen.trainable_part(model_state)
     heavy_writes = _write_tensors(
         accelerator,
         temporary,
-        model_state if trained.frozen is None else trained.frozen.trainable_part(model_state),
+        _buffers_copied(saved, trained.model) if writer is not None and sharded else saved,
         optimizer_state,
         writer,
         sharded,
         pipeline=trained.whole is not None,
         ema=trained.ema.average if trained.ema else {},
     )
-    state_files.save(capture_rng_states(), temporary / rng_file_name(accelerator.process_index))
-    if accelerator.is_main_process:
-        shapes_and_ties = trained.shapes_and_ties(model_state)
-        _write_small_files(accelerator, temporary, state, trained, identity, *shapes_and_ties)
-    return list(heavy_writes)
+    rng = functools.partial(
+        state_files.save, capture_rng_states(), temporary / rng_file_name(accelerator.process_index)
+    )
+    if not accelerator.is_main_process:
+        rng()
+        return heavy_writes
+    small: list[Callable[[], None]] = [rng, *small_files(accelerator, temporary, state, trained, identity, model_state)]
+    if writer is None:
+        for write in small:
+            write()
+        small = []
+    return [*small, *heavy_writes]
+
+
+def _buffers_copied(model_state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """The state with its buffers copied now: the next forward may change them (BatchNorm's statistics) while
+    a sharded background save is still copying the rest (BackgroundWriter.sharded_save)."""
+    buffers = {local_part(buffer).data_ptr() for buffer in model.buffers()}
+    return {name: t.clone() if local_part(t).data_ptr() in buffers else t for name, t in model_state.items()}
 
 
 def _stop_after_failed_save(accelerator: Accelerator, run_dir: Path, temporary: Path, step: int, problem: str) -> None:
@@ -185,10 +198,10 @@ def _stop_after_failed_save(accelerator: Accelerator, run_dir: Path, temporary: 
 
 
 def _prepare_folder(accelerator: Accelerator, temporary: Path, writer: BackgroundWriter | None) -> None:
-    """The main process waits for the last background write (raising its failure) and makes the folder."""
+    """Every process waits for its last background write (raising its failure); the main one makes the folder."""
+    if writer is not None:
+        writer.wait()
     if accelerator.is_main_process:
-        if writer is not None:
-            writer.wait()
         temporary.mkdir(parents=True)
 
 
@@ -213,12 +226,16 @@ def _write_tensors(
             **optimizer_tensors,
             **{EMA_PREFIX + name: tensor for name, tensor in ema.items()},
         }
-        dcp.save(
-            state_files.writable(tensors),
-            storage_writer=HuggingFaceStorageWriter(str(temporary / SHARDED), save_distributed=True),
-        )
+        storage = HuggingFaceStorageWriter(str(temporary / SHARDED), save_distributed=True)
+        skeleton = copy.deepcopy(optimizer_skeleton)  # the LRs in it change at the next step
+        main_writes: list[Callable[[], None]] = []
         if accelerator.is_main_process:
-            state_files.save_skeleton(optimizer_skeleton, temporary / OPTIMIZER)
+            main_writes.append(functools.partial(state_files.save_skeleton, skeleton, temporary / OPTIMIZER))
+        if writer is not None:
+            return [*main_writes, writer.sharded_save(state_files.writable(tensors), storage)]
+        dcp.save(state_files.writable(tensors), storage_writer=storage)
+        for write in main_writes:
+            write()
         return []
     if not accelerator.is_main_process:
         return []
@@ -254,36 +271,3 @@ def _agree(accelerator: Accelerator, problem: str | None) -> str | None:
         return problem
     problems = [p for p in gather_object([problem]) if p is not None]
     return problems[0] if problems else None
-
-
-def _write_small_files(
-    accelerator: Accelerator,
-    temporary: Path,
-    state: TrainState,
-    trained: Trained,
-    identity: RunIdentity,
-    model_state: dict[str, Any],
-    tied: list[list[str]],
-) -> None:
-    scaler = accelerator.scaler.state_dict() if accelerator.scaler is not None else None
-    state_files.save({**trained.optimizers.scheduler_states(), "scaler": scaler}, temporary / TRAINER)
-    recorded = {
-        "format": FORMAT,
-        **state.to_dict(),
-        "recipe": identity.recipe_name,
-        "recipe_file": identity.recipe_file,
-        "config_hash": config_hash(identity.cfg),
-        "world_size": accelerator.num_processes,
-        "layout": {
-            "distributed_type": accelerator.distributed_type.value,
-            "mixed_precision": accelerator.mixed_precision,
-            **layout_to_dict(identity.layout),
-        },
-        "parameter_shapes": {name: list(t.shape) for name, t in model_state.items()},
-        "tied_parameters": tied,
-        **({RECORD_KEY: trained.frozen.record()} if trained.frozen is not None else {}),
-        **({TOKENIZER_KEY: trained.tokenizer} if trained.tokenizer is not None else {}),
-        "config": config_to_dict(identity.cfg),
-    }
-    (temporary / TRAIN_STATE).write_text(json.dumps(recorded, indent=1))
-    (temporary / "config.yaml").write_text(config_to_yaml(identity.cfg))

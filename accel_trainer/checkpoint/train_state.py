@@ -26,8 +26,9 @@ class TrainState:
     items_seen: float = 0.0
     """Loss items (tokens for a token loss, samples otherwise) of the steps taken, over all processes (a step
     skipped as non-finite is not counted)."""
-    data_position: list[int] | None = None
-    """A stream's position (data/streams.py); None for a map-style set, whose position follows from `step`."""
+    data_position: list[int] | dict[str, Any] | None = None
+    """A stream's position (data/streams.py; each process's when it is split: data/stream_split.py); None for a
+    map-style set, whose position follows from `step`."""
     skipped_steps: int = 0
     """Optimizer steps the fp16 gradient scaler skipped (inf/NaN gradients)."""
     nonfinite_steps: int = 0

@@ -157,8 +157,6 @@ def warn_about_ineffective_settings(cfg: TrainConfig, layout: LayoutSettings, ac
             if name.startswith("ddp_") and getattr(layout, name) != getattr(defaults, name)
         ]
         ignored = [f"{name} (the layout is {accelerator.distributed_type.value}, not DDP)" for name in ignored]
-    if cfg.async_save and accelerator.distributed_type == DistributedType.FSDP:
-        ignored.append("async_save (a sharded FSDP save needs collectives, so it stays synchronous)")
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         ignored.append("mixed_precision=fp16 (accelerate runs fp32 on the CPU; bf16 works there)")
     elif accelerator.mixed_precision != "fp16":

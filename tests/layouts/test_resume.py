@@ -8,6 +8,7 @@ control shows the test fails when the data position is not restored.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -74,9 +75,10 @@ def test_resume_auto_continues_a_run_folder_from_its_newest_checkpoint(one_proce
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
-def test_two_process_resume_is_bitwise_identical_mid_epoch_and_at_an_epoch_boundary(layout, tmp_path):
-    overrides = [*SAVE_ALL, "sample_latent=true", "micro_batch_size=16"]  # accumulation 2, sampling noise
+@pytest.mark.parametrize(("layout", "async_save"), [("cpu_ddp", "false"), ("cpu_fsdp", "true")])
+def test_two_process_resume_is_bitwise_identical_mid_epoch_and_at_an_epoch_boundary(layout, async_save, tmp_path):
+    # accumulation 2, sampling noise; the sharded checkpoints are written in the background (dcp.async_save)
+    overrides = [*SAVE_ALL, "sample_latent=true", "micro_batch_size=16", f"async_save={async_save}"]
     train_and_dump(layout, tmp_path / "full", "vae", *overrides, world_size=2)
     for stop_step in (13, 25):
         resumed = tmp_path / f"resumed_{stop_step}"
@@ -152,6 +154,19 @@ def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
         assert all(torch.equal(a["state"][k]["exp_avg"], b["state"][k]["exp_avg"]) for k in a["state"])
     sync_final, async_final = final_parameters(tmp_path / "sync"), final_parameters(tmp_path / "async")
     assert all(torch.equal(sync_final[name], async_final[name]) for name in sync_final)
+    # events.jsonl says what blocked: a synchronous save blocks for its whole write; a background one is
+    # followed by the write's own duration and how long training waited for it
+    assert {e["background"] for e in events(tmp_path / "sync", "checkpoint")} == {False}
+    assert not events(tmp_path / "sync", "checkpoint_written")
+    assert {e["background"] for e in events(tmp_path / "async", "checkpoint")} == {True}
+    written = events(tmp_path / "async", "checkpoint_written")
+    assert [e["step"] for e in written] == [4, 8, 12]
+    assert all(e["write_s"] > 0 and e["waited_s"] >= 0 for e in written)
+
+
+def events(run_dir, name: str) -> list[dict]:
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["event"] == name]
 
 
 @pytest.mark.multiprocess
