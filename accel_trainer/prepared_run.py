@@ -25,7 +25,6 @@ from accel_trainer.config.train_config import TrainConfig, config_to_yaml, layou
 from accel_trainer.data import loaders as data
 from accel_trainer.data.auto_batch import check_auto_layout, choose_micro_batch_size
 from accel_trainer.data.batching import BatchPlan, plan_batches
-from accel_trainer.data.loaders import describe_path
 from accel_trainer.data.run_data import RunData, build_loaders
 from accel_trainer.ema import WeightAverage
 from accel_trainer.hf_loss import ModelItems, model_items
@@ -114,7 +113,7 @@ class Run:
         (run_dir / "model_summary.txt").write_text(self.model_summary)
         write_run_info(run_dir, accelerator, ran, state.step, held)
         drop_records_after(run_dir, state.step)
-        data_path = describe_path(self.data.train_loader, self.recipe)
+        data_path = self.data.describe(self.recipe)
         frozen = frozen_count(self.checkpointer.trained.frozen)
         facts = (self.num_parameters, held, self.plan, data_path, run_dir, settings_note(), frozen)
         print(header(accelerator, recipe_name, *facts), flush=True)
@@ -240,6 +239,7 @@ def _prepared(
         eval_loader=eval_loader,
         steps_per_epoch=None if train_loader is None else plan.steps_per_epoch(len(train_set)),
         num_prefetch_batches=cfg.num_prefetch_batches,
+        stream_split=cfg.stream_split,
     )
     return model, optimizers, pipeline, run_data
 

@@ -74,13 +74,16 @@ class TrainConfig:
     keep_best_mode: Literal["min", "max"] = "min"
     """Whether the best keep_best_metric is the smallest or the largest."""
     async_save: bool = False
-    """Write checkpoints in a background thread from a snapshot in host memory (not under FSDP)."""
+    """Write checkpoints in the background from a snapshot in host memory, on every layout."""
     num_dataloader_workers: int = 0
     """Worker processes per data loader; 0 loads batches in the training process."""
     num_prefetch_batches: int = 0
     """Training micro-batches a background thread builds ahead while the step computes (map-style sets; paused
     while evaluating; up to N+2 built ahead). Building a batch must draw nothing from global random generators
     (a draw in each epoch's first batches is refused) nor read training state; 0: built in the step."""
+    stream_split: Literal["auto", "shards", "off"] = "auto"
+    """A sharded training stream: each process reads only its shards (auto: when they divide over the processes;
+    shards: always, else an error), in an order of its own; off: every process reads it all, in 1 process's order."""
     early_stop_metric: str = ""
     """Stop when this eval metric (e.g. eval/loss) has not improved for early_stop_patience evaluations; the run
     saves a checkpoint and ends normally. Empty: never stop early."""

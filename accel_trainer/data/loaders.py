@@ -70,8 +70,6 @@ def first_examples(dataset: Any, count: int) -> list[Any]:
 def describe_path(train_loader: Any, recipe: Recipe) -> str:
     """How the training micro-batches are built, for the run's header (the speeds differ by 5x on small models)."""
     cfg = recipe.cfg
-    if train_loader is None:
-        return "a stream, read in the step (data/streams.py)"
     if isinstance(train_loader.dataset, ColumnBatches):
         how = "columns held in memory, one indexing per micro-batch"
     elif cfg.data_cache_gb <= 0:

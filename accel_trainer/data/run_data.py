@@ -12,13 +12,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 
 from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.data import loaders as data
 from accel_trainer.data.batching import BatchPlan
 from accel_trainer.data.prefetch import PrefetchGate, check_prefetching
-from accel_trainer.data.streams import TrainStream, eval_batches
+from accel_trainer.data.stream_split import SplitStream, gathered, position_for, splits
+from accel_trainer.data.streams import TrainStream, eval_batches, whole_position
 from accel_trainer.parallel.mesh import DataRanks
 from accel_trainer.recipe import Recipe
 
@@ -36,20 +39,26 @@ class RunData:
     eval_loader: Any  # None for a stream, or without an eval set
     steps_per_epoch: int | None  # None for a stream: its epochs end where it does
     num_prefetch_batches: int = 0
+    stream_split: str = "off"  # a sharded stream split over the processes (data/stream_split.py), or read whole
     prefetch_gate: PrefetchGate = field(default_factory=PrefetchGate)  # held shut while evaluating
-    _stream: TrainStream | None = field(default=None, init=False)  # the stream being read, once reading began
+    _stream: TrainStream | SplitStream | None = field(default=None, init=False)  # the stream, once reading began
 
     def micro_batches(
         self,
         start_step: int,
-        position: list[int] | None,
+        position: list[int] | dict[str, Any] | None,
         accelerator: Accelerator,
         resume_rng: Callable[[], None] | None,
     ) -> Iterator[tuple[int, Any]]:
         """This process's training micro-batches after `start_step` optimizer steps (a stream: from its saved
         `position`), with the RNG states restored in time."""
+        if self.train_loader is None and self.splits():
+            rank = self.ranks.rank
+            split = SplitStream(self.train_set, data.as_torch, self.collate, self.plan, rank, _all_have(accelerator))
+            self._stream = split
+            return split.micro_batches(position_for(position, rank, self.ranks.size), resume_rng)
         if self.train_loader is None:
-            epoch, read = position or [0, 0]
+            epoch, read = whole_position(position)
             stream = TrainStream(data.as_torch(self.train_set), self.collate, self.plan, self.ranks.rank, (epoch, read))
             self._stream = stream
             return stream.micro_batches(resume_rng)
@@ -65,9 +74,27 @@ class RunData:
             device=accelerator.device,
         )
 
-    def stream_position(self) -> list[int] | None:
-        """A stream's (epoch, examples read) for the checkpoint; None for a map-style set."""
+    def splits(self) -> bool:
+        """Whether the training set is a stream that each process reads only its part of."""
+        return self.train_loader is None and splits(self.train_set, self.stream_split, self.ranks.size)
+
+    def stream_position(self) -> list[int] | dict[str, Any] | None:
+        """A stream's position for the checkpoint, None for a map-style set: (epoch, examples read), or each
+        process's part of it when the stream is split (a collective then: every process calls it)."""
+        if isinstance(self._stream, SplitStream):
+            return gathered(gather_object([(self.ranks.rank, self._stream.position())]))
         return None if self._stream is None else list(self._stream.position)
+
+    def describe(self, recipe: Recipe) -> str:
+        """How the training micro-batches are built, for the run's header."""
+        if self.train_loader is not None:
+            return data.describe_path(self.train_loader, recipe)
+        if self.splits():
+            return (
+                f"a stream split by its {self.train_set.num_shards} shards over the {self.ranks.size} processes, each"
+                " reading its own (an order of its own: stream_split=off reads it whole, in 1 process's order)"
+            )
+        return "a stream, read whole by every process in the step (data/streams.py)"
 
     def eval_batches(self) -> tuple[Any, bool]:
         """This process's eval micro-batches, and whether they still hold the loader's padding duplicates."""
@@ -107,3 +134,13 @@ def build_loaders(
     if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == ranks.context_parallel == 1:
         eval_loader = data.eval_loader(recipe, eval_set, plan, **options)
     return train_loader, eval_loader
+
+
+def _all_have(accelerator: Accelerator) -> Callable[[bool], bool]:
+    """Whether every process has a full step of its part of a split stream (a sum over the processes)."""
+
+    def all_have(full: bool) -> bool:
+        flag = torch.tensor(int(full), device=accelerator.device)
+        return int(accelerator.reduce(flag, reduction="sum")) == accelerator.num_processes
+
+    return all_have

@@ -95,3 +95,20 @@ def examples(dataset: Any, epoch: int) -> Iterator[Any]:
     if callable(set_epoch):
         set_epoch(epoch)
     return iter(dataset)
+
+
+def whole_position(saved: Any) -> tuple[int, int]:
+    """A checkpoint's (epoch, examples read) of a stream read whole; (0, 0) to start afresh.
+
+    Raises:
+        ConfigError: the position was saved with the stream split over the processes (data/stream_split.py).
+    """
+    if saved is None:
+        return 0, 0
+    if isinstance(saved, dict):
+        raise ConfigError(
+            f"the checkpoint's stream was split over {len(saved['parts'])} data-parallel processes and this run"
+            f" reads it whole: resume on {len(saved['parts'])} processes with stream_split=auto"
+        )
+    epoch, read = saved
+    return epoch, read

@@ -80,7 +80,8 @@ def test_loader_workers_on_a_stream_are_warned_about(tmp_path):
 @pytest.mark.parametrize("source", ["hf_map", "torch_map", "hf_sharded", "hf_generator", "torch_stream"])
 def test_every_kind_of_dataset_trains_to_the_same_weights_on_one_and_two_processes(source, tmp_path):
     one = train_and_dump("cpu", tmp_path / "one", "sources", f"source={source}", world_size=1)
-    two = train_and_dump("cpu_ddp", tmp_path / "two", "sources", f"source={source}", world_size=2)
+    # a sharded stream is split over the processes by default, in an order of its own; off: 1 process's order
+    two = train_and_dump("cpu_ddp", tmp_path / "two", "sources", f"source={source}", "stream_split=off", world_size=2)
 
     expected, actual = final_parameters(tmp_path / "one"), final_parameters(tmp_path / "two")
     for name in expected:
@@ -110,8 +111,9 @@ def test_a_stream_resumes_bitwise(source, stop_step, tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_a_sharded_stream_resumes_bitwise_on_two_processes(tmp_path):
-    run = ["source=hf_sharded", "save_every_steps=5", "keep_last=0"]
+@pytest.mark.parametrize("source", ["hf_sharded", "hf_shards"], ids=["shuffled: re-reading", "from state_dict"])
+def test_a_stream_split_over_two_processes_resumes_bitwise(source, tmp_path):
+    run = [f"source={source}", "save_every_steps=5", "keep_last=0"]  # 4 shards: each process reads 2
     train_and_dump("cpu_ddp", tmp_path / "full", "sources", *run, world_size=2)
     checkpoint = tmp_path / "full" / "checkpoints" / "step_00000005"
 

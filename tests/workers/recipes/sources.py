@@ -72,6 +72,8 @@ def build(source: str, seed: int):
         return hf
     if source == "hf_sharded":
         return hf.to_iterable_dataset(num_shards=4).shuffle(seed=seed, buffer_size=32)
+    if source == "hf_shards":  # in order: a split stream resumes from datasets' own state_dict
+        return hf.to_iterable_dataset(num_shards=4)
     if source == "hf_generator":
         return datasets.IterableDataset.from_generator(generate)
     if source == "torch_map":
@@ -92,7 +94,7 @@ class SourcesConfig(at.TrainConfig):
     warmup_steps: int = 0
     log_every_steps: int = 1
     eval_every_steps: int = 7
-    source: Literal["hf_map", "hf_sharded", "hf_generator", "torch_map", "torch_stream", "list"] = "hf_map"
+    source: Literal["hf_map", "hf_sharded", "hf_shards", "hf_generator", "torch_map", "torch_stream", "list"] = "hf_map"
     """Which kind of dataset build_datasets returns."""
     build_log: str = ""
     """A file to which build_datasets appends when each process begins and ends it (rank and clock)."""

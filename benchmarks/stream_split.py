@@ -1,0 +1,156 @@
+"""A streamed corpus of 8 files split over 2 processes against 1, and the cost of a resume mid-stream.
+
+    OMP_NUM_THREADS=1 python benchmarks/stream_split.py     # part of `make bench`; docs/benchmarks.md
+
+The corpus: 8 JSON-lines files of the Python standard library's sources (about 3 MB each), streamed with
+`datasets.load_dataset("json", streaming=True)` (8 shards) and tokenized in the stream by a word-level
+tokenizer in Python (a regular expression and a hash), into 128-token windows. The model is tiny (an embedding
+and a linear layer predicting the next token), so reading and tokenizing dominate the step: the workload
+`stream_split` is for. Every run has one thread per process.
+
+1. Tokens/s of 1 process, of 2 processes reading their own 4 files each (`stream_split=auto`) and of 2 processes
+   reading the whole stream (`stream_split=off`, the exact mode): the framework's own `items_per_s` x 128,
+   medians of the records after the first. Target (issue 25): split 2 processes >= 1.6x the tokens/s of 1.
+2. A resume at step 400 of the split run: the time from a `SplitStream` built on process 0's position in the
+   checkpoint to its first micro-batch, against the run's own seconds per step. Target: <= 2 steps. The exact
+   mode's resume, which re-reads the stream up to the position, is printed beside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+from torch import nn
+
+import accel_trainer as at
+from accel_trainer.data import loaders
+from accel_trainer.data.batching import plan_batches
+from accel_trainer.data.stream_split import SplitStream, position_for
+from accel_trainer.data.streams import TrainStream
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+FILES, FILE_BYTES, WINDOW, VOCAB = 8, 3_000_000, 128, 256
+RUN = ["global_batch_size=64", "micro_batch_size=32", "log_every_steps=25", "eval_every_steps=0",
+       "show_progress_bar=false", "report=false", "lr=1e-2", "warmup_steps=0"]  # fmt: skip
+RESUME_STEP, TARGET_SPEEDUP, TARGET_RESUME_STEPS = 400, 1.6, 2.0
+MAP_BATCH = 64  # paragraphs: about 8 windows
+WORDS = re.compile(r"\w+|[^\w\s]")
+
+
+@dataclass
+class StreamConfig(at.TrainConfig):
+    corpus: str = ""
+    """The folder of the corpus files (written by this benchmark)."""
+
+
+@at.register_recipe("stream_words")
+class StreamedWords(at.Recipe):
+    """Next-token prediction over a streamed, word-tokenized corpus with a model too small to matter."""
+
+    Config = StreamConfig
+
+    def build_model(self, cfg):
+        return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
+
+    def build_datasets(self, cfg):
+        files = sorted(str(path) for path in Path(cfg.corpus).glob("*.jsonl"))
+        stream = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+        # A resume re-tokenizes at most one map batch (datasets restarts the batch it was in): keep them small.
+        return stream.map(windows, batched=True, batch_size=MAP_BATCH, remove_columns=["text"]), None
+
+    def compute_loss(self, model, batch):
+        ids = batch["ids"]
+        logits = model(ids[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def windows(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+    """The texts' words hashed into the vocabulary, cut into windows of WINDOW + 1 tokens."""
+    ids = [zlib.crc32(word.encode()) % VOCAB for text in batch["text"] for word in WORDS.findall(text)]
+    return {"ids": [ids[i : i + WINDOW + 1] for i in range(0, len(ids) - WINDOW, WINDOW + 1)]}
+
+
+def write_corpus(folder: Path) -> None:
+    """FILES JSON-lines files of about FILE_BYTES each, from the standard library's sources, a paragraph a line."""
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    paragraphs = (p for source in sources for p in source.read_text(errors="replace").split("\n\n") if p.strip())
+    for index in range(FILES):
+        with open(folder / f"part_{index}.jsonl", "w") as out:
+            while out.tell() < FILE_BYTES:
+                out.write(json.dumps({"text": next(paragraphs)}) + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def train(layout: str, run_dir: Path, corpus: Path, *overrides: str) -> float:
+    """Train in real processes; the median tokens/s of the log records after the first."""
+    command = [str(BIN / "accelerate"), "launch", "--num_cpu_threads_per_process", "1", "--config_file",
+               str(REPO / "accelerate_configs" / f"{layout}.yaml"), "--main_process_port", str(free_port()),
+               "-m", "accel_trainer", "train", __file__, f"layout=accelerate_configs/{layout}.yaml",
+               f"output_dir={run_dir}", f"corpus={corpus}", *RUN, *overrides]  # fmt: skip
+    subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["items_per_s"] for r in records if "items_per_s" in r and r["step"] > 25) * WINDOW
+
+
+def first_batch_seconds(stream, *args) -> float:
+    started = time.perf_counter()
+    next(stream.micro_batches(*args))
+    return time.perf_counter() - started
+
+
+def resume_seconds(corpus: Path, checkpoint: Path) -> tuple[float, float]:
+    """Process 0's time to its first micro-batch from the checkpoint's position: split, and read whole."""
+    recipe = StreamedWords(StreamConfig(corpus=str(corpus)))
+    train_set = recipe.build_datasets(recipe.cfg)[0]
+    saved = json.loads((checkpoint / "train_state.json").read_text())["data_position"]
+    plan = plan_batches(64, 32, 2)
+    split = SplitStream(train_set, loaders.as_torch, recipe.collate, plan, 0, lambda full: full)
+    split_s = first_batch_seconds(split, position_for(saved, 0, 2), None)
+    whole_position = (0, RESUME_STEP * plan.global_batch_size)  # where the exact mode would be
+    whole = TrainStream(loaders.as_torch(train_set), recipe.collate, plan, 0, whole_position)
+    return split_s, first_batch_seconds(whole)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as scratch:
+        corpus, runs = Path(scratch) / "corpus", Path(scratch)
+        corpus.mkdir()
+        write_corpus(corpus)
+        one = train("cpu", runs / "one", corpus, "max_steps=150")
+        whole = train("cpu_ddp", runs / "whole", corpus, "max_steps=150", "stream_split=off")
+        split = train("cpu_ddp", runs / "split", corpus, f"max_steps={RESUME_STEP}", f"save_every_steps={RESUME_STEP}")
+        speedup = split / one
+        print(f"tokens/s: 1 process {one:,.0f}; 2 processes reading the whole stream {whole:,.0f} ({whole / one:.2f}x);"
+              f" 2 processes split by files {split:,.0f} ({speedup:.2f}x; target >= {TARGET_SPEEDUP}x:"
+              f" {'met' if speedup >= TARGET_SPEEDUP else 'NOT met'})")  # fmt: skip
+        step_s = 64 * WINDOW / split
+        split_s, whole_s = resume_seconds(corpus, runs / "split" / "checkpoints" / f"step_{RESUME_STEP:08d}")
+        steps = split_s / step_s
+        print(f"resume at step {RESUME_STEP}: split {split_s:.3f} s = {steps:.2f} steps of {step_s * 1000:.1f} ms"
+              f" (target <= {TARGET_RESUME_STEPS}: {'met' if steps <= TARGET_RESUME_STEPS else 'NOT met'});"
+              f" the exact mode re-reads the stream: {whole_s:.2f} s = {whole_s / step_s:.0f} steps")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
