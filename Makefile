@@ -99,13 +99,15 @@ test: install  ## everything but the slow tier, on three pytest workers (tests/c
 test-slow: install  ## the slow tier: the tests that wait out a timeout
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
-bench: install  ## per-step overhead against a plain loop, checkpoint throughput, 1 -> 2 process scaling (docs/benchmarks.md)
+bench: install  ## per-step overhead against a plain loop, checkpoint throughput, 1 -> 2 process scaling, split streams, background sharded saves (docs/benchmarks.md)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/checkpoint_speed.py
 	$(BIN)/python benchmarks/scaling.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/prefetch.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/layout_memory.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/gpt_throughput.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/stream_split.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/sharded_save.py
 	$(BIN)/python benchmarks/gpt_mfu.py
 
 lint: install

@@ -124,7 +124,7 @@ def resume_seconds(corpus: Path, checkpoint: Path) -> tuple[float, float]:
     train_set = recipe.build_datasets(recipe.cfg)[0]
     saved = json.loads((checkpoint / "train_state.json").read_text())["data_position"]
     plan = plan_batches(64, 32, 2)
-    split = SplitStream(train_set, loaders.as_torch, recipe.collate, plan, 0, lambda full: full)
+    split = SplitStream(train_set, loaders.as_torch, recipe.collate, plan, 0, lambda count: 2 * count)
     split_s = first_batch_seconds(split, position_for(saved, 0, 2), None)
     whole_position = (0, RESUME_STEP * plan.global_batch_size)  # where the exact mode would be
     whole = TrainStream(loaders.as_torch(train_set), recipe.collate, plan, 0, whole_position)

@@ -54,7 +54,8 @@ class RunData:
         `position`), with the RNG states restored in time."""
         if self.train_loader is None and self.splits():
             rank = self.ranks.rank
-            split = SplitStream(self.train_set, data.as_torch, self.collate, self.plan, rank, _all_have(accelerator))
+            total, warn = _total_over_ranks(accelerator, self.ranks), _warn_on_main(accelerator)
+            split = SplitStream(self.train_set, data.as_torch, self.collate, self.plan, rank, total, warn)
             self._stream = split
             return split.micro_batches(position_for(position, rank, self.ranks.size), resume_rng)
         if self.train_loader is None:
@@ -136,11 +137,20 @@ def build_loaders(
     return train_loader, eval_loader
 
 
-def _all_have(accelerator: Accelerator) -> Callable[[bool], bool]:
-    """Whether every process has a full step of its part of a split stream (a sum over the processes)."""
+def _total_over_ranks(accelerator: Accelerator, ranks: DataRanks) -> Callable[[int], int]:
+    """The sum of a count over the data-parallel ranks: over every process, each rank's peers (tensor, pipeline,
+    context parallel) counting alike."""
 
-    def all_have(full: bool) -> bool:
-        flag = torch.tensor(int(full), device=accelerator.device)
-        return int(accelerator.reduce(flag, reduction="sum")) == accelerator.num_processes
+    def total(count: int) -> int:
+        summed = accelerator.reduce(torch.tensor(count, device=accelerator.device), reduction="sum")
+        return int(summed) // (ranks.replicas * ranks.context_parallel)
 
-    return all_have
+    return total
+
+
+def _warn_on_main(accelerator: Accelerator) -> Callable[[str], None]:
+    def warn(line: str) -> None:
+        if accelerator.is_main_process:
+            warnings.warn(line, stacklevel=2)
+
+    return warn

@@ -7,8 +7,9 @@ by shards with `datasets.distributed.split_dataset_by_node`: process r reads sha
 epoch's shard shuffle, for a shuffled stream), so N processes read N times faster. Each step every process takes
 `accumulation_steps x micro_batch_size` examples of its own part; the global batch is theirs together. Every
 example is read once an epoch; the epoch ends for all at the first step some process cannot fill (its part is
-shorter), and what the others had left of it is dropped, as the incomplete last batch of a pass always is. The
-order differs from 1 process's, so the trajectory does too: `stream_split=off` keeps the exact mode.
+shorter), and what the others had left of it is dropped, as the incomplete last batch of a pass always is; where
+that is more than a global batch (shards of unequal sizes) the run says so once. The order differs from 1
+process's, so the trajectory does too: `stream_split=off` keeps the exact mode.
 
 A checkpoint saves each process's position: its examples read in the epoch and `datasets`' own
 `IterableDataset.state_dict()`, from which a resume restarts reading where the process was without re-reading
@@ -82,12 +83,15 @@ class SplitStream:
         collate: Callable,
         plan: BatchPlan,
         rank: int,
-        all_have: Callable[[bool], bool],
+        total: Callable[[int], int],
+        warn: Callable[[str], None] = lambda line: None,
     ) -> None:
+        """`total(n)`: the sum of `n` over the data-parallel processes (a collective); `warn`: say a line once."""
         self.part = as_torch(split_dataset_by_node(dataset, rank=rank, world_size=plan.num_processes))
-        self.collate, self.plan, self.rank, self.all_have = collate, plan, rank, all_have
+        self.collate, self.plan, self.rank, self.total, self.warn = collate, plan, rank, total, warn
         self.exact_state = not has_shuffle_buffer(dataset)
         self.epoch, self.read = 0, 0
+        self._warned = False
 
     def position(self) -> dict[str, Any]:
         """This process's position after the last step it handed out: epoch, examples read in it, and the
@@ -119,17 +123,33 @@ class SplitStream:
                 resume_rng()
                 resume_rng = None
             self.read, state = skip, None
-            while self.all_have(len(window := list(itertools.islice(reading, per_step))) == per_step):
+            while self._all_have(len(window := list(itertools.islice(reading, per_step))) == per_step):
                 self.read += per_step
                 for k in range(plan.accumulation_steps):
                     start = k * plan.micro_batch_size
                     yield self.epoch, self.collate(window[start : start + plan.micro_batch_size])
+            self._count_dropped(len(window) + sum(1 for _ in reading))
             if self.read == 0:
                 raise ConfigError(
                     f"a process's part of the training stream gave fewer than {per_step} examples in epoch"
                     f" {self.epoch}, one step's worth: give the stream more examples or shards, or set stream_split=off"
                 )
             self.epoch, skip = self.epoch + 1, 0
+
+    def _all_have(self, full: bool) -> bool:
+        return self.total(int(full)) == self.plan.num_processes
+
+    def _count_dropped(self, left: int) -> None:
+        """Say (once) when an epoch's end left more than an incomplete global batch untrained: the processes'
+        parts differ in size, so the longer ones are cut where the shortest ends (their rest is read to count)."""
+        dropped = self.total(left)
+        if dropped >= self.plan.global_batch_size and not self._warned:
+            self._warned = True
+            self.warn(
+                f"accel-trainer: epoch {self.epoch + 1} of the split training stream ended where one process's part"
+                f" did: {dropped} examples of the longer parts were not trained on (its shards differ in size;"
+                " more, evener shards lose less, and stream_split=off reads every example)"
+            )
 
 
 def gathered(positions: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:

@@ -33,20 +33,22 @@ def sharded(sizes: list[int], shuffle: bool = False) -> datasets.IterableDataset
     return stream.shuffle(seed=3, buffer_size=8) if shuffle else stream
 
 
-def read_on_two_processes(dataset, steps: int, saved=None) -> list[tuple[SplitStream, list[tuple[int, list[int]]]]]:
-    """`steps` steps of each process's micro-batches, the processes agreeing on each step as all_reduce would."""
-    barrier, full = threading.Barrier(2), [False, False]
+def read_on_two_processes(dataset, steps: int, saved=None, said=None) -> list[tuple[SplitStream, list]]:
+    """`steps` steps of each process's micro-batches, the processes summing counts as all_reduce would."""
+    barrier, counts = threading.Barrier(2), [0, 0]
     results: list = [None, None]
 
     def process(rank: int) -> None:
-        def all_have(mine: bool) -> bool:
-            full[rank] = mine
+        def total(count: int) -> int:
+            counts[rank] = count
             barrier.wait()
-            answer = all(full)
+            answer = sum(counts)
             barrier.wait()
             return answer
 
-        stream = SplitStream(dataset, loaders.as_torch, lambda rows: [int(r["x"]) for r in rows], PLAN, rank, all_have)
+        collate = lambda rows: [int(r["x"]) for r in rows]  # noqa: E731
+        warn = (said if said is not None else []).append if rank == 0 else lambda line: None
+        stream = SplitStream(dataset, loaders.as_torch, collate, PLAN, rank, total, warn)
         batches = stream.micro_batches(position_for(saved, rank, 2), None)
         results[rank] = stream, [next(batches) for _ in range(steps * PLAN.accumulation_steps)]
 
@@ -70,12 +72,24 @@ def test_each_process_reads_only_its_own_shards_and_every_example_is_read_once_a
     assert set(epoch_examples(second, 0)) == {*range(8, 16), *range(24, 32)}  # shards 1 and 3
 
 
-def test_the_epoch_ends_for_every_process_at_the_first_step_one_cannot_fill():
-    (_, first), (_, second) = read_on_two_processes(sharded([8, 4, 8, 4]), steps=4)  # process 1 has 8 examples
+def test_the_epoch_ends_for_every_process_at_the_first_step_one_cannot_fill_and_the_run_says_what_it_dropped():
+    said: list[str] = []
+    (_, first), (_, second) = read_on_two_processes(sharded([8, 4, 8, 4]), steps=6, said=said)  # process 1: 8
 
-    assert [epoch for epoch, _ in first] == [0] * 4 + [1] * 4  # 2 steps of epoch 0 each, then epoch 1
-    assert [epoch for epoch, _ in second] == [0] * 4 + [1] * 4
+    assert [epoch for epoch, _ in first] == [0] * 4 + [1] * 4 + [2] * 4  # 2 steps of each epoch, then the next
+    assert [epoch for epoch, _ in second] == [0] * 4 + [1] * 4 + [2] * 4
     assert epoch_examples(first, 1)[:4] == [0, 1, 2, 3]  # its part starts again; 8 of its 16 were dropped
+    assert said == [  # once, not at every epoch
+        "accel-trainer: epoch 1 of the split training stream ended where one process's part did: 8 examples of"
+        " the longer parts were not trained on (its shards differ in size; more, evener shards lose less, and"
+        " stream_split=off reads every example)"
+    ]
+
+
+def test_equal_parts_end_their_epochs_without_a_word():
+    said: list[str] = []
+    read_on_two_processes(sharded([8, 8, 8, 8]), steps=6, said=said)
+    assert said == []
 
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["from datasets' state", "re-reading a shuffled part"])
