@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from accel_trainer.checkpoint.save import RunIdentity
+from accel_trainer.checkpoint.trained import RunIdentity
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.evaluation import evaluate_after, evaluate_baseline

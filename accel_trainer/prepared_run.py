@@ -17,9 +17,9 @@ from accelerate.utils import DynamoBackend, set_seed
 from accel_trainer.checkpoint.checkpointer import Checkpointer
 from accel_trainer.checkpoint.final_weights import save_final
 from accel_trainer.checkpoint.frozen import FrozenWeights, frozen_count
-from accel_trainer.checkpoint.save import RunIdentity, Trained
 from accel_trainer.checkpoint.tokenizer import tokenizer_fingerprint
 from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig, config_to_yaml, layout_to_yaml
 from accel_trainer.data import loaders as data

@@ -43,9 +43,9 @@ from accel_trainer.checkpoint.files import CheckpointError
 from accel_trainer.checkpoint.final_weights import write_model_folder
 from accel_trainer.checkpoint.frozen import RECORD_KEY as FROZEN_RECORD
 from accel_trainer.checkpoint.frozen import FrozenWeights, check_frozen
-from accel_trainer.checkpoint.save import RunIdentity
 from accel_trainer.checkpoint.tokenizer import RECORD_KEY as TOKENIZER_RECORD
 from accel_trainer.checkpoint.tokenizer import check_tokenizer, save_tokenizer, tokenizer_fingerprint
+from accel_trainer.checkpoint.trained import RunIdentity
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.config.train_config import resolve_settings
 from accel_trainer.errors import RecipeError, UserError

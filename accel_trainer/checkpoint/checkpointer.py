@@ -25,8 +25,8 @@ from accelerate.utils import broadcast_object_list
 from accel_trainer.checkpoint import files
 from accel_trainer.checkpoint import restore as checkpoint_restore
 from accel_trainer.checkpoint import save as checkpoint
-from accel_trainer.checkpoint.save import RunIdentity, Trained
 from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.checkpoint.writer import BackgroundWriter
 from accel_trainer.config.train_config import TrainConfig, check_measurable, metric_of
 from accel_trainer.parallel.batchnorm import average_running_stats

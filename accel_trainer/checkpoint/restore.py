@@ -43,12 +43,11 @@ from accel_trainer.checkpoint.save import (
     MODEL_PREFIX,
     OPTIMIZER,
     SHARDED,
-    RunIdentity,
-    Trained,
 )
 from accel_trainer.checkpoint.small_files import TRAINER
 from accel_trainer.checkpoint.tokenizer import check_tokenizer
 from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.parallel.sharding import is_sharded
 from accel_trainer.rng import rng_file_name
 

@@ -32,7 +32,6 @@ import copy
 import functools
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +46,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from accel_trainer.checkpoint import files, state_files
 from accel_trainer.checkpoint.files import CheckpointError
-from accel_trainer.checkpoint.frozen import FrozenWeights
-from accel_trainer.checkpoint.pipeline_state import merge_optimizer_skeletons, whole_model_state
+from accel_trainer.checkpoint.pipeline_state import merge_optimizer_skeletons
 from accel_trainer.checkpoint.small_files import small_files
 from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.checkpoint.writer import BackgroundWriter
-from accel_trainer.config.layout import LayoutSettings
-from accel_trainer.config.train_config import TrainConfig
-from accel_trainer.ema import WeightAverage
-from accel_trainer.optimizers import Optimizers
-from accel_trainer.parallel.sharding import is_sharded, local_part, tied_names
+from accel_trainer.parallel.sharding import is_sharded, local_part
 from accel_trainer.rng import capture_rng_states, rng_file_name
 
 SHARDED = "distributed"
@@ -64,33 +59,6 @@ OPTIMIZER = "optimizer.safetensors"
 MODEL_PREFIX = "model/"  # keys of the model's tensors among the sharded files' (the optimizer's: "optimizer/")
 EMA_PREFIX = "ema/"  # and of the EMA's
 EMA = "ema.safetensors"
-
-
-@dataclass(frozen=True)
-class Trained:
-    """The prepared objects whose state a checkpoint holds."""
-
-    model: torch.nn.Module
-    optimizers: Optimizers  # each with its schedule
-    whole: torch.nn.Module | None = None  # on a pipeline layout, the model whose stages `model` holds a part of
-    ema: WeightAverage | None = None  # the EMA of the weights, with ema_decay
-    frozen: FrozenWeights | None = None  # the parameters build_model froze, which checkpoints leave out
-    tokenizer: str | None = None  # the fingerprint of the recipe's tokenizer (checkpoint/tokenizer.py)
-
-    def shapes_and_ties(self, model_state: dict[str, Any]) -> tuple[dict[str, Any], list[list[str]]]:
-        """The state whose shapes a checkpoint records and checks, and the groups of tied names: the whole
-        model's on a pipeline layout (each process's own state holds only its stages)."""
-        return (model_state, tied_names(model_state)) if self.whole is None else whole_model_state(self.whole)
-
-
-@dataclass(frozen=True)
-class RunIdentity:
-    """What a checkpoint records about the run that wrote it, and checks on resume."""
-
-    recipe_name: str
-    cfg: TrainConfig
-    layout: LayoutSettings
-    recipe_file: str | None = None  # the file defining the recipe, for `evaluate` from another folder
 
 
 def save(

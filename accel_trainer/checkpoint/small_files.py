@@ -11,7 +11,7 @@ import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from accelerate import Accelerator
 
@@ -20,11 +20,9 @@ from accel_trainer.checkpoint.checks import FORMAT, TRAIN_STATE, config_hash
 from accel_trainer.checkpoint.frozen import RECORD_KEY
 from accel_trainer.checkpoint.tokenizer import RECORD_KEY as TOKENIZER_KEY
 from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.config.layout import layout_to_dict
 from accel_trainer.config.train_config import config_to_dict, config_to_yaml
-
-if TYPE_CHECKING:
-    from accel_trainer.checkpoint.save import RunIdentity, Trained
 
 TRAINER = "trainer.safetensors"
 
