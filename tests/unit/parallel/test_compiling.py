@@ -61,8 +61,8 @@ def test_graphs_still_compiled_after_the_first_log_steps_are_warned_about_once(m
     assert CompileWatch(enabled=False, warn=True).record(1) == {}
 
 
-GPT = dict(n_layer=2, n_head=2, d_model=32, block_size=64, max_source_bytes=200_000, max_steps=12,
-           global_batch_size=8, micro_batch_size=4, log_every_steps=2, eval_every_steps=6, save_every_steps=6,
+GPT = dict(n_layer=2, n_head=2, d_model=32, block_size=64, max_source_bytes=200_000, max_steps=6,
+           global_batch_size=8, micro_batch_size=4, log_every_steps=2, eval_every_steps=3, save_every_steps=3,
            show_progress_bar=False, report=False)  # fmt: skip
 
 
@@ -101,7 +101,7 @@ def test_a_compiled_gpt_follows_the_eager_trajectory_and_saves_plain_names(tmp_p
         torch.testing.assert_close(weights[name], reference[name], rtol=1e-4, atol=1e-5)
     # The compiled run's checkpoint resumes without compile.
     at.train("gpt", **GPT, output_dir=str(tmp_path / "resumed"),
-             resume=str(tmp_path / "compiled" / "checkpoints" / "step_00000006"))  # fmt: skip
+             resume=str(tmp_path / "compiled" / "checkpoints" / "step_00000003"))  # fmt: skip
     resumed = final_parameters(tmp_path / "resumed")
     for name in reference:
         torch.testing.assert_close(resumed[name], weights[name], rtol=1e-4, atol=1e-5)
