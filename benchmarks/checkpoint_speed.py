@@ -23,10 +23,13 @@ import torch
 from accelerate import Accelerator
 
 from accel_trainer.checkpoint import save as checkpoint
+from accel_trainer.checkpoint.restore import restore
 from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.checkpoint.writer import BackgroundWriter
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.optimizers import Optimizers, Phase
 from accel_trainer.schedules import build_scheduler
 
 
@@ -57,8 +60,8 @@ def main() -> None:
         model, optimizer = accelerator.prepare(model, optimizer)
         model(torch.randn(4, 2048)).sum().backward()
         optimizer.step()  # creates the AdamW state, as in a real run
-        trained = checkpoint.Trained(model, optimizer, scheduler)
-        identity = checkpoint.RunIdentity("bench", cfg, LayoutSettings())
+        trained = Trained(model, Optimizers((Phase(None, optimizer, scheduler),)))
+        identity = RunIdentity("bench", cfg, LayoutSettings())
 
         saves, loads, blocked = [], [], []
         writer = BackgroundWriter()
@@ -67,7 +70,7 @@ def main() -> None:
             folder = checkpoint.save(accelerator, run_dir, TrainState(step=step), trained, identity)
             saves.append(time.perf_counter() - started)
             started = time.perf_counter()
-            checkpoint.restore(accelerator, folder, trained, identity)
+            restore(accelerator, folder, trained, identity)
             loads.append(time.perf_counter() - started)
             started = time.perf_counter()
             checkpoint.save(accelerator, run_dir, TrainState(step=10 + step), trained, identity, writer=writer)
