@@ -55,6 +55,7 @@ def train_loop(
     identity = RunIdentity(recipe_name, cfg, layout, getattr(module, "__file__", None))
     run = prepare_run(recipe, identity, accelerator, run_dir)
     state = run.restore()
+    run.data.check_position(state.data_position)  # before the run folder changes
     check_early_stop(cfg, run.data.eval_set is not None)
     if state.step >= cfg.max_steps or state.stopped_early:  # the run's files stay as they are: nothing trains
         return run.already_trained()
@@ -73,8 +74,8 @@ def train_loop(
     finally:
         observer.close()
         run.checkpointer.close()  # never leave with a checkpoint half written, preempted or not
-    for written in run.checkpointer.background_writes():
-        observer.event("checkpoint_written", **written)
+        for written in run.checkpointer.background_writes():
+            observer.event("checkpoint_written", **written)
     run.final_weights()
     observer.finish()
     return final

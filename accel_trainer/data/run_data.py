@@ -75,6 +75,13 @@ class RunData:
             device=accelerator.device,
         )
 
+    def check_position(self, position: list[int] | dict[str, Any] | None) -> None:
+        """Refuse, in one line, a checkpoint's stream position that this run cannot continue from."""
+        if self.train_loader is None and self.splits():
+            position_for(position, self.ranks.rank, self.ranks.size)
+        elif self.train_loader is None:
+            whole_position(position)
+
     def splits(self) -> bool:
         """Whether the training set is a stream that each process reads only its part of."""
         return self.train_loader is None and splits(self.train_set, self.stream_split, self.ranks.size)
@@ -95,6 +102,10 @@ class RunData:
                 f"a stream split by its {self.train_set.num_shards} shards over the {self.ranks.size} processes, each"
                 " reading its own (an order of its own: stream_split=off reads it whole, in 1 process's order)"
             )
+        if self.ranks.size > 1 and self.stream_split == "auto":
+            shards = getattr(self.train_set, "num_shards", 0)
+            why = f"its {shards} shards do not divide over" if shards else "it has no shards to split over"
+            return f"a stream, read whole by every process in the step ({why} the {self.ranks.size} processes)"
         return "a stream, read whole by every process in the step (data/streams.py)"
 
     def eval_batches(self) -> tuple[Any, bool]:

@@ -3,8 +3,9 @@
 data/streams.py reads the whole stream on every process and keeps each process's share of every global batch:
 the order of 1 process, on any number of them, at the cost of every process reading (and tokenizing) all of
 it. Here a `datasets.IterableDataset` of several shards (files, or `to_iterable_dataset(num_shards=k)`) is split
-by shards with `datasets.distributed.split_dataset_by_node`: process r reads shards r, r + N, ... (after the
-epoch's shard shuffle, for a shuffled stream), so N processes read N times faster. Each step every process takes
+by shards with `datasets.distributed.split_dataset_by_node`: process r reads shards r, r + N, ... of the epoch's
+shard order (`set_epoch` may reorder the shards, as datasets 5.2 does from the third epoch even without a
+`shuffle`), so N processes read N times faster. Each step every process takes
 `accumulation_steps x micro_batch_size` examples of its own part; the global batch is theirs together. Every
 example is read once an epoch; the epoch ends for all at the first step some process cannot fill (its part is
 shorter), and what the others had left of it is dropped, as the incomplete last batch of a pass always is; where
@@ -117,7 +118,7 @@ class SplitStream:
             if state is None and skip and sum(1 for _ in itertools.islice(reading, skip)) < skip:
                 raise ConfigError(
                     f"a process's part of the training stream gave fewer than the {skip} examples it read in epoch"
-                    f" {self.epoch} before the checkpoint: the stream changed since"
+                    f" {self.epoch + 1} before the checkpoint: the stream changed since"
                 )
             if resume_rng is not None:  # right after the examples read before the checkpoint
                 resume_rng()
@@ -128,12 +129,13 @@ class SplitStream:
                 for k in range(plan.accumulation_steps):
                     start = k * plan.micro_batch_size
                     yield self.epoch, self.collate(window[start : start + plan.micro_batch_size])
-            self._count_dropped(len(window) + sum(1 for _ in reading))
             if self.read == 0:
                 raise ConfigError(
                     f"a process's part of the training stream gave fewer than {per_step} examples in epoch"
-                    f" {self.epoch}, one step's worth: give the stream more examples or shards, or set stream_split=off"
+                    f" {self.epoch + 1}, one step's worth: give the stream more examples or shards, or set"
+                    " stream_split=off"
                 )
+            self._count_dropped(len(window) + sum(1 for _ in reading))
             self.epoch, skip = self.epoch + 1, 0
 
     def _all_have(self, full: bool) -> bool:

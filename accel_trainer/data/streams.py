@@ -108,7 +108,7 @@ def whole_position(saved: Any) -> tuple[int, int]:
     if isinstance(saved, dict):
         raise ConfigError(
             f"the checkpoint's stream was split over {len(saved['parts'])} data-parallel processes and this run"
-            f" reads it whole: resume on {len(saved['parts'])} processes with stream_split=auto"
+            f" reads it whole: resume on {len(saved['parts'])} data-parallel processes with stream_split=auto"
         )
     epoch, read = saved
     return epoch, read
