@@ -52,7 +52,7 @@ class RunData:
     ) -> Iterator[tuple[int, Any]]:
         """This process's training micro-batches after `start_step` optimizer steps (a stream: from its saved
         `position`), with the RNG states restored in time."""
-        if self.train_loader is None and self.splits():
+        if self.splits():
             rank = self.ranks.rank
             total, warn = _total_over_ranks(accelerator, self.ranks), _warn_on_main(accelerator)
             split = SplitStream(self.train_set, data.as_torch, self.collate, self.plan, rank, total, warn)
@@ -77,7 +77,7 @@ class RunData:
 
     def check_position(self, position: list[int] | dict[str, Any] | None) -> None:
         """Refuse, in one line, a checkpoint's stream position that this run cannot continue from."""
-        if self.train_loader is None and self.splits():
+        if self.splits():
             position_for(position, self.ranks.rank, self.ranks.size)
         elif self.train_loader is None:
             whole_position(position)

@@ -34,8 +34,6 @@ from accel_trainer.data.batching import BatchPlan
 from accel_trainer.data.streams import examples
 from accel_trainer.errors import ConfigError
 
-SETTINGS = ("auto", "shards", "off")
-
 
 def splits(dataset: Any, setting: str, num_processes: int) -> bool:
     """Whether a training stream is read split by shards: `auto` when it can be, `shards` always (else a one-line
@@ -69,8 +67,8 @@ def has_shuffle_buffer(dataset: datasets.IterableDataset) -> bool:
         node = pending.pop()
         if isinstance(node, BufferShuffledExamplesIterable):
             return True
-        pending += [getattr(node, "ex_iterable", None), *getattr(node, "ex_iterables", [])]
-        pending = [n for n in pending if n is not None]
+        inner = [getattr(node, "ex_iterable", None), *getattr(node, "ex_iterables", [])]
+        pending += [n for n in inner if n is not None]
     return False
 
 
