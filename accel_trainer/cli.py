@@ -77,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     sampler.add_argument("--seed", type=int, default=0, help="of the sampling (default: 0)")
     sampler.add_argument("--chat", action="store_true", help="each prompt is a user's message: the reply alone")
     _add_doctor_parser(commands)
+    _add_estimate_parser(commands)
     return parser
 
 
@@ -86,6 +87,15 @@ def _main(arguments: list[str]) -> None:
         from accel_trainer.saved_evaluation import main as evaluate_main
 
         evaluate_main(arguments[1:])
+        return
+    if arguments[:1] == ["estimate"] and not {"-h", "--help"} & set(arguments):
+        from accel_trainer.estimate.command import estimate_command
+
+        try:
+            estimate_command(arguments[1:])
+        except UserError as error:
+            print(f"accel-trainer: error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
         return
     if arguments[:1] == ["train"]:
         known = parser.parse_args(arguments[:2])
@@ -207,6 +217,20 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
     )
     train.add_argument("recipe", metavar="RECIPE", help="a registered recipe's name (listed below)")
     train.add_argument("-h", "--help", nargs=0, action=_TrainHelp, help="show this help and the recipes, and exit")
+
+
+def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
+    commands.add_parser(
+        "estimate",
+        help="each process's memory on a layout, planned on this CPU: accel-trainer estimate NAME layout=L",
+        usage="accel-trainer estimate RECIPE layout=NAME|FILE [key=value ...] [--json] [--device_memory_gb G]",
+        description="Play every process of the layout in this process, with a fake process group and fake tensors,"
+        " through the run's own preparation and two training steps of the recipe's first micro-batch, and print"
+        " each process's parameters, gradients, optimizer state, activations and peak (MiB). The layout's"
+        " refusals are the run's. --json: {world_size, per_rank: [{rank, params_bytes, grads_bytes,"
+        " optimizer_bytes, activations_bytes, peak_bytes}]}. --device_memory_gb G: whether each process fits a"
+        " device of G GB, and which micro_batch_size or activation_checkpointing would.",
+    )
 
 
 def _add_doctor_parser(commands: argparse._SubParsersAction) -> None:

@@ -32,7 +32,7 @@ LAYERS = [  # bottom first; a unit is a top-level module or a whole package
     {"loop"},
     {"processes"},
     {"run", "saved_evaluation"},
-    {"doctor", "new_recipe", "sampling"},
+    {"doctor", "new_recipe", "sampling", "estimate"},
     {"cli"},
     {"__main__", "__init__"},
 ]

@@ -1,0 +1,201 @@
+"""`accel-trainer estimate NAME layout=L [key=value ...] [--json] [--device_memory_gb G]`: each process's memory.
+
+    accel-trainer estimate gpt layout=8gpu_fsdp n_layer=24 n_embd=2048 --device_memory_gb 80
+
+Plays every rank of the layout in this process (estimate/fake_world.py) through the run's own preparation and
+two training steps (estimate/step_memory.py), on a CPU, with no GPU and no other process: the layout's
+refusals are the run's (sizes that do not divide, a batch that does not split), said in one line. With
+`--device_memory_gb` it says whether each rank fits and, where one does not, which `micro_batch_size` or
+`activation_checkpointing` would (estimate/advice.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import multiprocessing
+import warnings
+from typing import Any
+
+from accel_trainer.config.command_line import parse_command_line
+from accel_trainer.config.train_config import resolve_settings
+from accel_trainer.data.batching import plan_batches
+from accel_trainer.errors import ConfigError, LayoutError, UserError
+from accel_trainer.estimate.advice import advice
+from accel_trainer.estimate.fake_world import fake_tensors, played_rank
+from accel_trainer.estimate.step_memory import RankMemory, first_examples, rank_memory
+from accel_trainer.parallel import launch_fixes
+from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
+from accel_trainer.parallel.layout_file import Layout, layout_environment, read_layout
+from accel_trainer.parallel.mesh import data_ranks
+from accel_trainer.registry import get_recipe, recipe_name_of
+
+_MIB = 2**20
+
+
+def estimate_command(words: list[str]) -> None:
+    """Run the command on its words (after `estimate`); prints the table, or the JSON with `--json`.
+
+    Raises:
+        UserError: no recipe or layout, an unknown one, a bad override, or the layout's own refusal.
+    """
+    as_json, device_gb, words = _own_options(words)
+    if not words or words[0].startswith(("-", "layout=")) or "=" in words[0]:
+        raise ConfigError("estimate needs a recipe: accel-trainer estimate NAME layout=LAYOUT [key=value ...]")
+    recipe_name, line = recipe_name_of(words[0]), parse_command_line(words[1:])
+    if line.layout is None:
+        raise ConfigError(f"estimate needs a layout: accel-trainer estimate {recipe_name} layout=8gpu_fsdp ...")
+    layout = read_layout(line.layout, line.launcher_options)
+    estimated = estimate(recipe_name, layout, line.overrides, line.config_file)
+    if as_json:
+        print(json.dumps({"world_size": layout.num_processes, "per_rank": [r.as_dict() for r in estimated]}))
+    else:
+        print(describe(recipe_name, layout, estimated))
+    if device_gb is not None:
+        with layout_environment(layout):
+            cfg, _ = resolve_settings(
+                get_recipe(recipe_name).Config, line.config_file, line.overrides, launch_settings_file()
+            )
+        again = functools.partial(worst_rank, recipe_name, layout, line)
+        print(advice(estimated, device_gb, int(cfg.micro_batch_size), lambda **changed: again(changed)))
+
+
+def estimate(
+    recipe_name: str, layout: Layout, overrides: dict[str, Any], config_file: str | None = None, ranks: Any = None
+) -> list[RankMemory]:
+    """Each rank's memory (or the listed `ranks`') on `layout`, with the config `overrides` give.
+
+    Each rank is played in a process of its own, forked from this one (torch is imported once), as each is in
+    a real launch: DTensor and DeviceMesh keep process-wide caches that take two ranks' meshes for one (the
+    second rank of an uneven tensor-parallel split got the first's shapes).
+
+    Raises:
+        UserError: the refusal of the first rank that refuses (the run's own, in one line).
+    """
+    recipe_cls = get_recipe(recipe_name)
+    with layout_environment(layout):
+        cfg, settings = resolve_settings(recipe_cls.Config, config_file, dict(overrides), launch_settings_file())
+        _check_plannable(layout, settings)
+    examples = first_examples(recipe_cls(cfg), cfg)  # read once: the same first rows on every rank
+    estimated = []
+    for rank in range(layout.num_processes) if ranks is None else ranks:
+        answer = _in_child(_estimate_rank, recipe_cls, layout, overrides, config_file, examples, rank)
+        if isinstance(answer, BaseException):
+            raise answer
+        estimated.append(answer)
+    return estimated
+
+
+def _check_plannable(layout: Layout, settings: Any) -> None:
+    """Pipeline and context-parallel layouts are not planned yet: their schedules and ring attention do not run
+    on fake tensors here (a pipeline stage's traced graph mixes devices `cpu` and `cpu:0`; ring attention has
+    no CPU kernel to fake).
+
+    Raises:
+        LayoutError: naming what estimate plans instead.
+    """
+    kind = "a pipeline" if settings.pp_size > 1 else None
+    if launch_fixes.launcher_parallelism_sizes().get("cp", 1) > 1:
+        kind = "a context-parallel"
+    if kind:
+        raise LayoutError(
+            f"layout={layout.path.stem} is {kind} layout, which estimate does not plan yet; it plans DDP, FSDP,"
+            " HSDP, TP and FSDP x TP layouts: estimate the same world on one of those (e.g. 8gpu_fsdp) for the"
+            " parameters' and optimizer's share"
+        )
+
+
+def _estimate_rank(
+    recipe_cls: Any, layout: Layout, overrides: dict[str, Any], config_file: str | None, examples: list, rank: int
+) -> RankMemory:
+    warnings.filterwarnings("ignore", module=r"(torch|accelerate)\.")  # their advice is for the real run
+    with played_rank(layout, rank):
+        cfg, settings = resolve_settings(recipe_cls.Config, config_file, dict(overrides), launch_settings_file())
+        accelerator = build_accelerator(cfg, settings)
+        plan_batches(cfg.global_batch_size, int(cfg.micro_batch_size), data_ranks(accelerator).size)  # its refusal
+        recipe = recipe_cls(cfg)
+        recipe.tokenizer = recipe.build_tokenizer(cfg)
+        with fake_tensors():
+            return rank_memory(recipe, cfg, settings, accelerator, examples, rank)
+
+
+def _in_child(function: Any, *args: Any) -> Any:
+    """`function(*args)` in a forked process: its result, or the UserError it raised (any other error is a
+    crash of the child, which prints its traceback and is said here in one line)."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_answer, args=(send, function, args))
+    child.start()
+    send.close()
+    try:
+        answer = receive.recv()
+    except EOFError:
+        child.join()
+        answer = RuntimeError(f"the process playing rank {args[-1]} died (exit status {child.exitcode})")
+    child.join()
+    return answer
+
+
+def _answer(send: Any, function: Any, args: tuple) -> None:
+    try:
+        send.send(function(*args))
+    except UserError as error:
+        send.send(type(error)(str(error)))
+    finally:
+        send.close()
+
+
+def worst_rank(recipe_name: str, layout: Layout, line: Any, changed: dict[str, Any]) -> RankMemory:
+    """Rank 0 estimated again with `changed` settings (for the advice): it holds the largest shard of every
+    parameter (FSDP pads the last ones) and a pipeline's first stage, which keeps the most activations."""
+    return estimate(recipe_name, layout, {**line.overrides, **changed}, line.config_file, ranks=[0])[0]
+
+
+def describe(recipe_name: str, layout: Layout, estimated: list[RankMemory]) -> str:
+    """The table: a line per rank, ranks of equal figures merged (`0-7`), in MiB."""
+    lines = [
+        f"{recipe_name} on {layout.path.stem} ({layout.num_processes} process(es)): memory per process in MiB,"
+        " estimated with fake tensors on this CPU (eager: torch.compile would hold no more)",
+        f"{'ranks':>8} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>12} {'peak':>10}",
+    ]
+    for first, last, memory in _merged(estimated):
+        ranks = f"{first}" if first == last else f"{first}-{last}"
+        figures = (memory.params_bytes, memory.grads_bytes, memory.optimizer_bytes)
+        lines.append(
+            f"{ranks:>8} "
+            + " ".join(f"{b / _MIB:>10.1f}" for b in figures)
+            + f" {memory.activations_bytes / _MIB:>12.1f} {memory.peak_bytes / _MIB:>10.1f}"
+        )
+    return "\n".join(lines)
+
+
+def _merged(estimated: list[RankMemory]) -> list[tuple[int, int, RankMemory]]:
+    rows: list[tuple[int, int, RankMemory]] = []
+    for memory in estimated:
+        figures = {k: v for k, v in memory.as_dict().items() if k != "rank"}
+        if rows and {k: v for k, v in rows[-1][2].as_dict().items() if k != "rank"} == figures:
+            rows[-1] = (rows[-1][0], memory.rank, rows[-1][2])
+        else:
+            rows.append((memory.rank, memory.rank, memory))
+    return rows
+
+
+def _own_options(words: list[str]) -> tuple[bool, float | None, list[str]]:
+    """`--json` and `--device_memory_gb G` (or `=G`), taken out of the words; the rest are the recipe's."""
+    own_end = words.index("--") if "--" in words else len(words)
+    as_json, device_gb, rest, index = False, None, [], 0
+    while index < own_end:
+        word = words[index]
+        if word == "--json":
+            as_json = True
+        elif word.startswith("--device_memory_gb"):
+            value = word.partition("=")[2] or (words[index + 1] if index + 1 < own_end else "")
+            index += 0 if "=" in word else 1
+            try:
+                device_gb = float(value)
+            except ValueError:
+                raise ConfigError(f"--device_memory_gb needs a number of GB (80 for an H100), not {value!r}") from None
+        else:
+            rest.append(word)
+        index += 1
+    return as_json, device_gb, rest + words[own_end:]

@@ -1,0 +1,67 @@
+"""What a launched process of a real layout holds through the estimate's two training steps, on real tensors:
+counted directly from its parameters, gradients, optimizer state and DDP's buckets, and its peak as torch's
+MemTracker sees the real step. Writes <out>/rank<r>.json for test_estimate.py to set beside the estimate.
+
+    accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml tests/workers/estimate_truth.py gpt OUT k=v ...
+"""
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from accel_trainer.config.train_config import resolve_settings
+from accel_trainer.estimate import step_memory
+from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
+from accel_trainer.parallel.sharding import local_part
+from accel_trainer.registry import get_recipe
+
+
+def storage_bytes(tensors) -> int:
+    """The bytes of the distinct storages under `tensors` (a DTensor's local one, padded as FSDP pads it)."""
+    storages = {}
+    for tensor in tensors:
+        storage = local_part(tensor).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def ddp_bucket_bytes(model) -> int:
+    """DDP's gradient buckets as DDP reports them; 0 where the gradients are views into them."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or model.gradient_as_bucket_view:
+        return 0
+    return sum(int(size) for size in re.findall(r"\d+", str(model._get_ddp_logging_data()["bucket_sizes"])))
+
+
+def main() -> None:
+    recipe_name, out, *words = sys.argv[1:]
+    overrides = dict(word.split("=", 1) for word in words)
+    recipe_cls = get_recipe(recipe_name)
+    cfg, settings = resolve_settings(recipe_cls.Config, None, overrides, launch_settings_file())
+    accelerator = build_accelerator(cfg, settings)
+    recipe = recipe_cls(cfg)
+    examples = step_memory.first_examples(recipe, cfg)
+    rank = accelerator.process_index
+    tracked = step_memory.rank_memory(recipe, cfg, settings, accelerator, examples, rank)
+    model, optimizer, step = step_memory._prepared(recipe, cfg, settings, accelerator, examples)
+    for _ in range(2):
+        step()
+        optimizer.step()
+    parameters = list(model.parameters())
+    states = [v for o in optimizer.optimizers for state in o.state.values() for v in state.values()]
+    held = {
+        "params_bytes": storage_bytes(parameters),
+        "grads_bytes": storage_bytes(p.grad for p in parameters if p.grad is not None) + ddp_bucket_bytes(model),
+        "optimizer_bytes": storage_bytes(v for v in states if isinstance(v, torch.Tensor)),
+        "tracked_peak_bytes": tracked.peak_bytes,
+    }
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(held))
+    accelerator.wait_for_everyone()
+    os._exit(0)  # as the framework's workers end (run.py): a gloo group's teardown at exit may hang
+
+
+if __name__ == "__main__":
+    main()
