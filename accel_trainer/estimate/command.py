@@ -22,7 +22,7 @@ from accel_trainer.config.train_config import resolve_settings
 from accel_trainer.data.batching import plan_batches
 from accel_trainer.errors import ConfigError, LayoutError, UserError
 from accel_trainer.estimate.advice import advice
-from accel_trainer.estimate.fake_world import fake_tensors, played_rank
+from accel_trainer.estimate.fake_world import fake_tensors, on_the_fake_device, played_rank
 from accel_trainer.estimate.step_memory import RankMemory, first_examples, rank_memory
 from accel_trainer.parallel import launch_fixes
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
@@ -74,8 +74,8 @@ def estimate(
     """
     recipe_cls = get_recipe(recipe_name)
     with layout_environment(layout):
-        cfg, settings = resolve_settings(recipe_cls.Config, config_file, dict(overrides), launch_settings_file())
-        _check_plannable(layout, settings)
+        cfg, _ = resolve_settings(recipe_cls.Config, config_file, dict(overrides), launch_settings_file())
+        _check_plannable(layout)
     examples = first_examples(recipe_cls(cfg), cfg)  # read once: the same first rows on every rank
     estimated = []
     for rank in range(layout.num_processes) if ranks is None else ranks:
@@ -86,22 +86,19 @@ def estimate(
     return estimated
 
 
-def _check_plannable(layout: Layout, settings: Any) -> None:
-    """Pipeline and context-parallel layouts are not planned yet: their schedules and ring attention do not run
-    on fake tensors here (a pipeline stage's traced graph mixes devices `cpu` and `cpu:0`; ring attention has
-    no CPU kernel to fake).
+def _check_plannable(layout: Layout) -> None:
+    """Context-parallel layouts are not planned yet: torch's ring attention runs on DTensor shards of CUDA
+    attention kernels, and a fake CPU tensor's attention (`_scaled_dot_product_flash_attention_for_cpu`) has no
+    sharding rule to run it by.
 
     Raises:
         LayoutError: naming what estimate plans instead.
     """
-    kind = "a pipeline" if settings.pp_size > 1 else None
     if launch_fixes.launcher_parallelism_sizes().get("cp", 1) > 1:
-        kind = "a context-parallel"
-    if kind:
         raise LayoutError(
-            f"layout={layout.path.stem} is {kind} layout, which estimate does not plan yet; it plans DDP, FSDP,"
-            " HSDP, TP and FSDP x TP layouts: estimate the same world on one of those (e.g. 8gpu_fsdp) for the"
-            " parameters' and optimizer's share"
+            f"layout={layout.path.stem} is a context-parallel layout, which estimate does not plan yet (ring"
+            " attention has no CPU kernel to fake); it plans DDP, FSDP, HSDP, TP, FSDP x TP and pipeline layouts:"
+            " estimate the same world on 8gpu_fsdp for the parameters' and optimizer's share"
         )
 
 
@@ -112,6 +109,7 @@ def _estimate_rank(
     with played_rank(layout, rank):
         cfg, settings = resolve_settings(recipe_cls.Config, config_file, dict(overrides), launch_settings_file())
         accelerator = build_accelerator(cfg, settings)
+        on_the_fake_device(accelerator)
         plan_batches(cfg.global_batch_size, int(cfg.micro_batch_size), data_ranks(accelerator).size)  # its refusal
         recipe = recipe_cls(cfg)
         recipe.tokenizer = recipe.build_tokenizer(cfg)

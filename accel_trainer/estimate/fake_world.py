@@ -55,6 +55,8 @@ def played_rank(layout: Layout, rank: int) -> Iterator[None]:
         "MASTER_PORT": "29500",
     }
     eager = {"ACCELERATE_DYNAMO_BACKEND": "NO"}  # compiled regions use no more memory than eager: an upper bound
+    if layout.environment.get("ACCELERATE_MIXED_PRECISION") == "fp16":  # fp32 on a CPU; bf16 has fp16's sizes
+        eager["ACCELERATE_MIXED_PRECISION"] = "bf16"
     with layout_environment(layout), patch_environment(**(launched if world > 1 else {}), **eager):
         if world > 1:
             from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -66,6 +68,13 @@ def played_rank(layout: Layout, rank: int) -> Iterator[None]:
             if dist.is_initialized():
                 dist.destroy_process_group()
             forget_accelerate_state()
+
+
+def on_the_fake_device(accelerator: Any) -> None:
+    """Give the Accelerator the device the fake tensors are on. On a gloo world accelerate names the CPU `cpu:0`,
+    which real CPU tensors ignore and fake ones keep, then refuse to mix with `cpu` (a pipeline stage's buffers)."""
+    if accelerator.device.type == FAKE_DEVICE.type:
+        accelerator.state.device = FAKE_DEVICE
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from accel_trainer.losses import read_loss_output
 from accel_trainer.optimizers import read_optimizers
 from accel_trainer.parallel import fsdp_loading
 from accel_trainer.parallel.accelerator import prepare_for_training
+from accel_trainer.parallel.context_parallel import sequence_slices
 from accel_trainer.parallel.mesh import data_ranks
 from accel_trainer.parallel.pipeline.build import build_pipeline
 from accel_trainer.parallel.wrapping import split_and_wrap
@@ -113,13 +114,22 @@ def _prepared(recipe: Recipe, cfg: Any, layout: LayoutSettings, accelerator: Acc
     if state is not None:  # FSDP pads uneven shards again at its first use: before the count starts
         state()._lazy_init()
     if pipeline is not None:
+        # The first step's handshake of the loss's terms is an object broadcast, whose sizes a fake process group
+        # cannot carry (and a fake tensor cannot read): the estimate needs no loss, so it says there are none.
+        pipeline._term_names, pipeline._counts_items = [], False
         return model, _Optimizers(inner), functools.partial(pipeline.train, batch)
-    return model, _Optimizers(inner), functools.partial(_forward_backward, recipe, model, batch, accelerator)
+    step = functools.partial(_forward_backward, recipe, model, batch, accelerator, ranks.context_parallel)
+    return model, _Optimizers(inner), step
 
 
-def _forward_backward(recipe: Recipe, model: Any, batch: Any, accelerator: Accelerator) -> None:
-    output = read_loss_output(recipe.compute_loss(model, batch))
-    accelerator.backward(output.loss)
+def _forward_backward(recipe: Recipe, model: Any, batch: Any, accelerator: Accelerator, cp: int) -> None:
+    """As the loop's step runs a micro-batch: on a context-parallel layout, its slice of every sequence (cut in
+    place: each step cuts a copy, as each of the loop's steps cuts a batch of its own)."""
+    if cp > 1:
+        batch = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    with sequence_slices(accelerator, recipe, batch, cp):
+        output = read_loss_output(recipe.compute_loss(model, batch))
+        accelerator.backward(output.loss)
 
 
 def _parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
