@@ -105,6 +105,7 @@ bench: install  ## per-step overhead against a plain loop, checkpoint throughput
 	$(BIN)/python benchmarks/scaling.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/prefetch.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/layout_memory.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/estimate_layouts.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/gpt_throughput.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/stream_split.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/sharded_save.py

@@ -9,6 +9,7 @@ accel-trainer evaluate outputs/vae/<run>                # the eval metrics of it
 accel-trainer report outputs/vae/<run>                  # report.md and report.png
 accel-trainer compare outputs/vae/run1 outputs/vae/run2 --output curves.png
 accel-trainer doctor --config_file accelerate_configs/cpu_ddp.yaml   # environment, then launch checks of a layout
+accel-trainer estimate gpt layout=8gpu_fsdp --device_memory_gb 80  # each process's memory, planned on this CPU
 accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m accel_trainer train vae
 
 Each command imports what it needs when it runs, so that `--help` and the commands that need no model answer
@@ -89,13 +90,16 @@ def _main(arguments: list[str]) -> None:
         evaluate_main(arguments[1:])
         return
     if arguments[:1] == ["estimate"] and not {"-h", "--help"} & set(arguments):
-        from accel_trainer.estimate.command import estimate_command
+        from accel_trainer.estimate.command import EstimateCrashed, estimate_command
 
         try:
             estimate_command(arguments[1:])
         except UserError as error:
             print(f"accel-trainer: error: {error}", file=sys.stderr)
             raise SystemExit(2) from None
+        except EstimateCrashed as crash:
+            print(crash, file=sys.stderr)
+            raise SystemExit(1) from None
         return
     if arguments[:1] == ["train"]:
         known = parser.parse_args(arguments[:2])
@@ -224,7 +228,8 @@ def _add_estimate_parser(commands: argparse._SubParsersAction) -> None:
         "estimate",
         help="each process's memory on a layout, planned on this CPU: accel-trainer estimate NAME layout=L",
         usage="accel-trainer estimate RECIPE layout=NAME|FILE [key=value ...] [--json] [--device_memory_gb G]",
-        description="Play every process of the layout in this process, with a fake process group and fake tensors,"
+        description="Play every process of the layout, each in a process forked from this one, with a fake process"
+        " group and fake tensors,"
         " through the run's own preparation and two training steps of the recipe's first micro-batch, and print"
         " each process's parameters, gradients, optimizer state, activations and peak (MiB). The layout's"
         " refusals are the run's. --json: {world_size, per_rank: [{rank, params_bytes, grads_bytes,"

@@ -38,7 +38,7 @@ def advice(
     if state > budget:
         lines.append(
             f"  the model's parameters, gradients and optimizer state alone take {state / 1e9:.2f} GB a rank: shard"
-            " them over more processes (an FSDP layout, more GPUs) or train a smaller model"
+            " them over more processes (more GPUs, on an FSDP layout if this is not one) or train a smaller model"
         )
         return "\n".join(lines)
     lines.append(_first_that_fits(budget, micro_batch_size, again))

@@ -1,9 +1,9 @@
 """`accel-trainer estimate NAME layout=L [key=value ...] [--json] [--device_memory_gb G]`: each process's memory.
 
-    accel-trainer estimate gpt layout=8gpu_fsdp n_layer=24 n_embd=2048 --device_memory_gb 80
+    accel-trainer estimate gpt layout=8gpu_fsdp n_layer=24 d_model=2048 --device_memory_gb 80
 
-Plays every rank of the layout in this process (estimate/fake_world.py) through the run's own preparation and
-two training steps (estimate/step_memory.py), on a CPU, with no GPU and no other process: the layout's
+Plays every rank of the layout in turn, each in a process forked from this one (estimate/fake_world.py), through
+the run's own preparation and two training steps (estimate/step_memory.py), on a CPU, with no GPU: the layout's
 refusals are the run's (sizes that do not divide, a batch that does not split), said in one line. With
 `--device_memory_gb` it says whether each rank fits and, where one does not, which `micro_batch_size` or
 `activation_checkpointing` would (estimate/advice.py).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import multiprocessing
 import warnings
 from typing import Any
@@ -20,8 +21,8 @@ from typing import Any
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.config.train_config import resolve_settings
 from accel_trainer.data.batching import plan_batches
-from accel_trainer.errors import ConfigError, LayoutError, UserError
-from accel_trainer.estimate.advice import advice
+from accel_trainer.errors import ConfigError, LayoutError, RecipeError, UserError, describe_crash
+from accel_trainer.estimate.advice import USABLE, advice
 from accel_trainer.estimate.fake_world import fake_tensors, on_the_fake_device, played_rank
 from accel_trainer.estimate.step_memory import RankMemory, first_examples, rank_memory
 from accel_trainer.parallel import launch_fixes
@@ -47,17 +48,25 @@ def estimate_command(words: list[str]) -> None:
         raise ConfigError(f"estimate needs a layout: accel-trainer estimate {recipe_name} layout=8gpu_fsdp ...")
     layout = read_layout(line.layout, line.launcher_options)
     estimated = estimate(recipe_name, layout, line.overrides, line.config_file)
+    said = None if device_gb is None else _advice(recipe_name, layout, line, estimated, device_gb)
     if as_json:
-        print(json.dumps({"world_size": layout.num_processes, "per_rank": [r.as_dict() for r in estimated]}))
-    else:
-        print(describe(recipe_name, layout, estimated))
-    if device_gb is not None:
-        with layout_environment(layout):
-            cfg, _ = resolve_settings(
-                get_recipe(recipe_name).Config, line.config_file, line.overrides, launch_settings_file()
-            )
-        again = functools.partial(worst_rank, recipe_name, layout, line)
-        print(advice(estimated, device_gb, int(cfg.micro_batch_size), lambda **changed: again(changed)))
+        answer: dict[str, Any] = {"world_size": layout.num_processes, "per_rank": [r.as_dict() for r in estimated]}
+        if said is not None and device_gb is not None:
+            fits = all(memory.peak_bytes <= device_gb * 1e9 * USABLE for memory in estimated)
+            answer.update(device_memory_gb=device_gb, fits=fits, advice=said)
+        print(json.dumps(answer))
+        return
+    print(describe(recipe_name, layout, estimated))
+    if said is not None:
+        print(said)
+
+
+def _advice(recipe_name: str, layout: Layout, line: Any, estimated: list[RankMemory], device_gb: float) -> str:
+    with layout_environment(layout):
+        settings_file = launch_settings_file()
+        cfg, _ = resolve_settings(get_recipe(recipe_name).Config, line.config_file, line.overrides, settings_file)
+    again = functools.partial(worst_rank, recipe_name, layout, line)
+    return advice(estimated, device_gb, int(cfg.micro_batch_size), lambda **changed: again(changed))
 
 
 def estimate(
@@ -135,12 +144,29 @@ def _in_child(function: Any, *args: Any) -> Any:
 
 
 def _answer(send: Any, function: Any, args: tuple) -> None:
+    """Send the result, a UserError, or a crash described as the run describes one (the recipe's frames)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
     try:
         send.send(function(*args))
     except UserError as error:
         send.send(type(error)(str(error)))
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        send.send(
+            RecipeError(
+                "the recipe reads a tensor's value in its model or compute_loss (.item(), .tolist(), `if tensor`,"
+                " a shape from data), which estimate's fake tensors do not have: read values in eval_metrics, or"
+                " only when not torch._subclasses.fake_tensor.is_fake(tensor)"
+            )
+        )
+    except Exception as error:
+        send.send(EstimateCrashed(describe_crash(error)))
     finally:
         send.close()
+
+
+class EstimateCrashed(Exception):
+    """A rank's estimate failed in recipe or framework code: its description, as a run's crash is described."""
 
 
 def worst_rank(recipe_name: str, layout: Layout, line: Any, changed: dict[str, Any]) -> RankMemory:
@@ -158,24 +184,31 @@ def describe(recipe_name: str, layout: Layout, estimated: list[RankMemory]) -> s
     ]
     for first, last, memory in _merged(estimated):
         ranks = f"{first}" if first == last else f"{first}-{last}"
-        figures = (memory.params_bytes, memory.grads_bytes, memory.optimizer_bytes)
+        shown = _shown(memory)
         lines.append(
-            f"{ranks:>8} "
-            + " ".join(f"{b / _MIB:>10.1f}" for b in figures)
-            + f" {memory.activations_bytes / _MIB:>12.1f} {memory.peak_bytes / _MIB:>10.1f}"
+            f"{ranks:>8} " + " ".join(f"{value:>10}" for value in shown[:3]) + f" {shown[3]:>12} {shown[4]:>10}"
         )
+    lines.append(
+        "params, grads, optimizer: held after a step (a sharded layout's padded shards; DDP's grads include its"
+        " gradient buckets); activations: the rest of the peak (activations, temporaries, FSDP's gathered blocks)"
+    )
     return "\n".join(lines)
 
 
 def _merged(estimated: list[RankMemory]) -> list[tuple[int, int, RankMemory]]:
+    """Consecutive ranks whose figures read the same at the table's precision (FSDP pads the last shards a few
+    bytes apart) share a row."""
     rows: list[tuple[int, int, RankMemory]] = []
     for memory in estimated:
-        figures = {k: v for k, v in memory.as_dict().items() if k != "rank"}
-        if rows and {k: v for k, v in rows[-1][2].as_dict().items() if k != "rank"} == figures:
+        if rows and _shown(rows[-1][2]) == _shown(memory):
             rows[-1] = (rows[-1][0], memory.rank, rows[-1][2])
         else:
             rows.append((memory.rank, memory.rank, memory))
     return rows
+
+
+def _shown(memory: RankMemory) -> list[str]:
+    return [f"{value / _MIB:.1f}" for key, value in memory.as_dict().items() if key != "rank"]
 
 
 def _own_options(words: list[str]) -> tuple[bool, float | None, list[str]]:
@@ -192,7 +225,9 @@ def _own_options(words: list[str]) -> tuple[bool, float | None, list[str]]:
             try:
                 device_gb = float(value)
             except ValueError:
-                raise ConfigError(f"--device_memory_gb needs a number of GB (80 for an H100), not {value!r}") from None
+                device_gb = math.nan
+            if not math.isfinite(device_gb) or device_gb <= 0:
+                raise ConfigError(f"--device_memory_gb needs a number of GB above 0 (80 for an H100), not {value!r}")
         else:
             rest.append(word)
         index += 1

@@ -1,6 +1,7 @@
 """What a launched process of a real layout holds through the estimate's two training steps, on real tensors:
 counted directly from its parameters, gradients, optimizer state and DDP's buckets, and its peak as torch's
-MemTracker sees the real step. Writes <out>/rank<r>.json for test_estimate.py to set beside the estimate.
+MemTracker sees the real steps (the estimate's own preparation, `step_memory._prepared`, run on real tensors and a
+real process group). Writes <out>/rank<r>.json for test_estimate.py to set beside the estimate.
 
     accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml tests/workers/estimate_truth.py gpt OUT k=v ...
 """
@@ -45,18 +46,26 @@ def main() -> None:
     recipe = recipe_cls(cfg)
     examples = step_memory.first_examples(recipe, cfg)
     rank = accelerator.process_index
-    tracked = step_memory.rank_memory(recipe, cfg, settings, accelerator, examples, rank)
     model, optimizer, step = step_memory._prepared(recipe, cfg, settings, accelerator, examples)
-    for _ in range(2):
-        step()
-        optimizer.step()
+    tracker = step_memory._LocalTensorTracker()  # on real tensors: what the step really allocates
+    tracker.track_external(model, *optimizer.optimizers)
+    with tracker:
+        for _ in range(2):
+            tracker.reset_mod_stats()
+            step()
+            optimizer.step()
+            if _ == 0:
+                optimizer.zero_grad(set_to_none=True)
+        peak = sum(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
     parameters = list(model.parameters())
     states = [v for o in optimizer.optimizers for state in o.state.values() for v in state.values()]
     held = {
         "params_bytes": storage_bytes(parameters),
         "grads_bytes": storage_bytes(p.grad for p in parameters if p.grad is not None) + ddp_bucket_bytes(model),
         "optimizer_bytes": storage_bytes(v for v in states if isinstance(v, torch.Tensor)),
-        "tracked_peak_bytes": tracked.peak_bytes,
+        # DDP's buckets: built before the count, then built again in the second step's forward (DDP orders them
+        # as the first backward readied the gradients), so the count holds them once
+        "tracked_peak_bytes": peak,
     }
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(held))
     accelerator.wait_for_everyone()
