@@ -144,7 +144,7 @@ def _run_command(known: argparse.Namespace) -> None:
         from accel_trainer.new_recipe import write_new_recipe
 
         path = write_new_recipe(known.name, known.folder)
-        print(f"wrote {path}; train it with: python {path} max_steps=300  (or accel-trainer train {known.name})")
+        print(f"wrote {path}; train it with: python {path} max_steps=300  (or accel-trainer train {path})")
     elif known.command == "report":
         from accel_trainer.observe.report import write_report
 

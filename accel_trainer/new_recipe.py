@@ -18,11 +18,12 @@ from accel_trainer.errors import ConfigError
 TEMPLATE = Path(__file__).parent / "templates" / "recipe.py.template"
 
 
-def render(name: str, description: str | None = None) -> str:
+def render(name: str, description: str | None = None, folder: str = "recipes") -> str:
     """The template with `name` as the recipe's registered name and file, and its CamelCase as the class.
 
     Args:
         name: the recipe's registered name.
+        folder: where the file is written, for the commands its docstring shows.
         description: the class docstring's first line, which `accel-trainer list` shows; by default one that
             names the recipe, so that `accel-trainer list` does not show mlp's line twice.
     """
@@ -33,13 +34,14 @@ def render(name: str, description: str | None = None) -> str:
     class_name = "".join(part.capitalize() for part in name.split("_"))
     if description is None:
         description = f"MLP on 8x8 digits, from `accel-trainer new {name}`: say here what it trains."
-    return Template(TEMPLATE.read_text()).substitute(name=name, Class=class_name, description=description)
+    fields = {"name": name, "Class": class_name, "description": description, "folder": folder}
+    return Template(TEMPLATE.read_text()).substitute(fields)
 
 
 def write_new_recipe(name: str, folder: str | Path = "recipes") -> Path:
     """Write `<folder>/<name>.py` from the template; returns its path."""
     path = Path(folder) / f"{name}.py"
-    text = render(name)
+    text = render(name, folder=Path(folder).as_posix())
     if path.exists():
         raise ConfigError(f"{path} exists: choose another name, or another folder with --folder")
     path.parent.mkdir(parents=True, exist_ok=True)

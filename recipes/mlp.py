@@ -2,7 +2,7 @@
 `accel-trainer new NAME` copies. Expect eval accuracy above 0.95 after the default 600 steps (a few seconds).
 
     python recipes/mlp.py max_steps=300
-    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml recipes/mlp.py
+    accel-trainer train recipes/mlp.py layout=cpu_ddp      # on 2 processes, from any folder
 """
 
 from dataclasses import dataclass

@@ -29,7 +29,9 @@ def test_a_new_recipe_describes_itself_so_list_does_not_show_the_templates_line_
 def test_new_writes_a_recipe_that_trains_to_the_templates_accuracy(tmp_path, capsys):
     cli.main(["new", "my_digits", "--folder", str(tmp_path)])
     path = tmp_path / "my_digits.py"
-    assert f"wrote {path}" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"wrote {path}" in said and f"accel-trainer train {path}" in said  # a name alone is not found elsewhere
+    assert f"python {tmp_path.as_posix()}/my_digits.py" in path.read_text()  # its docstring's commands name it
     assert 'register_recipe("my_digits")' in path.read_text() and "class MyDigits(at.Recipe)" in path.read_text()
     subprocess.run([BIN / "python", path, "max_steps=300", f"output_dir={tmp_path / 'run'}", "show_progress_bar=false"],
                    check=True, capture_output=True, timeout=300)  # fmt: skip

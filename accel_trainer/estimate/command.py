@@ -21,11 +21,10 @@ from typing import Any
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.config.train_config import resolve_settings
 from accel_trainer.data.batching import plan_batches
-from accel_trainer.errors import ConfigError, LayoutError, RecipeError, UserError, describe_crash
+from accel_trainer.errors import ConfigError, RecipeError, UserError, describe_crash
 from accel_trainer.estimate.advice import USABLE, advice
 from accel_trainer.estimate.fake_world import fake_tensors, on_the_fake_device, played_rank
 from accel_trainer.estimate.step_memory import RankMemory, first_examples, rank_memory
-from accel_trainer.parallel import launch_fixes
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.layout_file import Layout, layout_environment, read_layout
 from accel_trainer.parallel.mesh import data_ranks
@@ -84,7 +83,6 @@ def estimate(
     recipe_cls = get_recipe(recipe_name)
     with layout_environment(layout):
         cfg, _ = resolve_settings(recipe_cls.Config, config_file, dict(overrides), launch_settings_file())
-        _check_plannable(layout)
     examples = first_examples(recipe_cls(cfg), cfg)  # read once: the same first rows on every rank
     estimated = []
     for rank in range(layout.num_processes) if ranks is None else ranks:
@@ -93,22 +91,6 @@ def estimate(
             raise answer
         estimated.append(answer)
     return estimated
-
-
-def _check_plannable(layout: Layout) -> None:
-    """Context-parallel layouts are not planned yet: torch's ring attention runs on DTensor shards of CUDA
-    attention kernels, and a fake CPU tensor's attention (`_scaled_dot_product_flash_attention_for_cpu`) has no
-    sharding rule to run it by.
-
-    Raises:
-        LayoutError: naming what estimate plans instead.
-    """
-    if launch_fixes.launcher_parallelism_sizes().get("cp", 1) > 1:
-        raise LayoutError(
-            f"layout={layout.path.stem} is a context-parallel layout, which estimate does not plan yet (ring"
-            " attention has no CPU kernel to fake); it plans DDP, FSDP, HSDP, TP, FSDP x TP and pipeline layouts:"
-            " estimate the same world on 8gpu_fsdp for the parameters' and optimizer's share"
-        )
 
 
 def _estimate_rank(

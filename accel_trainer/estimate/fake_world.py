@@ -7,8 +7,8 @@ of any size is built, sharded and stepped in seconds. Everything between is the 
 launcher's variables of the layout (parallel/layout_file.py), `build_accelerator`, the recipe's model and
 optimizer, `split_and_wrap` and `accelerator.prepare`.
 
-Three things of torch's refuse fake tensors; each is worked around here, for the estimate alone, with a canary
-in tests/unit/estimate/test_fake_world.py that fails the day torch takes them:
+Where torch refuses fake tensors or counts them wrong, this module works around it for the estimate alone, each in
+one function (canaries and regressions: tests/unit/estimate/test_estimate.py):
 - `Module.to(device)` swaps every fake parameter (`torch.utils.swap_tensors`), which fails on the weak
   reference the fake mode keeps: a move to the device the fake tensors are already on is skipped.
 - A `DeviceMesh` reads its rank coordinates from a tensor (`.tolist()`, `nonzero`), which a fake tensor has no
@@ -16,6 +16,12 @@ in tests/unit/estimate/test_fake_world.py that fails the day torch takes them:
 - DDP's constructor checks and broadcasts the parameters' data in C++: a stand-in module takes its place,
   and DDP's gradient buckets (a second copy of the gradients unless `ddp_gradient_as_bucket_view`) are
   counted by `ddp_bucket_bytes`.
+- DTensor plans each op's output shapes on global-shaped fake tensors in the active fake mode, whose tracker
+  then counts them: its planning gets a fake mode of its own.
+- Context parallelism's ring attention exists for CUDA's attention ops only: the CPU's is run as the
+  memory-efficient one, whose ring version works on fake tensors.
+Each rank is played in a process of its own (estimate/command.py): DTensor caches sharding plans by mesh, and two
+ranks' meshes compare equal.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from torch._subclasses import FakeTensorMode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
+from accel_trainer.parallel import mesh
 from accel_trainer.parallel.launch_fixes import forget_accelerate_state
 from accel_trainer.parallel.layout_file import Layout, layout_environment
 
@@ -57,7 +64,8 @@ def played_rank(layout: Layout, rank: int) -> Iterator[None]:
     eager = {"ACCELERATE_DYNAMO_BACKEND": "NO"}  # compiled regions use no more memory than eager: an upper bound
     if layout.environment.get("ACCELERATE_MIXED_PRECISION") == "fp16":  # fp32 on a CPU; bf16 has fp16's sizes
         eager["ACCELERATE_MIXED_PRECISION"] = "bf16"
-    with layout_environment(layout), patch_environment(**(launched if world > 1 else {}), **eager):
+    ring = mock.patch.object(mesh, "CONTEXT_PARALLEL_DEVICES", {*mesh.CONTEXT_PARALLEL_DEVICES, FAKE_DEVICE.type})
+    with layout_environment(layout), patch_environment(**(launched if world > 1 else {}), **eager), ring:
         if world > 1:
             from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -81,7 +89,7 @@ def on_the_fake_device(accelerator: Any) -> None:
 def fake_tensors() -> Iterator[FakeTensorMode]:
     """Fake tensors for everything built in the block, with the three workarounds of the module's docstring."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # the data's real batches go in as they are
-    with _moves_in_place(), _meshes_outside(), _ddp_stand_in(), _sharding_plans_apart(), mode:
+    with _moves_in_place(), _meshes_outside(), _ddp_stand_in(), _sharding_plans_apart(), _ring_attention(), mode:
         yield mode
 
 
@@ -181,3 +189,62 @@ def ddp_bucket_bytes(model: torch.nn.Module) -> int:
     if model.gradient_as_bucket_view:
         return 0
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+_ATEN = torch.ops.aten
+
+
+@contextlib.contextmanager
+def _ring_attention() -> Iterator[None]:
+    """Context parallelism's ring attention for the CPU's attention op. torch's ring attention (which a
+    context-parallel layout makes of `F.scaled_dot_product_attention`, on CUDA) is registered for the flash,
+    memory-efficient and cuDNN ops; a fake CPU tensor's attention is `_scaled_dot_product_flash_attention_for_cpu`,
+    which DTensor then has no rule for. Here it, and its backward, become the memory-efficient op, whose ring
+    version runs on the fake tensors (its shapes: each process's slice of the sequence, and the slices received
+    from the ring). The context-parallel layout check lets the CPU through for the estimate (`played_rank`)."""
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    added = {
+        _ATEN._scaled_dot_product_flash_attention_for_cpu.default: _efficient_attention,
+        _ATEN._scaled_dot_product_flash_attention_for_cpu_backward.default: _efficient_attention_backward,
+    }
+    handlers.update(added)
+    try:
+        yield
+    finally:
+        for op in added:
+            handlers.pop(op, None)
+
+
+def _efficient_attention(op: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    query, key, value, *rest = args
+    dropout_p = rest[0] if rest else kwargs.get("dropout_p", 0.0)
+    is_causal = rest[1] if len(rest) > 1 else kwargs.get("is_causal", False)
+    output, logsumexp, _, _ = _ATEN._scaled_dot_product_efficient_attention.default(
+        query, key, value, kwargs.get("attn_mask"), True, dropout_p, is_causal, scale=kwargs.get("scale")
+    )
+    return output, logsumexp
+
+
+def _efficient_attention_backward(op: Any, args: tuple, kwargs: dict) -> tuple[Any, ...]:
+    grad_output, query, key, value, output, logsumexp, *rest = args
+    dropout_p = rest[0] if rest else kwargs.get("dropout_p", 0.0)
+    is_causal = rest[1] if len(rest) > 1 else kwargs.get("is_causal", False)
+    seed = offset = torch.zeros((), dtype=torch.int64)  # dropout's random state: no values to keep in an estimate
+    gradients = _ATEN._scaled_dot_product_efficient_attention_backward.default(
+        grad_output,
+        query,
+        key,
+        value,
+        None,
+        output,
+        logsumexp,
+        seed,
+        offset,
+        dropout_p,
+        [True, True, True, False],
+        is_causal,
+        scale=kwargs.get("scale"),
+    )
+    return tuple(gradients[:3])

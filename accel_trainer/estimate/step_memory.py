@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor import DTensor
 
@@ -99,7 +100,7 @@ def _prepared(recipe: Recipe, cfg: Any, layout: LayoutSettings, accelerator: Acc
     model = fsdp_loading.build_model(recipe, cfg, accelerator)
     model = split_and_wrap(model, recipe, layout, accelerator)
     ranks = data_ranks(accelerator)
-    batch, pipeline = recipe.collate(examples), None
+    batch, pipeline = send_to_device(recipe.collate(examples), accelerator.device), None  # as the loader sends it
     if layout.pp_size > 1:
         pipeline = build_pipeline(recipe, model, lambda: examples, 1, layout, accelerator)
         model = pipeline.view

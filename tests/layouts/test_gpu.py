@@ -337,3 +337,24 @@ def test_a_lora_finetune_on_cuda_in_bf16_checkpoints_the_adapter_alone_and_resum
     expected, actual = final_parameters(tmp_path / "full"), final_parameters(tmp_path / "resumed")
     assert all(torch.equal(actual[name], expected[name]) for name in expected)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final").num_parameters() > 0
+
+
+def test_the_estimate_of_the_gpu_layout_is_within_a_fifth_of_what_cuda_allocates(tmp_path):
+    """`accel-trainer estimate` plans on the CPU with fake tensors; on the GPU the same two steps (the estimate's own
+    preparation, tests/workers/estimate_truth.py) peak at torch.cuda.max_memory_allocated. bf16 (gpu.yaml)."""
+    import json
+
+    model = ["n_layer=4", "d_model=512", "block_size=256", "pad_to_block_size=true", "micro_batch_size=8",
+             "global_batch_size=8"]  # fmt: skip
+    run_command(
+        [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / "gpu.yaml",
+         "--main_process_port", str(free_port()), WORKERS / "estimate_truth.py", "gpt", tmp_path, *model],
+    )  # fmt: skip
+    real = json.loads((tmp_path / "rank0.json").read_text())
+    planned = json.loads(
+        run_command([BIN / "accel-trainer", "estimate", "gpt", "layout=gpu", *model, "--json"]).stdout
+    )["per_rank"][0]
+    print(f"estimate {planned}; on the GPU {real}")  # the note records both
+    for kind in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert planned[kind] == real[kind], kind
+    assert abs(planned["peak_bytes"] - real["cuda_max_allocated_bytes"]) <= 0.2 * real["cuda_max_allocated_bytes"]

@@ -49,6 +49,8 @@ def main() -> None:
     model, optimizer, step = step_memory._prepared(recipe, cfg, settings, accelerator, examples)
     tracker = step_memory._LocalTensorTracker()  # on real tensors: what the step really allocates
     tracker.track_external(model, *optimizer.optimizers)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     with tracker:
         for _ in range(2):
             tracker.reset_mod_stats()
@@ -66,6 +68,7 @@ def main() -> None:
         # DDP's buckets: built before the count, then built again in the second step's forward (DDP orders them
         # as the first backward readied the gradients), so the count holds them once
         "tracked_peak_bytes": peak,
+        "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
     }
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(held))
     accelerator.wait_for_everyone()
