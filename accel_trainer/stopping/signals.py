@@ -149,10 +149,14 @@ class PreemptionWatcher:
             self.signal_name = f"max_time={self._max_time}"
         if self._group is None:
             return bool(self.signal_name)
-        flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32)
+        # 0: go on; 1: a signal; 2: the budget, which every process has: each says why the run stopped, not the
+        # first process whose clock passed the deadline alone (the others said "a signal to another process")
+        reason = 2 if self.signal_name.startswith("max_time=") else int(bool(self.signal_name))
+        flag = torch.tensor([reason], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         if flag.item() and not self.signal_name:
             # This process's own copy may have arrived while it waited in the collective: Python runs the handler
             # only once the call returns (a terminal's Ctrl-C reaches every process, not always at the same time).
-            self.signal_name = received_signal() or "a signal to another process"
+            budget = f"max_time={self._max_time}" if flag.item() == 2 else ""
+            self.signal_name = received_signal() or budget or "a signal to another process"
         return bool(flag.item())

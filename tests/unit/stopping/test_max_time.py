@@ -61,11 +61,12 @@ def test_a_budget_is_bookkeeping_so_the_next_job_may_have_another():
 
 @pytest.mark.multiprocess
 def test_two_processes_spend_their_budget_together(tmp_path):
-    """8 s: with 4, a loaded machine once spent the budget in the launch's set-up (its output was not kept)."""
-    result = accelerate_launch("cpu_ddp", *MLP, "max_time=8s", f"output_dir={tmp_path}", check=False)
+    """Each process says the budget stopped it, also the one whose own clock had not yet passed it when the other's
+    had (it said "stopped by a signal to another process", seen in a fresh-clone CI run)."""
+    result = accelerate_launch("cpu_ddp", *MLP, "max_time=4s", f"output_dir={tmp_path}", check=False)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output  # the launcher reports its workers' 75 as a failure
     steps = {int(line.split("after step ")[1].split(";")[0])
-             for line in output.splitlines() if "stopped by max_time=8s" in line}  # fmt: skip
+             for line in output.splitlines() if "stopped by max_time=4s" in line}  # fmt: skip
     assert len(steps) == 1, output
     assert (tmp_path / "checkpoints" / f"step_{steps.pop():08d}").is_dir()
