@@ -32,9 +32,8 @@ def estimate(*words: str, check: bool = True) -> subprocess.CompletedProcess:
         ("cpu_fsdp", WIDE_GPT),
         ("cpu_tp", SMALL_GPT),
         ("cpu_pp", SMALL_GPT),
-        ("cpu_fsdp_tp", SMALL_GPT),
     ],
-    ids=["cpu-wide", "cpu_ddp-wide", "cpu_fsdp-wide", "cpu_tp", "cpu_pp", "cpu_fsdp_tp"],
+    ids=["cpu-wide", "cpu_ddp-wide", "cpu_fsdp-wide", "cpu_tp", "cpu_pp"],
 )
 def test_the_estimate_of_a_cpu_layout_is_what_its_real_processes_hold(layout, model, tmp_path):
     """The real side runs the estimate's own preparation and steps on real tensors and a real gloo group
