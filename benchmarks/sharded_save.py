@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/sharded_save.py     # part of `make bench`; docs/benchmarks.md
 
 Each layout (FSDP, tensor parallel, pipeline: 2 CPU processes) trains the GPT recipe at 16 layers x 512 (51M
-parameters: 0.8 GB of weights and AdamW state over the two processes, the state of benchmarks/checkpoint_speed.py)
+parameters: 0.6 GB of weights and AdamW state over the two processes, the state of benchmarks/checkpoint_speed.py)
 twice, saving every 2 steps up to step 12, once synchronously and once with `async_save=true`. The figures are the
 run's own `events.jsonl`: a `checkpoint` event's `seconds` is how long training stopped for the save (waiting for
 an earlier write included), and each background write's `checkpoint_written` event says how long it wrote. Target
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from accel_trainer.processes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -30,12 +31,6 @@ GPT = ["n_layer=16", "d_model=512", "n_head=8", "block_size=64", "global_batch_s
        "max_steps=12", "save_every_steps=2", "keep_last=0", "eval_every_steps=0", "log_every_steps=2",
        "show_progress_bar=false", "report=false", "max_source_bytes=200000", "eval_fraction=0.01"]  # fmt: skip
 TARGET = 0.10
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def saves(layout: str, run_dir: Path, async_save: bool) -> list[dict]:

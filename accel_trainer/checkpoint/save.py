@@ -200,7 +200,7 @@ def _write_tensors(
         if accelerator.is_main_process:
             main_writes.append(functools.partial(state_files.save_skeleton, skeleton, temporary / OPTIMIZER))
         if writer is not None:
-            return [*main_writes, writer.sharded_save(state_files.writable(tensors), storage)]
+            return [*main_writes, writer.sharded_save(tensors, storage)]
         dcp.save(state_files.writable(tensors), storage_writer=storage)
         for write in main_writes:
             write()

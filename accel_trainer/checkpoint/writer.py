@@ -4,13 +4,14 @@
 - Full weights (1 process, DDP): the main process snapshots the model and optimizer state into reused host
   buffers (pinned on CUDA), and the file work (writing, fsync, checksums, publication, retention) runs on a
   thread while training continues. Measured blocking time: 7.4% of a synchronous save (docs/benchmarks.md).
-- Sharded (FSDP, HSDP, tensor or pipeline parallel): every process stages its shards in host memory with
-  torch's `dcp.async_save` (on CUDA the copy overlaps the next forward and backward, and the optimizer step waits
-  for it) and DCP writes them on its own thread; the main process's thread then publishes.
-  DCP's collectives (planning, and the coordinator learning that every rank has written, which is what makes
-  publishing safe) run on a gloo group of their own: on the training's group they would interleave with the
-  step's collectives from another thread. The stager is kept from one save to the next, so its host buffers
-  are reused (`async_save` closes a stager it creates itself after each save, allocating afresh every time).
+- Sharded (FSDP, HSDP, tensor or pipeline parallel): on the CPU, every process copies its shards into host
+  buffers kept from one save to the next (host_shards.py) and its thread runs `dcp.save` of the copies; on CUDA,
+  torch's `dcp.async_save` stages them in pinned memory on a stream of its own, overlapping the next forward and
+  backward (the optimizer step waits for it), and writes them on its own thread; the main process's thread then
+  publishes. DCP's collectives (planning, and the coordinator learning that every rank has written, which is
+  what makes publishing safe) run on a gloo group of their own: on the training's group they would interleave
+  with the step's collectives from another thread. The CUDA stager is kept from one save to the next, so its
+  pinned buffers are reused (`async_save` closes a stager it creates itself after each save).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from accel_trainer.checkpoint import state_files
 from accel_trainer.checkpoint.files import CheckpointError
+from accel_trainer.checkpoint.host_shards import HostShards
 
 
 class BackgroundWriter:
@@ -48,15 +51,16 @@ class BackgroundWriter:
         self._staging: Any = None
         self._timeout = timedelta(seconds=collective_timeout_s)
         self._group: Any = None  # DCP's gloo group, made at the first sharded save (every process saves then)
-        self._stager: DefaultStager | None = None
+        self._stager: DefaultStager | None = None  # on CUDA
+        self._host_shards = HostShards()  # on the CPU
         self._label: Any = None  # what the write in flight is of (its step), and when it started
-        self._started = self._ended = 0.0
+        self._started = self._ended = self._ended_at = 0.0
         self._copying: Any = None  # the sharded save's copy to host memory, while it runs
         self._staging_waited_s = 0.0
         self.finished: list[dict[str, Any]] = []
         """The background writes the training thread has waited for since it last looked: step, seconds the
-        write took, seconds training waited for it (for its copy to host memory before an optimizer step, and
-        for the write at the next save or the run's end)."""
+        write took, when it ended (Unix time), seconds training waited for it (for its copy to host memory before
+        an optimizer step, and for the write at the next save or the run's end)."""
 
     def snapshot(self, state: Any) -> Any:
         """A copy of `state` in host memory that training may not change, in the buffers of the last one.
@@ -72,23 +76,34 @@ class BackgroundWriter:
         return self._staging
 
     def sharded_save(self, tensors: dict[str, Any], storage: HuggingFaceStorageWriter) -> Callable[[], None]:
-        """Copy this process's shards to host memory and write them, both on DCP's threads; returns the wait for
-        the write, which raises its failure and returns, on the main process, once every rank has written.
+        """Copy this process's shards to host memory; returns their write (run on the writer's thread), which
+        raises its failure and returns, on the main process, once every rank has written.
 
-        On CUDA the copy (to pinned memory, on a stream of its own) overlaps the next step's forward and
-        backward, which read the weights and optimizer state but do not change them; `wait_for_staging`, before
-        the optimizer step, holds the step until it is done. Buffers, which a forward may change (BatchNorm's
-        statistics), must be copies already. On the CPU the copy is made here: on a background thread it would
-        compete with the step for the same cores (measured: 0.29 s of waiting before the next optimizer step
-        against 0.07 s for the copy itself, 2 processes on 2 cores).
+        On the CPU the copy is made here, into the buffers of the last save (host_shards.py), and the whole
+        `dcp.save` runs in the background: `dcp.async_save` would still spend 0.06 s of the training thread on
+        its per-tensor logging (1,041 tensors). A copy on a background thread would compete with the step for
+        the same cores (measured: 0.29 s of waiting before the next optimizer step against 0.07 s for the copy
+        itself, 2 processes on 2 cores). On CUDA, DCP's stager copies to pinned memory on a stream of its own,
+        overlapping the next step's forward and backward, which read the weights and optimizer state but do not
+        change them; `wait_for_staging`, before the optimizer step, holds the step until it is done. Buffers,
+        which a forward may change (BatchNorm's statistics), must be copies already.
         """
-        self.wait()  # the stager's buffers are those of the last write
-        if self._stager is None:
+        self.wait()  # the host buffers are those of the last write
+        if self._group is None:
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
-            on_cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(on_cuda, False, on_cuda, on_cuda))
-        saving = dcp.async_save(tensors, storage_writer=storage, process_group=self._group, async_stager=self._stager)
-        if isinstance(saving, AsyncSaveResponse):  # the copy runs in the background (CUDA)
+            if torch.cuda.is_available():
+                self._stager = DefaultStager(StagingOptions(True, False, True, True))
+        if self._stager is None:
+            staged, group = self._host_shards.copy(tensors), self._group
+
+            def write() -> None:
+                dcp.save(staged, storage_writer=storage, process_group=group)
+
+            return write
+        saving = dcp.async_save(
+            state_files.writable(tensors), storage_writer=storage, process_group=self._group, async_stager=self._stager
+        )
+        if isinstance(saving, AsyncSaveResponse):
             self._copying, self._staging_waited_s, saving = saving.staging_completion, 0.0, saving.upload_completion
         return lambda: saving.result()
 
@@ -115,6 +130,7 @@ class BackgroundWriter:
                 {
                     "step": self._label,
                     "write_s": self._ended - self._started,
+                    "written_at": self._ended_at,  # the event's own time is when training next looked
                     "waited_s": time.perf_counter() - waiting + self._staging_waited_s,
                 }
             )
@@ -128,6 +144,7 @@ class BackgroundWriter:
         try:
             self.wait()
         finally:
+            self._host_shards = HostShards()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
@@ -138,7 +155,7 @@ class BackgroundWriter:
         except BaseException as error:  # re-raised on the training thread by wait()
             self._error = error
         finally:
-            self._ended = time.perf_counter()
+            self._ended, self._ended_at = time.perf_counter(), time.time()
 
 
 def _host_copy(value: Any, into: Any = None) -> Any:
