@@ -46,8 +46,14 @@ def estimate_command(words: list[str]) -> None:
     if line.layout is None:
         raise ConfigError(f"estimate needs a layout: accel-trainer estimate {recipe_name} layout=8gpu_fsdp ...")
     layout = read_layout(line.layout, line.launcher_options)
-    estimated = estimate(recipe_name, layout, line.overrides, line.config_file)
-    said = None if device_gb is None else _advice(recipe_name, layout, line, estimated, device_gb)
+    recipe_cls = get_recipe(recipe_name)
+    cfg = _resolved(recipe_cls, layout, line.overrides, line.config_file)
+    examples = first_examples(recipe_cls(cfg), cfg)  # read once: every rank's and the advice's (its first rows)
+    estimated = estimate(recipe_name, layout, line.overrides, line.config_file, examples=examples)
+    said = None
+    if device_gb is not None:
+        again = functools.partial(worst_rank, recipe_name, layout, line, examples)
+        said = advice(estimated, device_gb, int(cfg.micro_batch_size), lambda **changed: again(changed))
     if as_json:
         answer: dict[str, Any] = {"world_size": layout.num_processes, "per_rank": [r.as_dict() for r in estimated]}
         if said is not None and device_gb is not None:
@@ -60,18 +66,16 @@ def estimate_command(words: list[str]) -> None:
         print(said)
 
 
-def _advice(recipe_name: str, layout: Layout, line: Any, estimated: list[RankMemory], device_gb: float) -> str:
-    with layout_environment(layout):
-        settings_file = launch_settings_file()
-        cfg, _ = resolve_settings(get_recipe(recipe_name).Config, line.config_file, line.overrides, settings_file)
-    again = functools.partial(worst_rank, recipe_name, layout, line)
-    return advice(estimated, device_gb, int(cfg.micro_batch_size), lambda **changed: again(changed))
-
-
 def estimate(
-    recipe_name: str, layout: Layout, overrides: dict[str, Any], config_file: str | None = None, ranks: Any = None
+    recipe_name: str,
+    layout: Layout,
+    overrides: dict[str, Any],
+    config_file: str | None = None,
+    ranks: Any = None,
+    examples: list[Any] | None = None,
 ) -> list[RankMemory]:
-    """Each rank's memory (or the listed `ranks`') on `layout`, with the config `overrides` give.
+    """Each rank's memory (or the listed `ranks`') on `layout`, with the config `overrides` give, on the
+    micro-batch of `examples` (by default the recipe's first training rows, read here).
 
     Each rank is played in a process of its own, forked from this one (torch is imported once), as each is in
     a real launch: DTensor and DeviceMesh keep process-wide caches that take two ranks' meshes for one (the
@@ -81,9 +85,9 @@ def estimate(
         UserError: the refusal of the first rank that refuses (the run's own, in one line).
     """
     recipe_cls = get_recipe(recipe_name)
-    with layout_environment(layout):
-        cfg, _ = resolve_settings(recipe_cls.Config, config_file, dict(overrides), launch_settings_file())
-    examples = first_examples(recipe_cls(cfg), cfg)  # read once: the same first rows on every rank
+    if examples is None:
+        cfg = _resolved(recipe_cls, layout, overrides, config_file)
+        examples = first_examples(recipe_cls(cfg), cfg)
     estimated = []
     for rank in range(layout.num_processes) if ranks is None else ranks:
         answer = _in_child(_estimate_rank, recipe_cls, layout, overrides, config_file, examples, rank)
@@ -151,10 +155,19 @@ class EstimateCrashed(Exception):
     """A rank's estimate failed in recipe or framework code: its description, as a run's crash is described."""
 
 
-def worst_rank(recipe_name: str, layout: Layout, line: Any, changed: dict[str, Any]) -> RankMemory:
-    """Rank 0 estimated again with `changed` settings (for the advice): it holds the largest shard of every
-    parameter (FSDP pads the last ones) and a pipeline's first stage, which keeps the most activations."""
-    return estimate(recipe_name, layout, {**line.overrides, **changed}, line.config_file, ranks=[0])[0]
+def worst_rank(recipe_name: str, layout: Layout, line: Any, examples: list[Any], changed: dict[str, Any]) -> RankMemory:
+    """Rank 0 estimated again with `changed` settings (for the advice), on the first of `examples` a changed
+    micro-batch size takes: it holds the largest shard of every parameter (FSDP pads the last ones) and a
+    pipeline's first stage, which keeps the most activations."""
+    size = int(changed.get("micro_batch_size", len(examples)))
+    return estimate(recipe_name, layout, {**line.overrides, **changed}, line.config_file, [0], examples[:size])[0]
+
+
+def _resolved(recipe_cls: Any, layout: Layout, overrides: dict[str, Any], config_file: str | None) -> Any:
+    """The run's config on `layout` (its refusals: an unknown key, a bad value)."""
+    with layout_environment(layout):
+        cfg, _ = resolve_settings(recipe_cls.Config, config_file, dict(overrides), launch_settings_file())
+    return cfg
 
 
 def describe(recipe_name: str, layout: Layout, estimated: list[RankMemory]) -> str:

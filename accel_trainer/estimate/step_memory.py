@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -74,17 +75,8 @@ def rank_memory(
 ) -> RankMemory:
     """This process's memory through two training steps of the micro-batch of `examples` (under fake tensors:
     estimate/fake_world.py)."""
-    model, optimizer, step = _prepared(recipe, cfg, layout, accelerator, examples)
-    tracker = _LocalTensorTracker()
-    tracker.track_external(model, *optimizer.optimizers)
-    with tracker:
-        for _ in range(2):
-            tracker.reset_mod_stats()
-            step()
-            optimizer.step()
-            held = tracker.get_tracker_snapshot("current")
-            optimizer.zero_grad(set_to_none=True)
-        peak = tracker.get_tracker_snapshot("peak")
+    model, optimizer, step = prepared(recipe, cfg, layout, accelerator, examples)
+    held, peak = tracked_steps(model, optimizer, step)
     buckets = ddp_bucket_bytes(model)
     held_bytes = _by_kind(held)
     params, grads, states = (held_bytes[kind] for kind in ("param", "grad", "opt"))
@@ -92,7 +84,22 @@ def rank_memory(
     return RankMemory(rank, params, grads + buckets, states, total - params - grads - buckets - states, total)
 
 
-def _prepared(recipe: Recipe, cfg: Any, layout: LayoutSettings, accelerator: Accelerator, examples: list) -> tuple:
+def tracked_steps(model: Any, optimizer: Optimizers, step: Callable[[], None]) -> tuple[dict, dict]:
+    """Two training steps under torch's MemTracker: its snapshot after the second optimizer step (the gradients
+    and the optimizer's state both held) and its peak. tests/workers/estimate_truth.py runs them on real tensors."""
+    tracker = _LocalTensorTracker()
+    tracker.track_external(model, *optimizer.optimizers)
+    with tracker:
+        for first in (True, False):
+            tracker.reset_mod_stats()
+            step()
+            optimizer.step()
+            if first:
+                optimizer.zero_grad(set_to_none=True)
+        return tracker.get_tracker_snapshot("current"), tracker.get_tracker_snapshot("peak")
+
+
+def prepared(recipe: Recipe, cfg: Any, layout: LayoutSettings, accelerator: Accelerator, examples: list) -> tuple:
     """The model and optimizer prepared as the run prepares them, and one micro-batch's forward and backward."""
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is not None:  # its broadcast of the main process's weights: the same shards in the end
@@ -118,9 +125,9 @@ def _prepared(recipe: Recipe, cfg: Any, layout: LayoutSettings, accelerator: Acc
         # The first step's handshake of the loss's terms is an object broadcast, whose sizes a fake process group
         # cannot carry (and a fake tensor cannot read): the estimate needs no loss, so it says there are none.
         pipeline._term_names, pipeline._counts_items = [], False
-        return model, _Optimizers(inner), functools.partial(pipeline.train, batch)
+        return model, Optimizers(inner), functools.partial(pipeline.train, batch)
     step = functools.partial(_forward_backward, recipe, model, batch, accelerator, ranks.context_parallel)
-    return model, _Optimizers(inner), step
+    return model, Optimizers(inner), step
 
 
 def _forward_backward(recipe: Recipe, model: Any, batch: Any, accelerator: Accelerator, cp: int) -> None:
@@ -163,12 +170,11 @@ class _LocalTensorTracker(MemTracker):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-class _Optimizers:
+class Optimizers:
     """The prepared optimizers stepped together (a recipe with several steps each in a step)."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self.optimizers = optimizers
-        self.state = {k: v for optimizer in optimizers for k, v in optimizer.state.items()}
 
     def step(self) -> None:
         for optimizer in self.optimizers:

@@ -1,6 +1,6 @@
 """What a launched process of a real layout holds through the estimate's two training steps, on real tensors:
 counted directly from its parameters, gradients, optimizer state and DDP's buckets, and its peak as torch's
-MemTracker sees the real steps (the estimate's own preparation, `step_memory._prepared`, run on real tensors and a
+MemTracker sees the real steps (the estimate's own preparation, `step_memory.prepared`, run on real tensors and a
 real process group). Writes <out>/rank<r>.json for test_estimate.py to set beside the estimate.
 
     accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml tests/workers/estimate_truth.py gpt OUT k=v ...
@@ -46,19 +46,11 @@ def main() -> None:
     recipe = recipe_cls(cfg)
     examples = step_memory.first_examples(recipe, cfg)
     rank = accelerator.process_index
-    model, optimizer, step = step_memory._prepared(recipe, cfg, settings, accelerator, examples)
-    tracker = step_memory._LocalTensorTracker()  # on real tensors: what the step really allocates
-    tracker.track_external(model, *optimizer.optimizers)
+    model, optimizer, step = step_memory.prepared(recipe, cfg, settings, accelerator, examples)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with tracker:
-        for _ in range(2):
-            tracker.reset_mod_stats()
-            step()
-            optimizer.step()
-            if _ == 0:
-                optimizer.zero_grad(set_to_none=True)
-        peak = sum(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
+    _, tracked_peak = step_memory.tracked_steps(model, optimizer, step)  # on real tensors: what the step allocates
+    peak = sum(snapshot["Total"] for snapshot in tracked_peak.values())
     parameters = list(model.parameters())
     states = [v for o in optimizer.optimizers for state in o.state.values() for v in state.values()]
     held = {
