@@ -42,10 +42,20 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, num_processes: i
     if global_batch_size % per_step:
         raise ConfigError(
             f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size={micro_batch_size}"
-            f" x {num_processes} data-parallel rank(s) = {per_step}; pick a global_batch_size divisible by {per_step}"
-            " or a smaller micro_batch_size"
+            f" x {num_processes} data-parallel rank(s) = {per_step}; "
+            + _sizes_that_divide(global_batch_size, micro_batch_size, num_processes)
         )
     return BatchPlan(global_batch_size, micro_batch_size, num_processes, global_batch_size // per_step)
+
+
+def _sizes_that_divide(global_batch_size: int, micro_batch_size: int, num_processes: int) -> str:
+    """The fix, with numbers: the nearest global batches that divide, and the largest smaller micro-batch that
+    divides this one (none where the global batch does not split over the ranks at all)."""
+    per_step = micro_batch_size * num_processes
+    below, above = global_batch_size // per_step * per_step, (global_batch_size // per_step + 1) * per_step
+    said = f"pick a global_batch_size divisible by {per_step} ({' or '.join(str(n) for n in (below, above) if n)})"
+    smaller = [m for m in range(micro_batch_size - 1, 0, -1) if global_batch_size % (m * num_processes) == 0]
+    return said + (f" or a smaller micro_batch_size that divides it: {smaller[0]}" if smaller else "")
 
 
 def per_process_batch(global_batch_size: int, num_processes: int) -> int:
