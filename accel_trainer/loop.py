@@ -54,8 +54,7 @@ def train_loop(
     module = sys.modules.get(type(recipe).__module__)  # no file for a recipe typed in a notebook or `python -c`
     identity = RunIdentity(recipe_name, cfg, layout, getattr(module, "__file__", None))
     run = prepare_run(recipe, identity, accelerator, run_dir)
-    state = run.restore()
-    run.data.check_position(state.data_position)  # before the run folder changes
+    state = run.restore()  # a position the data cannot continue from is refused before the run folder changes
     check_early_stop(cfg, run.data.eval_set is not None)
     if state.step >= cfg.max_steps or state.stopped_early:  # the run's files stay as they are: nothing trains
         return run.already_trained()

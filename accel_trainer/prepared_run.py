@@ -89,8 +89,9 @@ class Run:
 
     def restore(self) -> TrainState:
         """Load the checkpoint `resume` names, if any (Checkpointer.restore), and return the run's state; a run
-        the non-finite guard stopped gets a new allowance."""
-        state = self.checkpointer.restore()
+        the non-finite guard stopped gets a new allowance. A data position this run's data cannot continue from
+        (a stream split over another number of processes) is refused before anything is loaded or said."""
+        state = self.checkpointer.restore(self.data.check_position)
         if self.guard is not None:
             self.guard.resume(state)
         return state

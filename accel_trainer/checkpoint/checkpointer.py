@@ -50,12 +50,15 @@ class Checkpointer:
         """Applies the saved RNG states; the data path calls it at the moment the uninterrupted run was at."""
         self.writer = BackgroundWriter(identity.layout.collective_timeout_s) if self.cfg.async_save else None
 
-    def restore(self) -> TrainState:
-        """Load the checkpoint `resume` names, if any, into the prepared objects; return the run's state."""
+    def restore(self, check_position: Callable[[Any], None] | None = None) -> TrainState:
+        """Load the checkpoint `resume` names, if any, into the prepared objects; return the run's state.
+        `check_position` refuses a data position this run cannot continue from, before anything is loaded."""
         folder = resume_point(self.accelerator, self.cfg, self.run_dir)
         if folder is None:
             return self.state
-        self.state, rng_states = checkpoint_restore.restore(self.accelerator, folder, self.trained, self.identity)
+        self.state, rng_states = checkpoint_restore.restore(
+            self.accelerator, folder, self.trained, self.identity, check_position
+        )
         if self.accelerator.is_main_process:
             print(f"resuming from {folder} at step {self.state.step}", flush=True)
         if rng_states:
@@ -112,8 +115,8 @@ class Checkpointer:
             self.writer.wait_for_staging()
 
     def background_writes(self) -> list[dict[str, float]]:
-        """The background writes finished since the last call (step, write_s, and waited_s: how long training
-        waited for it at the next save or at the end), for events.jsonl."""
+        """The background writes finished since the last call (step, write_s, written_at, and waited_s: how long
+        training waited for it at the next save or at the end), for events.jsonl."""
         if self.writer is None:
             return []
         finished, self.writer.finished = self.writer.finished, []

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +53,14 @@ from accel_trainer.rng import rng_file_name
 
 
 def restore(
-    accelerator: Accelerator, folder: Path, trained: Trained, identity: RunIdentity
+    accelerator: Accelerator,
+    folder: Path,
+    trained: Trained,
+    identity: RunIdentity,
+    check_position: Callable[[Any], None] | None = None,
 ) -> tuple[TrainState, dict[str, Any] | None]:
-    """Load a verified checkpoint into the prepared objects.
+    """Load a verified checkpoint into the prepared objects; `check_position` refuses its data position, if this
+    run's data cannot continue from it, before anything is loaded or said.
 
     Returns its train state and this process's saved RNG states, which the caller applies at the moment that
     matches the uninterrupted run (see loop.py); None when the process count changed, after a warning.
@@ -75,7 +80,7 @@ def restore(
     if problem[0]:
         raise CheckpointError(problem[0])
     with step_hooks_silenced(trained.optimizers.torch_optimizers()):
-        return _restore_checked(accelerator, folder, trained, identity)
+        return _restore_checked(accelerator, folder, trained, identity, check_position)
 
 
 @contextlib.contextmanager
@@ -105,7 +110,11 @@ def step_hooks_silenced(optimizers: tuple[torch.optim.Optimizer, ...]) -> Iterat
 
 
 def _restore_checked(
-    accelerator: Accelerator, folder: Path, trained: Trained, identity: RunIdentity
+    accelerator: Accelerator,
+    folder: Path,
+    trained: Trained,
+    identity: RunIdentity,
+    check_position: Callable[[Any], None] | None,
 ) -> tuple[TrainState, dict[str, Any] | None]:
     """`restore` once the folder is verified: load it if it fits this run, else a CheckpointError."""
     model_state: Any
@@ -123,8 +132,11 @@ def _restore_checked(
         )
         check_frozen(folder, recorded, trained.frozen)
         check_tokenizer(folder, recorded, trained.tokenizer)
+        state = TrainState.from_dict(recorded)
+        if check_position is not None:
+            check_position(state.data_position)
         rng_states = _load(accelerator, folder, recorded, trained, model_state, optimizer_state)
-        return TrainState.from_dict(recorded), rng_states
+        return state, rng_states
     except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as error:
         raise CheckpointError(f"checkpoint {folder} cannot be loaded: {type(error).__name__}: {error}") from None
 

@@ -161,7 +161,7 @@ def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
     assert {e["background"] for e in events(tmp_path / "async", "checkpoint")} == {True}
     written = events(tmp_path / "async", "checkpoint_written")
     assert [e["step"] for e in written] == [4, 8, 12]
-    assert all(e["write_s"] > 0 and e["waited_s"] >= 0 for e in written)
+    assert all(e["write_s"] > 0 and e["waited_s"] >= 0 and e["written_at"] <= e["time"] for e in written)
 
 
 def events(run_dir, name: str) -> list[dict]:

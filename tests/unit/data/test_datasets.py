@@ -9,6 +9,9 @@ one-line error.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 import torch
 
@@ -168,3 +171,28 @@ def test_collate_receives_examples_in_torch_format_as_the_contract_says(tmp_path
     assert isinstance(example["x"], torch.Tensor) and example["x"].shape == (2,)
     assert isinstance(example["y"], torch.Tensor) and example["y"].ndim == 0
     assert example["name"] == "a"
+
+
+def test_a_stream_position_the_run_cannot_continue_is_refused_before_anything_is_loaded_or_said(tmp_path, recwarn):
+    """A checkpoint of a stream split over 2 processes, resumed on 1: one line, and no warning first that the
+    data order continues exactly."""
+    at.registry.discover_recipes([WORKERS / "recipes"])
+    settings = dict(source="hf_sharded", max_steps=2, save_every_steps=2, show_progress_bar=False, report=False)
+    at.train("sources", output_dir=str(tmp_path / "run"), **settings)
+    folder = tmp_path / "run" / "checkpoints" / "step_00000002"
+    as_if_split_over_two_processes(folder)
+
+    with pytest.raises(ConfigError, match="resume on 2 data-parallel processes with stream_split=auto"):
+        at.train("sources", output_dir=str(tmp_path / "resumed"), resume=str(folder), **settings)
+    assert not [w for w in recwarn if "continue exactly" in str(w.message)]
+
+
+def as_if_split_over_two_processes(folder):
+    """Rewrite a checkpoint's train state (and its manifest entry) as a 2-process split stream saves it."""
+    recorded = json.loads((folder / "train_state.json").read_text())
+    recorded["world_size"], recorded["data_position"] = 2, {"parts": [{"epoch": 0, "read": 8, "state": None}] * 2}
+    written = json.dumps(recorded).encode()
+    (folder / "train_state.json").write_bytes(written)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["train_state.json"] = {"bytes": len(written), "sha256": hashlib.sha256(written).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
