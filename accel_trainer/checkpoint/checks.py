@@ -85,13 +85,16 @@ def check_compatible(
     With `same_run` (resume=auto: continuing the run in its own folder) a changed key that alters the
     trajectory (lr, seed, batch sizes, recipe fields) is refused, since the folder would then mix two runs;
     a checkpoint named explicitly (resume=<path>) is a starting point, and such changes are only warned about.
+    A key the checkpoint does not hold (a field added to the recipe or the framework since) is a change only
+    where this run sets it away from its default.
     """
     if state["recipe"] != recipe_name:
         raise CheckpointError(f"the checkpoint was written by recipe {state['recipe']!r}, not {recipe_name!r}")
+    saved, defaults = state["config"], config_to_dict(type(cfg)())
     changed = {
-        key: (state["config"].get(key), value)
+        key: (saved.get(key), value)
         for key, value in config_to_dict(cfg).items()
-        if state["config"].get(key) != value and key not in _BOOKKEEPING_KEYS
+        if key not in _BOOKKEEPING_KEYS and (saved[key] != value if key in saved else defaults.get(key) != value)
     }
     listed = {key: f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()}
     if same_run and set(changed) - _CONTINUABLE_KEYS:

@@ -8,6 +8,7 @@ continues it; and metrics.jsonl never holds a step twice after a resume.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -48,6 +49,21 @@ def test_the_same_folder_with_another_lr_is_refused_naming_the_change(tmp_path):
         at.train("vae", output_dir=str(tmp_path), **{**QUICK, "lr": 1e-2})
 
     assert (tmp_path / "config.yaml").read_text() == config_before
+
+
+def test_a_key_the_checkpoint_does_not_hold_is_a_change_only_away_from_its_default():
+    """A field added to the recipe or the framework after the checkpoint was written: at its default, the run
+    continues; set to something else, it is another run."""
+    from accel_trainer.checkpoint.checks import check_compatible
+    from accel_trainer.config.train_config import config_to_dict
+
+    cfg = at.get_recipe("vae").Config()
+    written_before_lr_existed = {key: value for key, value in config_to_dict(cfg).items() if key != "lr"}
+    state = {"recipe": "vae", "config": written_before_lr_existed, "parameter_shapes": {}}
+
+    check_compatible(state, "vae", cfg, {}, same_run=True)
+    with pytest.raises(CheckpointError, match=r"another config \(lr None -> 0.01\)"):
+        check_compatible(state, "vae", dataclasses.replace(cfg, lr=0.01), {}, same_run=True)
 
 
 def test_a_finished_run_says_so_and_returns_its_final_metrics(tmp_path, capsys):
