@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from accel_trainer.processes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -27,12 +28,6 @@ FIXED_SHAPES = {"cpu_pp_fsdp"}  # pipeline x FSDP trains one batch shape: the GP
 GPT = ["max_steps=4", "global_batch_size=16", "micro_batch_size=4", "log_every_steps=2", "eval_every_steps=0",
        "show_progress_bar=false", "save_every_steps=0"]  # fmt: skip
 BYTES_PER_ELEMENT = 16  # fp32 parameter + gradient + AdamW's two moments
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def measure(layout: str, scratch: Path) -> dict:

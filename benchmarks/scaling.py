@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from accel_trainer.processes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -34,12 +35,6 @@ def tokens_per_s(run_dir: Path) -> float:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     speeds = [r["items_per_s"] for r in records if "items_per_s" in r][1:]
     return sum(speeds) / len(speeds)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 MATMUL = """

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from accel_trainer.data import loaders
 from accel_trainer.data.batching import plan_batches
 from accel_trainer.data.stream_split import SplitStream, position_for
 from accel_trainer.data.streams import TrainStream
+from accel_trainer.processes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -93,12 +93,6 @@ def write_corpus(folder: Path) -> None:
         with open(folder / f"part_{index}.jsonl", "w") as out:
             while out.tell() < FILE_BYTES:
                 out.write(json.dumps({"text": next(paragraphs)}) + "\n")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def train(layout: str, run_dir: Path, corpus: Path, *overrides: str) -> float:
