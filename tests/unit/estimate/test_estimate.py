@@ -25,20 +25,25 @@ def estimate(*words: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    ("layout", "model"),
+    ("layout", "model", "peak_within"),
     [
-        ("cpu", WIDE_GPT),
-        ("cpu_ddp", WIDE_GPT),
-        ("cpu_fsdp", WIDE_GPT),
-        ("cpu_tp", SMALL_GPT),
-        ("cpu_pp", SMALL_GPT),
+        ("cpu", WIDE_GPT, 0.02),
+        ("cpu_ddp", WIDE_GPT, 0.02),
+        ("cpu_fsdp", WIDE_GPT, 0.02),
+        ("cpu_tp", SMALL_GPT, 0.02),
+        ("cpu_pp", SMALL_GPT, 0.02),
+        ("cpu_fsdp_tp", SMALL_GPT, 0.20),
     ],
-    ids=["cpu-wide", "cpu_ddp-wide", "cpu_fsdp-wide", "cpu_tp", "cpu_pp"],
+    ids=["cpu-wide", "cpu_ddp-wide", "cpu_fsdp-wide", "cpu_tp", "cpu_pp", "cpu_fsdp_tp"],
 )
-def test_the_estimate_of_a_cpu_layout_is_what_its_real_processes_hold(layout, model, tmp_path):
+def test_the_estimate_of_a_cpu_layout_is_what_its_real_processes_hold(layout, model, peak_within, tmp_path):
     """The real side runs the estimate's own preparation and steps on real tensors and a real gloo group
     (tests/workers/estimate_truth.py). The wide model caught DTensor's shape planning counted as memory (FSDP's
-    optimizer step, 4 whole models too many) and DDP's buckets counted twice."""
+    optimizer step, 4 whole models too many) and DDP's buckets counted twice. The peak is the same to the byte
+    where a step frees its tensors in one order; under FSDP x TP a real process sometimes still holds one or two
+    more tensors of the full logits' size (4 x 64 x 257 floats) when its peak comes (+5% or +9% on a
+    tensor-parallel rank 1 in 5 of 7 runs: when a gloo collective's work lets go of its buffers is timing), hence
+    the issue's 20% there."""
     accelerate_launch(layout, WORKERS / "estimate_truth.py", "gpt", str(tmp_path), *model)
     planned = json.loads(estimate("gpt", f"layout={layout}", *model, "--json").stdout)
     assert planned["world_size"] == len(list(tmp_path.glob("rank*.json")))
@@ -47,7 +52,7 @@ def test_the_estimate_of_a_cpu_layout_is_what_its_real_processes_hold(layout, mo
         assert memory["rank"] == rank
         for kind in ("params_bytes", "grads_bytes", "optimizer_bytes"):
             assert memory[kind] == real[kind], (kind, memory, real)
-        assert abs(memory["peak_bytes"] - real["tracked_peak_bytes"]) <= 0.02 * real["tracked_peak_bytes"]
+        assert abs(memory["peak_bytes"] - real["tracked_peak_bytes"]) <= peak_within * real["tracked_peak_bytes"]
         parts = memory["params_bytes"] + memory["grads_bytes"] + memory["optimizer_bytes"]
         assert memory["activations_bytes"] == memory["peak_bytes"] - parts > 0
 
