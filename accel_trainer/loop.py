@@ -26,6 +26,7 @@ from accel_trainer.checkpoint.trained import RunIdentity
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.evaluation import evaluate_after, evaluate_baseline
+from accel_trainer.heap import setup_left_out_of_collections
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
 from accel_trainer.observe.profiling import dump_out_of_memory
@@ -63,8 +64,12 @@ def train_loop(
     try:
         timeout_s = layout.collective_timeout_s
         preemption = PreemptionWatcher(accelerator.num_processes, timeout_s, cfg.max_time, setup_started)
-        with Stopping(run.cfg, run.guard, preemption) as stopping, contextlib.closing(run.micro_batches()) as batches:
-            final = _train_steps(run, batches, observer, stopping)  # the micro-batches may hold a prefetch thread
+        with (
+            setup_left_out_of_collections(),
+            Stopping(run.cfg, run.guard, preemption) as stopping,
+            contextlib.closing(run.micro_batches()) as batches,  # the micro-batches may hold a prefetch thread
+        ):
+            final = _train_steps(run, batches, observer, stopping)
     except torch.cuda.OutOfMemoryError:
         print(
             f"accel-trainer: out of CUDA memory; what it held: {dump_out_of_memory(run_dir, accelerator)}", flush=True

@@ -16,7 +16,7 @@ from conftest import REPO
 
 PACKAGE = REPO / "accel_trainer"
 LAYERS = [  # bottom first; a unit is a top-level module or a whole package
-    {"errors", "rng", "warning_lines", "closed_stdout"},
+    {"errors", "rng", "warning_lines", "closed_stdout", "heap"},
     {"config"},
     {"losses"},
     {"recipe", "hf_loss", "eval_outputs", "batch_rows", "schedules", "model_calls", "shipped", "pretrained"},
