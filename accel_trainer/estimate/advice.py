@@ -26,18 +26,18 @@ def advice(
     worst = max(estimated, key=lambda memory: memory.peak_bytes)
     if worst.peak_bytes <= budget:
         return (
-            f"fits: every rank peaks at most {worst.peak_bytes / 1e9:.2f} GB of {device_gb:g} GB"
+            f"fits: every rank peaks at most {_size(worst.peak_bytes)} of {_size(device_gb * 1e9)}"
             f" ({worst.peak_bytes / (device_gb * 1e9):.0%}; {USABLE:.0%} is usable for tensors)"
         )
     over = [memory.rank for memory in estimated if memory.peak_bytes > budget]
     lines = [
-        f"does not fit: rank(s) {_ranks(over)} peak at {worst.peak_bytes / 1e9:.2f} GB, over {USABLE:.0%} of"
-        f" {device_gb:g} GB"
+        f"does not fit: rank(s) {_ranks(over)} peak at {_size(worst.peak_bytes)}, over {USABLE:.0%} of"
+        f" {_size(device_gb * 1e9)}"
     ]
     state = worst.params_bytes + worst.grads_bytes + worst.optimizer_bytes
     if state > budget:
         lines.append(
-            f"  the model's parameters, gradients and optimizer state alone take {state / 1e9:.2f} GB a rank: shard"
+            f"  the model's parameters, gradients and optimizer state alone take {_size(state)} a rank: shard"
             " them over more processes (more GPUs, on an FSDP layout if this is not one) or train a smaller model"
         )
         return "\n".join(lines)
@@ -53,9 +53,9 @@ def _first_that_fits(budget: float, micro_batch_size: int, again: Callable[..., 
         except UserError:  # a micro-batch that does not divide the global batch
             continue
         said = " ".join(f"{key}={value}" for key, value in changes.items())
-        tried.append(f"{said}: {memory.peak_bytes / 1e9:.2f} GB")
+        tried.append(f"{said}: {_size(memory.peak_bytes)}")
         if memory.peak_bytes <= budget:
-            return f"  fits with {said} (peak {memory.peak_bytes / 1e9:.2f} GB)"
+            return f"  fits with {said} (peak {_size(memory.peak_bytes)})"
     return "  nothing tried fits (" + "; ".join(tried) + "): shard over more processes or shorten the sequences"
 
 
@@ -68,6 +68,15 @@ def _candidates(size: int) -> list[dict[str, Any]]:
     plain = [{"micro_batch_size": half} for half in halves]
     checkpointed = [{"activation_checkpointing": "true", **change} for change in plain]
     return [{"activation_checkpointing": "true"}, *[c for pair in zip(plain, checkpointed, strict=True) for c in pair]]
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the largest decimal unit that keeps the figure at least 1, as `--device_memory_gb` counts (a tiny
+    model's peak read 0.00 GB)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} bytes"
 
 
 def _ranks(ranks: list[int]) -> str:

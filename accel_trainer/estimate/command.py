@@ -30,8 +30,6 @@ from accel_trainer.parallel.layout_file import Layout, layout_environment, read_
 from accel_trainer.parallel.mesh import data_ranks
 from accel_trainer.registry import get_recipe, recipe_name_of
 
-_MIB = 2**20
-
 
 def estimate_command(words: list[str]) -> None:
     """Run the command on its words (after `estimate`); prints the table, or the JSON with `--json`.
@@ -171,39 +169,42 @@ def _resolved(recipe_cls: Any, layout: Layout, overrides: dict[str, Any], config
 
 
 def describe(recipe_name: str, layout: Layout, estimated: list[RankMemory]) -> str:
-    """The table: a line per rank, ranks of equal figures merged (`0-7`), in MiB."""
+    """The table: a line per rank, ranks of equal figures merged (`0-7`), in MiB (KiB where every peak is under
+    1 MiB: a tiny model's read 0.0 throughout)."""
+    unit, scale = ("KiB", 2**10) if max(memory.peak_bytes for memory in estimated) < 2**20 else ("MiB", 2**20)
     lines = [
-        f"{recipe_name} on {layout.path.stem} ({layout.num_processes} process(es)): memory per process in MiB,"
+        f"{recipe_name} on {layout.path.stem} ({layout.num_processes} process(es)): memory per process in {unit},"
         " estimated with fake tensors on this CPU (eager: torch.compile would hold no more)",
         f"{'ranks':>8} {'params':>10} {'grads':>10} {'optimizer':>10} {'activations':>12} {'peak':>10}",
     ]
-    for first, last, memory in _merged(estimated):
+    for first, last, memory in _merged(estimated, scale):
         ranks = f"{first}" if first == last else f"{first}-{last}"
-        shown = _shown(memory)
+        shown = _shown(memory, scale)
         lines.append(
             f"{ranks:>8} " + " ".join(f"{value:>10}" for value in shown[:3]) + f" {shown[3]:>12} {shown[4]:>10}"
         )
     lines.append(
-        "params, grads, optimizer: held after a step (a sharded layout's padded shards; DDP's grads include its"
-        " gradient buckets); activations: the rest of the peak (activations, temporaries, FSDP's gathered blocks)"
+        "params, grads, optimizer: held after a step (a sharded layout's padded shards, though an optimizer's state"
+        " is as long as the shard's real part; DDP's grads include its gradient buckets); activations: the rest of"
+        " the peak (activations, temporaries, FSDP's gathered blocks)"
     )
     return "\n".join(lines)
 
 
-def _merged(estimated: list[RankMemory]) -> list[tuple[int, int, RankMemory]]:
+def _merged(estimated: list[RankMemory], scale: int) -> list[tuple[int, int, RankMemory]]:
     """Consecutive ranks whose figures read the same at the table's precision (FSDP pads the last shards a few
     bytes apart) share a row."""
     rows: list[tuple[int, int, RankMemory]] = []
     for memory in estimated:
-        if rows and _shown(rows[-1][2]) == _shown(memory):
+        if rows and _shown(rows[-1][2], scale) == _shown(memory, scale):
             rows[-1] = (rows[-1][0], memory.rank, rows[-1][2])
         else:
             rows.append((memory.rank, memory.rank, memory))
     return rows
 
 
-def _shown(memory: RankMemory) -> list[str]:
-    return [f"{value / _MIB:.1f}" for key, value in memory.as_dict().items() if key != "rank"]
+def _shown(memory: RankMemory, scale: int) -> list[str]:
+    return [f"{value / scale:.1f}" for key, value in memory.as_dict().items() if key != "rank"]
 
 
 def _own_options(words: list[str]) -> tuple[bool, float | None, list[str]]:
