@@ -53,7 +53,7 @@ def _sizes_that_divide(global_batch_size: int, micro_batch_size: int, num_proces
     divides this one (none where the global batch does not split over the ranks at all)."""
     per_step = micro_batch_size * num_processes
     below, above = global_batch_size // per_step * per_step, (global_batch_size // per_step + 1) * per_step
-    said = f"pick a global_batch_size divisible by {per_step} ({' or '.join(str(n) for n in (below, above) if n)})"
+    said = f"pick a global_batch_size divisible by {per_step}" + (f" ({below} or {above})" if below else "")
     smaller = [m for m in range(micro_batch_size - 1, 0, -1) if global_batch_size % (m * num_processes) == 0]
     return said + (f" or a smaller micro_batch_size that divides it: {smaller[0]}" if smaller else "")
 

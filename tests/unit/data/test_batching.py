@@ -18,7 +18,7 @@ def test_accumulation_steps_make_up_the_global_batch_on_any_number_of_processes(
 @pytest.mark.parametrize(
     ("global_batch_size", "micro_batch_size", "num_processes", "per_step", "fix"),
     [
-        (64, 32, 8, 256, "divisible by 256 (256) or a smaller micro_batch_size that divides it: 8"),
+        (64, 32, 8, 256, "divisible by 256 or a smaller micro_batch_size that divides it: 8"),
         (64, 24, 1, 24, "divisible by 24 (48 or 72) or a smaller micro_batch_size that divides it: 16"),
         (100, 8, 2, 16, "divisible by 16 (96 or 112) or a smaller micro_batch_size that divides it: 5"),
         (5, 1, 2, 2, "divisible by 2 (4 or 6)"),  # no micro-batch splits 5 over 2 ranks
