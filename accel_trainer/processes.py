@@ -183,11 +183,18 @@ def _is_signal(error: BaseException, signum: int) -> bool:
     return type(error).__name__ == "SignalException" and getattr(error, "sigval", None) == signum
 
 
-def run_layout(line: CommandLine, program: list[str], *, start: bool = True) -> int | Layout | None:
+def run_layout(
+    line: CommandLine,
+    program: list[str],
+    *,
+    start: bool = True,
+    check: Callable[[Layout], None] | None = None,
+) -> int | Layout | None:
     """A command's `layout=` (parallel/layout_file.py). Under a launcher: applied to this process; None. Not
     launched: a one-process layout (or any, with `start=False`) is returned, for the command to run in its
     environment here; the processes of a larger one are started running `program` (this command, less its
-    launcher options), and their exit status is returned."""
+    launcher options), and their exit status is returned. `check` refuses, once and here, what every process
+    would refuse seconds later (the config's own mistakes)."""
     if line.layout is None:
         return None
     layout = read_layout(line.layout, line.launcher_options)
@@ -196,6 +203,8 @@ def run_layout(line: CommandLine, program: list[str], *, start: bool = True) -> 
         return None
     if not start or (layout.num_processes == 1 and layout.num_machines == 1):
         return layout
+    if check is not None:
+        check(layout)
     return start_layout_processes(layout, program)
 
 

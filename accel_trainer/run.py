@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -39,7 +40,7 @@ from accel_trainer.observe.breadcrumb import where
 from accel_trainer.observe.trackers import check_trackers
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launched_world_size
-from accel_trainer.parallel.layout_file import check_launched_layout, layout_environment, read_layout
+from accel_trainer.parallel.layout_file import Layout, check_launched_layout, layout_environment, read_layout
 from accel_trainer.processes import end_launched_worker, launch_processes, run_layout
 from accel_trainer.registry import describe, get_recipe, recipe_name_of
 from accel_trainer.stopping.signals import EXIT_PREEMPTED, Preempted, stop_signals_caught
@@ -165,6 +166,13 @@ def main(recipe_name: str, argv: list[str] | None = None, program: list[str] | N
     raise SystemExit(status)  # called in-process (tests): the caller's signal handlers are back
 
 
+def _config_checked(recipe_name: str, line: CommandLine, layout: Layout) -> None:
+    """The config's own refusals (an unknown key, a bad value, a malformed or missing file), said once before the
+    layout's processes start: each would say it, seconds later (printed twice on 2 processes, 10 s in)."""
+    with layout_environment(layout):
+        resolve_settings(get_recipe(recipe_name).Config, line.config_file, line.overrides, launch_settings_file())
+
+
 def _command_status(recipe_name: str, arguments: list[str], program: list[str]) -> int | None:
     """Run the command; its exit status (None for --help), each failure said as `main` describes. `program`:
     how a launcher starts this command's workers (the script, or `-m accel_trainer train NAME`)."""
@@ -176,7 +184,8 @@ def _command_status(recipe_name: str, arguments: list[str], program: list[str]) 
             _print_help(recipe_name)
             return None
         line = parse_command_line(arguments)
-        answered = run_layout(line, [*program, *line.own_words], start=not line.print_config)
+        checked = functools.partial(_config_checked, recipe_name, line)
+        answered = run_layout(line, [*program, *line.own_words], start=not line.print_config, check=checked)
         if isinstance(answered, int):
             return answered
         with layout_environment(answered) if answered else contextlib.nullcontext():  # else the launcher's layout

@@ -169,9 +169,11 @@ def test_a_missing_config_file_exits_2_with_one_line_on_stderr(capsys, tmp_path)
     assert "does not exist" in one_line_error(capsys)
 
 
-def test_the_installed_command_reports_a_typo_in_one_line_and_exits_2(tmp_path):
+@pytest.mark.parametrize("layout", [[], ["layout=cpu_ddp"]], ids=["here", "2 processes"])
+def test_the_installed_command_reports_a_typo_in_one_line_and_exits_2(layout, tmp_path):
+    """On a layout of several processes too: said once, before they start (each would say it)."""
     result = subprocess.run(
-        [sys.executable, "-m", "accel_trainer", "train", "vae", "max_stepz=3"],
+        [sys.executable, "-m", "accel_trainer", "train", "vae", *layout, "max_stepz=3"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
