@@ -8,6 +8,7 @@ import pytest
 
 import accel_trainer as at
 from accel_trainer.cli import main as cli
+from accel_trainer.observe import report
 from accel_trainer.observe.events import time_breakdown
 from accel_trainer.observe.metrics import console_line
 from accel_trainer.observe.number_format import readable
@@ -115,6 +116,13 @@ def test_events_record_starts_evaluations_checkpoints_and_the_end_for_the_time_b
     assert kinds == [("start", 0), ("eval", 0), ("eval", 3), ("checkpoint", 3), ("eval", 6), ("checkpoint", 6),
                      ("end", 6), ("start", 6), ("eval", 9), ("checkpoint", 9), ("end", 9)]  # fmt: skip
     assert "over 2 attempt(s)" in (tmp_path / "report.md").read_text()
+
+
+def test_the_time_breakdown_shows_a_short_share_in_hundredths(tmp_path):
+    events = [{"event": "start", "time": 10.0, "setup_s": 0.5}, {"event": "checkpoint", "time": 10.5, "seconds": 0.04},
+              {"event": "end", "time": 11.0}]  # fmt: skip
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(event) + "\n" for event in events))
+    assert "checkpointing 0.04 s (3%)" in report._goodput(tmp_path)
 
 
 def test_the_time_breakdown_counts_setup_and_keeps_a_restarts_setup_out_of_the_gap():
