@@ -71,6 +71,7 @@ def restore(
     problem: list[str | None] = [None]
     if accelerator.is_main_process:
         try:
+            _check_named(folder)
             files.verify(folder)
             check_format(folder)
         except CheckpointError as error:
@@ -81,6 +82,15 @@ def restore(
         raise CheckpointError(problem[0])
     with step_hooks_silenced(trained.optimizers.torch_optimizers()):
         return _restore_checked(accelerator, folder, trained, identity, check_position)
+
+
+def _check_named(folder: Path) -> None:
+    """A `resume=` path that is not there: said as such, with the checkpoints beside it (a step between saves)."""
+    if folder.exists():
+        return
+    beside = sorted(path.name for path in folder.parent.glob("step_*") if path.is_dir())
+    listed = f"; {folder.parent} holds {', '.join(beside)}" if beside else ""
+    raise CheckpointError(f"resume={folder}: no checkpoint or run folder is there{listed}")
 
 
 @contextlib.contextmanager

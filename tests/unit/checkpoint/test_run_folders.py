@@ -66,6 +66,15 @@ def test_a_key_the_checkpoint_does_not_hold_is_a_change_only_away_from_its_defau
         check_compatible(state, "vae", dataclasses.replace(cfg, lr=0.01), {}, same_run=True)
 
 
+def test_resuming_from_a_step_that_was_not_saved_names_the_checkpoints_there(tmp_path):
+    at.train("vae", output_dir=str(tmp_path / "run"), save_every_steps=2, **QUICK)
+    between = checkpoint_files.checkpoints_dir(tmp_path / "run") / "step_00000003"
+
+    with pytest.raises(CheckpointError, match=r"step_00000003: no checkpoint or run folder is there; .* holds"
+                       r" step_00000002, step_00000004$"):  # fmt: skip
+        at.train("vae", output_dir=str(tmp_path / "resumed"), resume=str(between), **QUICK)
+
+
 def test_a_finished_run_says_so_and_returns_its_final_metrics(tmp_path, capsys):
     first = at.train("vae", output_dir=str(tmp_path), **QUICK)
     records_before, config_before = read_metrics(tmp_path), (tmp_path / "config.yaml").read_text()
