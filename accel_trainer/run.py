@@ -38,7 +38,7 @@ from accel_trainer.errors import LayoutError, UserError, describe_crash
 from accel_trainer.loop import train_loop
 from accel_trainer.observe.breadcrumb import where
 from accel_trainer.observe.trackers import check_trackers
-from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
+from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file, settings_on_layout
 from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launched_world_size
 from accel_trainer.parallel.layout_file import Layout, check_launched_layout, layout_environment, read_layout
 from accel_trainer.processes import end_launched_worker, launch_processes, run_layout
@@ -167,10 +167,9 @@ def main(recipe_name: str, argv: list[str] | None = None, program: list[str] | N
 
 
 def _config_checked(recipe_name: str, line: CommandLine, layout: Layout) -> None:
-    """The config's own refusals (an unknown key, a bad value, a malformed or missing file), said once before the
-    layout's processes start: each would say it, seconds later (printed twice on 2 processes, 10 s in)."""
-    with layout_environment(layout):
-        resolve_settings(get_recipe(recipe_name).Config, line.config_file, line.overrides, launch_settings_file())
+    """The config's own refusals, said once before the layout's processes start: each would say it, seconds
+    later (printed twice on 2 processes, 10 s in)."""
+    settings_on_layout(get_recipe(recipe_name).Config, layout, line.config_file, line.overrides)
 
 
 def _command_status(recipe_name: str, arguments: list[str], program: list[str]) -> int | None:

@@ -25,8 +25,8 @@ from accel_trainer.errors import ConfigError, RecipeError, UserError, describe_c
 from accel_trainer.estimate.advice import USABLE, advice
 from accel_trainer.estimate.fake_world import fake_tensors, on_the_fake_device, played_rank
 from accel_trainer.estimate.step_memory import RankMemory, first_examples, rank_memory
-from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
-from accel_trainer.parallel.layout_file import Layout, layout_environment, read_layout
+from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file, settings_on_layout
+from accel_trainer.parallel.layout_file import Layout, read_layout
 from accel_trainer.parallel.mesh import data_ranks
 from accel_trainer.registry import get_recipe, recipe_name_of
 
@@ -45,9 +45,9 @@ def estimate_command(words: list[str]) -> None:
         raise ConfigError(f"estimate needs a layout: accel-trainer estimate {recipe_name} layout=8gpu_fsdp ...")
     layout = read_layout(line.layout, line.launcher_options)
     recipe_cls = get_recipe(recipe_name)
-    cfg = _resolved(recipe_cls, layout, line.overrides, line.config_file)
+    cfg, _ = settings_on_layout(recipe_cls.Config, layout, line.config_file, line.overrides)
     examples = first_examples(recipe_cls(cfg), cfg)  # read once: every rank's and the advice's (its first rows)
-    estimated = estimate(recipe_name, layout, line.overrides, line.config_file, examples=examples)
+    estimated = estimate(recipe_name, layout, line.overrides, line.config_file, None, examples)
     said = None
     if device_gb is not None:
         again = functools.partial(worst_rank, recipe_name, layout, line, examples)
@@ -68,12 +68,12 @@ def estimate(
     recipe_name: str,
     layout: Layout,
     overrides: dict[str, Any],
-    config_file: str | None = None,
-    ranks: Any = None,
-    examples: list[Any] | None = None,
+    config_file: str | None,
+    ranks: Any,
+    examples: list[Any],
 ) -> list[RankMemory]:
-    """Each rank's memory (or the listed `ranks`') on `layout`, with the config `overrides` give, on the
-    micro-batch of `examples` (by default the recipe's first training rows, read here).
+    """Each rank's memory (or the listed `ranks`', None for all) on `layout`, with the config `overrides` give,
+    on the micro-batch of `examples` (the recipe's first training rows, read once by the caller).
 
     Each rank is played in a process of its own, forked from this one (torch is imported once), as each is in
     a real launch: DTensor and DeviceMesh keep process-wide caches that take two ranks' meshes for one (the
@@ -83,9 +83,6 @@ def estimate(
         UserError: the refusal of the first rank that refuses (the run's own, in one line).
     """
     recipe_cls = get_recipe(recipe_name)
-    if examples is None:
-        cfg = _resolved(recipe_cls, layout, overrides, config_file)
-        examples = first_examples(recipe_cls(cfg), cfg)
     estimated = []
     for rank in range(layout.num_processes) if ranks is None else ranks:
         answer = _in_child(_estimate_rank, recipe_cls, layout, overrides, config_file, examples, rank)
@@ -159,13 +156,6 @@ def worst_rank(recipe_name: str, layout: Layout, line: Any, examples: list[Any],
     pipeline's first stage, which keeps the most activations."""
     size = int(changed.get("micro_batch_size", len(examples)))
     return estimate(recipe_name, layout, {**line.overrides, **changed}, line.config_file, [0], examples[:size])[0]
-
-
-def _resolved(recipe_cls: Any, layout: Layout, overrides: dict[str, Any], config_file: str | None) -> Any:
-    """The run's config on `layout` (its refusals: an unknown key, a bad value)."""
-    with layout_environment(layout):
-        cfg, _ = resolve_settings(recipe_cls.Config, config_file, dict(overrides), launch_settings_file())
-    return cfg
 
 
 def describe(recipe_name: str, layout: Layout, estimated: list[RankMemory]) -> str:

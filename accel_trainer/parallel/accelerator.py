@@ -28,11 +28,11 @@ from accelerate.utils import (
 )
 
 from accel_trainer.config.layout import LayoutSettings, settings_file_of
-from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.config.train_config import TrainConfig, resolve_settings
 from accel_trainer.errors import ConfigError, LayoutError
 from accel_trainer.parallel import launch_fixes
 from accel_trainer.parallel.compiling import dynamo_plugin
-from accel_trainer.parallel.layout_file import layout_path_from_environment
+from accel_trainer.parallel.layout_file import Layout, layout_environment, layout_path_from_environment
 from accel_trainer.parallel.mesh import DataRanks, set_up_mesh
 from accel_trainer.parallel.pipeline.stages import Pipeline
 
@@ -178,6 +178,15 @@ def launch_settings_file() -> Path | None:
         return None
     settings = settings_file_of(config)
     return settings if settings.is_file() else None
+
+
+def settings_on_layout(
+    config_cls: type[TrainConfig], layout: Layout, config_file: str | None, overrides: dict[str, Any]
+) -> tuple[TrainConfig, LayoutSettings]:
+    """What a run on `layout` would resolve (its settings file included), from a process that is not one of the
+    layout's: its refusals (an unknown key, a bad value, a malformed or missing file), said before any starts."""
+    with layout_environment(layout):
+        return resolve_settings(config_cls, config_file, dict(overrides), launch_settings_file())
 
 
 def settings_note() -> str:
