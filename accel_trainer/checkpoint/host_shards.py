@@ -37,9 +37,9 @@ class HostShards:
         state dict, whose tensors are contiguous and share no storage, as the files need."""
         staged = {}
         for name, tensor in tensors.items():
-            twin = self._twins.get(name)
-            if twin is None or twin.source != _layout(tensor):
-                twin = self._twins[name] = _twin_of(tensor)
+            twin, layout = self._twins.get(name), _layout(tensor)
+            if twin is None or twin.source != layout:
+                twin = self._twins[name] = _twin_of(tensor, layout)
             twin.buffer.copy_(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
             staged[name] = twin.value
         for name in set(self._twins) - set(tensors):
@@ -54,13 +54,13 @@ def _layout(tensor: torch.Tensor) -> tuple:
 
 
 @torch.no_grad()
-def _twin_of(tensor: torch.Tensor) -> _Twin:
+def _twin_of(tensor: torch.Tensor, layout: tuple) -> _Twin:
     if not isinstance(tensor, DTensor):
         buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-        return _Twin(buffer, buffer, _layout(tensor))
+        return _Twin(buffer, buffer, layout)
     local = tensor.to_local()
     buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu")
     value = DTensor.from_local(
         buffer, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
     )
-    return _Twin(buffer, value, _layout(tensor))
+    return _Twin(buffer, value, layout)
