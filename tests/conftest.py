@@ -289,6 +289,20 @@ def assert_one_line_error(status: int, stderr: str, text: str) -> None:
     assert "Traceback" not in stderr
 
 
+@contextlib.contextmanager
+def one_process_mesh(dim_name: str):
+    """A 1-process gloo group and a CPU mesh of one dimension over it, for DTensor code that needs no second
+    process (the splitting itself is tested on 2)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=(dim_name,))
+    finally:
+        dist.destroy_process_group()
+
+
 def reset_accelerate_state() -> None:
     """Forget accelerate's process-wide singletons, so the next in-process run builds its own."""
     from accel_trainer.parallel.launch_fixes import forget_accelerate_state

@@ -3,20 +3,16 @@ for a tensor whose layout changed."""
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from accel_trainer.checkpoint.host_shards import HostShards
+from conftest import one_process_mesh
 
 
 @pytest.fixture
 def mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    finally:
-        dist.destroy_process_group()
+    with one_process_mesh("dp") as mesh:
+        yield mesh
 
 
 def test_the_copies_are_exact_and_later_saves_reuse_their_buffers(mesh):

@@ -12,11 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, ParallelismConfig
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import accel_trainer as at
@@ -25,7 +23,7 @@ from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.parallel import launch_fixes
 from accel_trainer.parallel.mesh import MeshShape, mesh_shape
 from accel_trainer.parallel.tensor_parallel import _check_sequence_lengths, apply_tensor_parallel, check_tp_plan
-from conftest import launcher_sizes
+from conftest import launcher_sizes, one_process_mesh
 
 
 @pytest.mark.parametrize(
@@ -92,11 +90,8 @@ def test_the_config_handed_to_accelerate_under_fsdp_hides_tp_from_prepare_but_no
 @pytest.fixture
 def tp_mesh():
     """A 1-process tensor-parallel mesh: enough to check and apply a plan (the splitting is tested on 2)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
+    with one_process_mesh("tp") as mesh:
+        yield mesh
 
 
 class TinyLM(nn.Module):
