@@ -6,12 +6,16 @@ The corpus: 8 JSON-lines files of the Python standard library's sources (about 3
 `datasets.load_dataset("json", streaming=True)` (8 shards) and tokenized in the stream by a word-level
 tokenizer in Python (a regular expression and a hash), into 128-token windows. The model is tiny (an embedding
 and a linear layer predicting the next token), so reading and tokenizing dominate the step: the workload
-`stream_split` is for. Every run has one thread per process.
+`stream_split` is for. Every run has one torch thread per process and reads ahead on a thread
+(`num_prefetch_batches=8`), so that a process reading more slowly for a few steps does not hold the others
+back at every step.
 
-1. Tokens/s of 1 process, of 2 processes reading their own 4 files each (`stream_split=auto`) and of 2 processes
-   reading the whole stream (`stream_split=off`, the exact mode): the framework's own `items_per_s` x 128,
-   medians of the records after the first, over the same 400 steps. The 1-process and split runs alternate in
-   PAIRS pairs and the ratio is the median of the pairs' (one pair was a noisy ratio: the box's speed drifts).
+1. Tokens/s of 1 process on one core, and of 2 processes on the two cores reading their own 4 files each
+   (`stream_split=auto`): the framework's own `items_per_s` x 128, medians of the records after the first, over
+   the same 400 steps. Equal cores per process: a lone process with a reading thread would otherwise run its
+   step on the second core while the thread reads, a 2-core program of its own (printed beside, with the exact
+   mode `stream_split=off` and the split without reading ahead). The 1-process and split runs alternate in
+   PAIRS pairs and the ratio is the median of the pairs' (the box's speed drifts from run to run).
    Target (issue 25): split 2 processes >= 1.6x the tokens/s of 1.
 2. A resume at step 400 of the split run: the time from a `SplitStream` built on process 0's position in the
    checkpoint to its first micro-batch, against the run's own seconds per step. Target: <= 2 steps. The exact
@@ -48,7 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 FILES, FILE_BYTES, WINDOW, VOCAB = 8, 3_000_000, 128, 256
 RUN = ["global_batch_size=64", "micro_batch_size=32", "log_every_steps=25", "eval_every_steps=0",
-       "show_progress_bar=false", "report=false", "lr=1e-2", "warmup_steps=0"]  # fmt: skip
+       "show_progress_bar=false", "report=false", "lr=1e-2", "warmup_steps=0", "num_prefetch_batches=8"]  # fmt: skip
 RESUME_STEP, TARGET_SPEEDUP, TARGET_RESUME_STEPS = 400, 1.6, 2.0
 PAIRS = 3
 MAP_BATCH = 64  # paragraphs: about 8 windows
@@ -98,13 +102,16 @@ def write_corpus(folder: Path) -> None:
                 out.write(json.dumps({"text": next(paragraphs)}) + "\n")
 
 
-def train(layout: str, run_dir: Path, corpus: Path, *overrides: str) -> float:
-    """Train in real processes; the median tokens/s of the log records after the first."""
+def train(layout: str, run_dir: Path, corpus: Path, *overrides: str, one_core: bool = False) -> float:
+    """Train in real processes (`one_core`: every thread of them on core 0); the median tokens/s of the log
+    records after the first."""
     command = [str(BIN / "accelerate"), "launch", "--num_cpu_threads_per_process", "1", "--config_file",
                str(REPO / "accelerate_configs" / f"{layout}.yaml"), "--main_process_port", str(free_port()),
                "-m", "accel_trainer", "train", __file__, f"layout=accelerate_configs/{layout}.yaml",
                f"output_dir={run_dir}", f"corpus={corpus}", *RUN, *overrides]  # fmt: skip
-    subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True)
+    on_core_0 = (lambda: os.sched_setaffinity(0, {0})) if one_core else None  # inherited by every thread and child
+    subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True,
+                   preexec_fn=on_core_0)  # fmt: skip
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["items_per_s"] for r in records if "items_per_s" in r and r["step"] > 25) * WINDOW
 
@@ -136,24 +143,31 @@ def main() -> None:
         write_corpus(corpus)
         # Pairs over the same steps, one after the other: the box's speed drifts from run to run (a 1-process
         # run's median ranged 109k-136k tokens/s the same morning), and the text read differs along a run.
-        ratios, split = [], 0.0
+        steps, ratios, ones, split = f"max_steps={RESUME_STEP}", [], [], 0.0
         for pair in range(PAIRS):
-            one = train("cpu", runs / f"one_{pair}", corpus, f"max_steps={RESUME_STEP}")
-            split = train("cpu_ddp", runs / f"split_{pair}", corpus, f"max_steps={RESUME_STEP}",
-                          f"save_every_steps={RESUME_STEP}")  # fmt: skip
+            ones.append(one := train("cpu", runs / f"one_{pair}", corpus, steps, one_core=True))
+            split = train("cpu_ddp", runs / f"split_{pair}", corpus, steps, f"save_every_steps={RESUME_STEP}")
             ratios.append(split / one)
-            print(f"pair {pair + 1}: 1 process {one:,.0f} tokens/s, 2 processes split by files {split:,.0f}"
-                  f" ({split / one:.2f}x)", flush=True)  # fmt: skip
-        whole = train("cpu_ddp", runs / "whole", corpus, f"max_steps={RESUME_STEP}", "stream_split=off")
+            print(f"pair {pair + 1}: 1 process on one core {one:,.0f} tokens/s, 2 processes split by files"
+                  f" {split:,.0f} ({split / one:.2f}x)", flush=True)  # fmt: skip
         speedup = statistics.median(ratios)
         print(f"split over 2 processes: median of {PAIRS} pairs {speedup:.2f}x (target >= {TARGET_SPEEDUP}x:"
-              f" {'met' if speedup >= TARGET_SPEEDUP else 'NOT met'}); 2 processes reading the whole stream"
-              f" {whole:,.0f} tokens/s ({whole / one:.2f}x the last 1-process run)")  # fmt: skip
+              f" {'met' if speedup >= TARGET_SPEEDUP else 'NOT met'})", flush=True)  # fmt: skip
+        beside = {
+            "1 process free to use both cores": train("cpu", runs / "both_cores", corpus, steps),
+            "2 processes split, reading in the step": train("cpu_ddp", runs / "in_step", corpus, steps,
+                                                            "num_prefetch_batches=0"),
+            "2 processes reading the whole stream": train("cpu_ddp", runs / "whole", corpus, steps, "stream_split=off"),
+        }  # fmt: skip
+        for what, tokens in beside.items():
+            print(f"  {what}: {tokens:,.0f} tokens/s ({tokens / statistics.median(ones):.2f}x the median 1-process run"
+                  " on one core)")  # fmt: skip
         step_s = 64 * WINDOW / split
         split_s, whole_s = resume_seconds(corpus, runs / "split_0" / "checkpoints" / f"step_{RESUME_STEP:08d}")
-        steps = split_s / step_s
-        print(f"resume at step {RESUME_STEP}: split {split_s:.3f} s = {steps:.2f} steps of {step_s * 1000:.1f} ms"
-              f" (target <= {TARGET_RESUME_STEPS}: {'met' if steps <= TARGET_RESUME_STEPS else 'NOT met'});"
+        resume_steps = split_s / step_s
+        met = resume_steps <= TARGET_RESUME_STEPS
+        print(f"resume at step {RESUME_STEP}: split {split_s:.3f} s = {resume_steps:.2f} steps of {step_s * 1000:.1f}"
+              f" ms (target <= {TARGET_RESUME_STEPS}: {'met' if met else 'NOT met'});"
               f" the exact mode re-reads the stream: {whole_s:.2f} s = {whole_s / step_s:.0f} steps")  # fmt: skip
 
 

@@ -78,9 +78,10 @@ class TrainConfig:
     num_dataloader_workers: int = 0
     """Worker processes per data loader; 0 loads batches in the training process."""
     num_prefetch_batches: int = 0
-    """Training micro-batches a background thread builds ahead while the step computes (map-style sets; paused
-    while evaluating; up to N+2 built ahead). Building a batch must draw nothing from global random generators
-    (a draw in each epoch's first batches is refused) nor read training state; 0: built in the step."""
+    """Training micro-batches a background thread builds ahead while the step computes (paused while evaluating;
+    up to N+2 built ahead; a stream is read ahead in whole steps, its checkpoints keeping the training's position).
+    Building a batch must draw nothing from global random generators (a draw in each epoch's first batches is
+    refused) nor read training state; 0: built in the step."""
     stream_split: Literal["auto", "shards", "off"] = "auto"
     """A sharded training stream: each process reads only its shards (auto: when they divide over the processes;
     shards: always, else an error), in an order of its own; off: every process reads it all, in 1 process's order."""

@@ -21,17 +21,23 @@ A thread must not change what the run computes. What in a loader's epoch could:
   the thread's fetching while it evaluates (`PrefetchGate.paused`), so the two never run at once.
 An exception in the thread is raised in the training thread when it reaches that batch, as without a thread.
 Up to `depth` + 2 micro-batches are built ahead (the queue, the one in hand, accelerate's look-ahead), on the
-device on GPUs. Streams are read in the step (data/streams.py keeps their position batch by batch) and refuse it.
-`check_prefetching` makes these refusals before any work, on the set's first micro-batches.
+device on GPUs. `check_prefetching` makes these refusals before any work, on the set's first micro-batches.
+
+A stream (data/streams.py, data/stream_split.py) is read ahead the same way, a step's examples at a time with the
+position they end at, so that a checkpoint saves where the training is, not where the reading got to. Each epoch's
+pass starts (and its first steps are checked) in the training thread; the epoch's length is not known, so the
+thread reads until the pass ends. On split streams it pays most: each process reads at its own pace instead of
+waiting at every step for the slowest (benchmarks/stream_split.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import torch
@@ -41,6 +47,9 @@ from accel_trainer.errors import ConfigError
 from accel_trainer.rng import capture_rng_states, rng_untouched
 
 CHECKED_FETCHES = 2
+
+Pass = Generator[Any, None, None]
+"""A stream's steps in one pass, as read; closing it stops a thread reading ahead."""
 
 _END = object()
 
@@ -80,22 +89,28 @@ class PrefetchGate:
 
 
 def prefetched(
-    batches: Iterator[Any], total: int, depth: int, gate: PrefetchGate | None = None, device: torch.device | None = None
-) -> Iterator[Any]:
+    batches: Iterator[Any],
+    total: int | None,
+    depth: int,
+    gate: PrefetchGate | None = None,
+    device: torch.device | None = None,
+) -> Generator[Any, None, None]:
     """The `total` items of `batches` (one loader epoch), those between the first few and the last fetched ahead
-    by a thread, at most `depth` of them waiting.
+    by a thread, at most `depth` of them waiting; `total=None` (a stream's pass): every item after the first few,
+    to the end.
 
     Raises:
         ConfigError: building a batch drew from a global random generator.
     """
     fetched = 0
     with contextlib.suppress(StopIteration):  # an epoch shorter than its length said ends here, as it would inline
-        while fetched < min(total, 1 + CHECKED_FETCHES):
+        inline = 1 + CHECKED_FETCHES if total is None else min(total, 1 + CHECKED_FETCHES)
+        while fetched < inline:
             item = next(batches) if fetched == 0 else _checked_fetch(batches)
             yield item
             fetched += 1
-        ahead = total - 1 - fetched  # the last one stays in this thread
-        if ahead > 0:
+        ahead = None if total is None else total - 1 - fetched  # the last one stays in this thread
+        if ahead is None or ahead > 0:
             yield from _from_thread(batches, ahead, depth, gate or PrefetchGate(), device)
     yield from batches  # the last item, and the end of the epoch
 
@@ -108,7 +123,8 @@ def _checked_fetch(batches: Iterator[Any]) -> Any:
         raise ConfigError(
             "num_prefetch_batches: building a training batch draws from a global random generator (torch, numpy or"
             " random), which a background thread would make irreproducible: set num_prefetch_batches=0, or draw in"
-            " the dataset's __getitem__ from a generator seeded by the row, torch.Generator().manual_seed(seed + index)"
+            " the dataset (its __getitem__, a stream's __iter__) from a generator seeded by the row,"
+            " torch.Generator().manual_seed(seed + index)"
         )
     return item
 
@@ -122,10 +138,10 @@ def _global_generator_states() -> tuple[Any, ...]:
 
 
 def _from_thread(
-    batches: Iterator[Any], count: int, depth: int, gate: PrefetchGate, device: torch.device | None
+    batches: Iterator[Any], count: int | None, depth: int, gate: PrefetchGate, device: torch.device | None
 ) -> Iterator[Any]:
-    """`count` items of `batches`, fetched by a thread into a queue of `depth`; the thread stops when this
-    generator is closed (the run ended) or raised through."""
+    """`count` items of `batches` (None: all), fetched by a thread into a queue of `depth`; the thread stops when
+    this generator is closed (the run ended) or raised through."""
     ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
     # The thread's pinning and copies go to this process's GPU, not to GPU 0. A one-GPU run's device is a bare
@@ -138,7 +154,7 @@ def _from_thread(
         try:
             if gpu is not None:
                 torch.cuda.set_device(gpu)
-            for _ in range(count):
+            for _ in itertools.repeat(None) if count is None else range(count):
                 item = gate.fetch(batches, stop)
                 if item is _END or not _put(ready, item, stop):
                     return
@@ -173,19 +189,16 @@ def _put(ready: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
 
 
 def check_prefetching(recipe: Any, rows: Any, train_loader: Any, micro_batch_size: int, warn: bool) -> None:
-    """Before any work: refuse prefetching a stream, or batch building that draws random numbers (the first
-    micro-batches of `rows`, the training set in torch format, built once with every random stream restored
-    after), and warn where a thread cannot pay.
+    """Before any work: refuse batch building that draws random numbers (the first micro-batches of `rows`, the
+    training set in torch format, built once with every random stream restored after), and warn where a thread
+    cannot pay. A stream (`train_loader` None) is checked as it is read, on each pass's first steps.
 
     Raises:
-        ConfigError: a stream, or a draw from a global generator while building a batch.
+        ConfigError: a draw from a global generator while building a batch.
     """
     depth = recipe.cfg.num_prefetch_batches
     if train_loader is None:
-        raise ConfigError(
-            "num_prefetch_batches works on map-style training sets; this recipe's training set is a stream"
-            " (an IterableDataset), read in the step so that its position is exact: set num_prefetch_batches=0"
-        )
+        return
     if isinstance(train_loader.dataset, ColumnBatches):  # default collate, no transform: nothing draws
         if warn:
             warnings.warn(

@@ -19,7 +19,7 @@ from accelerate.utils import gather_object
 from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.data import loaders as data
 from accel_trainer.data.batching import BatchPlan
-from accel_trainer.data.prefetch import PrefetchGate, check_prefetching
+from accel_trainer.data.prefetch import Pass, PrefetchGate, check_prefetching, prefetched
 from accel_trainer.data.stream_split import SplitStream, gathered, position_for, splits
 from accel_trainer.data.streams import TrainStream, eval_batches, whole_position
 from accel_trainer.parallel.mesh import DataRanks
@@ -55,12 +55,13 @@ class RunData:
         if self.splits():
             rank = self.ranks.rank
             total, warn = _total_over_ranks(accelerator, self.ranks), _warn_on_main(accelerator)
-            split = SplitStream(self.train_set, data.as_torch, self.collate, self.plan, rank, total, warn)
+            split = SplitStream(self.train_set, data.as_torch, self.collate, self.plan, rank, total, warn, self._ahead)
             self._stream = split
             return split.micro_batches(position_for(position, rank, self.ranks.size), resume_rng)
         if self.train_loader is None:
-            epoch, read = whole_position(position)
-            stream = TrainStream(data.as_torch(self.train_set), self.collate, self.plan, self.ranks.rank, (epoch, read))
+            start = whole_position(position)
+            stream = TrainStream(data.as_torch(self.train_set), self.collate, self.plan, self.ranks.rank, start,
+                                 self._ahead)  # fmt: skip
             self._stream = stream
             return stream.micro_batches(resume_rng)
         return data.micro_batches(
@@ -74,6 +75,14 @@ class RunData:
             gate=self.prefetch_gate,
             device=accelerator.device,
         )
+
+    def _ahead(self, steps: Pass) -> Pass:
+        """A stream pass's steps, read ahead on a thread with `num_prefetch_batches`: as many steps as hold that
+        many micro-batches (data/prefetch.py)."""
+        if not self.num_prefetch_batches:
+            return steps
+        depth = -(-self.num_prefetch_batches // self.plan.accumulation_steps)
+        return prefetched(steps, None, depth, self.prefetch_gate)
 
     def check_position(self, position: list[int] | dict[str, Any] | None) -> None:
         """Refuse, in one line, a checkpoint's stream position that this run cannot continue from."""
@@ -97,16 +106,21 @@ class RunData:
         """How the training micro-batches are built, for the run's header."""
         if self.train_loader is not None:
             return data.describe_path(self.train_loader, recipe)
+        when = (
+            f"ahead on a thread ({self.num_prefetch_batches} micro-batches)"
+            if self.num_prefetch_batches
+            else "in the step"
+        )
         if self.splits():
             return (
                 f"a stream split by its {self.train_set.num_shards} shards over the {self.ranks.size} processes, each"
-                " reading its own (an order of its own: stream_split=off reads it whole, in 1 process's order)"
+                f" reading its own {when} (an order of its own: stream_split=off reads it whole, in 1 process's order)"
             )
         if self.ranks.size > 1 and self.stream_split == "auto":
             shards = getattr(self.train_set, "num_shards", 0)
             why = f"its {shards} shards do not divide over" if shards else "it has no shards to split over"
-            return f"a stream, read whole by every process in the step ({why} the {self.ranks.size} processes)"
-        return "a stream, read whole by every process in the step (data/streams.py)"
+            return f"a stream, read whole by every process {when} ({why} the {self.ranks.size} processes)"
+        return f"a stream, read whole by every process {when} (data/streams.py)"
 
     def eval_batches(self) -> tuple[Any, bool]:
         """This process's eval micro-batches, and whether they still hold the loader's padding duplicates."""

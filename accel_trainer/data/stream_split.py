@@ -10,11 +10,14 @@ shard order (`set_epoch` may reorder the shards, as datasets 5.2 does from the t
 example is read once an epoch; the epoch ends for all at the first step some process cannot fill (its part is
 shorter), and what the others had left of it is dropped, as the incomplete last batch of a pass always is; where
 that is more than a global batch (shards of unequal sizes) the run says so once. The order differs from 1
-process's, so the trajectory does too: `stream_split=off` keeps the exact mode.
+process's, so the trajectory does too: `stream_split=off` keeps the exact mode. With `num_prefetch_batches`, a
+thread reads the process's steps ahead (data/prefetch.py): the processes meet at every step, and without it each
+waits there for the slowest reader.
 
-A checkpoint saves each process's position: its examples read in the epoch and `datasets`' own
-`IterableDataset.state_dict()`, from which a resume restarts reading where the process was without re-reading
-(at most the rest of one shard's records, which `datasets` skips unprocessed). A stream with a shuffle buffer
+A checkpoint saves each process's position after its last step trained: its examples read in the epoch and
+`datasets`' own `IterableDataset.state_dict()` taken as that step was read, from which a resume restarts reading
+where the process was without re-reading (at most the rest of one shard's records, which `datasets` skips
+unprocessed). A stream with a shuffle buffer
 cannot resume exactly from its state (`datasets` drops the buffer's examples), so it re-reads its own part up to
 its position: exact, and 1/N of what the whole stream would cost. Its position names the processes it was split
 over: a resume on another number of data-parallel processes is refused in one line.
@@ -22,8 +25,10 @@ over: a resume on another number of data-parallel processes is refused in one li
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
@@ -31,6 +36,7 @@ from datasets.distributed import split_dataset_by_node
 from datasets.iterable_dataset import BufferShuffledExamplesIterable
 
 from accel_trainer.data.batching import BatchPlan
+from accel_trainer.data.prefetch import Pass
 from accel_trainer.data.streams import examples
 from accel_trainer.errors import ConfigError
 
@@ -72,6 +78,15 @@ def has_shuffle_buffer(dataset: datasets.IterableDataset) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class _Step:
+    """One step's examples of a process's part, read (fewer where the part ended), and the position after them."""
+
+    examples: list[Any]
+    read: int
+    state: dict[str, Any] | None
+
+
 class SplitStream:
     """The micro-batches of one data-parallel process over its own part of a sharded stream."""
 
@@ -84,27 +99,27 @@ class SplitStream:
         rank: int,
         total: Callable[[int], int],
         warn: Callable[[str], None] = lambda line: None,
+        ahead: Callable[[Pass], Pass] = lambda steps: steps,
     ) -> None:
-        """`total(n)`: the sum of `n` over the data-parallel processes (a collective); `warn`: say a line once."""
+        """`total(n)`: the sum of `n` over the data-parallel processes (a collective); `warn`: say a line once;
+        `ahead`: the steps of a pass as the training reads them (data/prefetch.py reads them ahead on a thread)."""
         self.part = as_torch(split_dataset_by_node(dataset, rank=rank, world_size=plan.num_processes))
         self.collate, self.plan, self.rank, self.total, self.warn = collate, plan, rank, total, warn
+        self.ahead = ahead
         self.exact_state = not has_shuffle_buffer(dataset)
-        self.epoch, self.read = 0, 0
+        self.epoch, self.read, self.state = 0, 0, None
         self._warned = False
 
     def position(self) -> dict[str, Any]:
         """This process's position after the last step it handed out: epoch, examples read in it, and the
         stream's own state when a resume can start from it."""
-        state = self.part.state_dict() if self.exact_state and self.read else None
-        return {"epoch": self.epoch, "read": self.read, "state": state}
+        return {"epoch": self.epoch, "read": self.read, "state": self.state}
 
     def micro_batches(self, saved: dict[str, Any] | None, resume_rng: Callable[[], None] | None) -> Iterator[Any]:
         """Yield `(epoch, micro_batch)` forever from this process's `saved` position (None: the start).
 
         `resume_rng` restores the RNG states saved with that position when the uninterrupted run had them.
         """
-        plan = self.plan
-        per_step = plan.accumulation_steps * plan.micro_batch_size
         self.epoch, skip, state = (saved["epoch"], saved["read"], saved["state"]) if saved else (0, 0, None)
         while True:
             if skip == 0 and resume_rng is not None:  # at an epoch boundary: before the pass starts
@@ -121,20 +136,35 @@ class SplitStream:
             if resume_rng is not None:  # right after the examples read before the checkpoint
                 resume_rng()
                 resume_rng = None
-            self.read, state = skip, None
-            while self._all_have(len(window := list(itertools.islice(reading, per_step))) == per_step):
-                self.read += per_step
-                for k in range(plan.accumulation_steps):
-                    start = k * plan.micro_batch_size
-                    yield self.epoch, self.collate(window[start : start + plan.micro_batch_size])
+            self.read, self.state = skip, state
+            with contextlib.closing(self.ahead(self._steps(reading, skip))) as steps:
+                for step in steps:
+                    if not self._all_have(len(step.examples) == self._per_step):
+                        self._count_dropped(len(step.examples) + sum(len(rest.examples) for rest in steps))
+                        break
+                    self.read, self.state = step.read, step.state
+                    for start in range(0, self._per_step, self.plan.micro_batch_size):
+                        yield self.epoch, self.collate(step.examples[start : start + self.plan.micro_batch_size])
             if self.read == 0:
                 raise ConfigError(
-                    f"a process's part of the training stream gave fewer than {per_step} examples in epoch"
+                    f"a process's part of the training stream gave fewer than {self._per_step} examples in epoch"
                     f" {self.epoch + 1}, one step's worth: give the stream more examples or shards, or set"
                     " stream_split=off"
                 )
-            self._count_dropped(len(window) + sum(1 for _ in reading))
-            self.epoch, skip = self.epoch + 1, 0
+            self.epoch, skip, state = self.epoch + 1, 0, None
+
+    @property
+    def _per_step(self) -> int:
+        return self.plan.accumulation_steps * self.plan.micro_batch_size
+
+    def _steps(self, reading: Iterator[Any], read: int) -> Pass:
+        """The steps of the rest of a pass after `read` examples, ending with the one the part cannot fill
+        (reading only: the step collates, so a collate drawing random numbers draws in the step's order)."""
+        while len(window := list(itertools.islice(reading, self._per_step))) == self._per_step:
+            read += self._per_step
+            state = self.part.state_dict() if self.exact_state else None  # as of this step, however far ahead
+            yield _Step(window, read, state)
+        yield _Step(window, read, None)
 
     def _all_have(self, full: bool) -> bool:
         return self.total(int(full)) == self.plan.num_processes

@@ -17,10 +17,12 @@ buffer of a shuffled stream (its documentation says so) and would resume in anot
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from accel_trainer.data.batching import BatchPlan
+from accel_trainer.data.prefetch import Pass
 from accel_trainer.errors import ConfigError
 
 
@@ -28,9 +30,18 @@ class TrainStream:
     """The micro-batches of one process over an iterable training set, from a saved position onwards."""
 
     def __init__(
-        self, dataset: Any, collate: Callable, plan: BatchPlan, process_index: int, position: tuple[int, int] = (0, 0)
+        self,
+        dataset: Any,
+        collate: Callable,
+        plan: BatchPlan,
+        process_index: int,
+        position: tuple[int, int] = (0, 0),
+        ahead: Callable[[Pass], Pass] = lambda steps: steps,
     ) -> None:
+        """`ahead`: the global batches of a pass as the training reads them (data/prefetch.py reads them ahead
+        on a thread)."""
         self.dataset, self.collate, self.plan, self.process_index = dataset, collate, plan, process_index
+        self.ahead = ahead
         self.position = position
         """(epoch, examples read in it) after the last global batch handed out: what a checkpoint saves."""
 
@@ -40,38 +51,44 @@ class TrainStream:
         `resume_rng` restores the RNG states saved with that position at the moment the uninterrupted run had
         them: before the epoch's pass starts at an epoch boundary, right after the skipped examples otherwise.
         """
-        plan, size = self.plan, self.plan.global_batch_size
-        epoch, skip = self.position
+        plan, (epoch, skip) = self.plan, self.position
         while True:
             if skip == 0 and resume_rng is not None:
                 resume_rng()
                 resume_rng = None
-            window: list[Any] = []
-            read = 0
-            for example in examples(self.dataset, epoch):
-                read += 1
-                if read <= skip:
-                    if read == skip and resume_rng is not None:
-                        resume_rng()
-                        resume_rng = None
-                    continue
-                window.append(example)
-                if len(window) == size:
+            with contextlib.closing(self.ahead(self._global_batches(epoch, skip, resume_rng))) as batches:
+                for read, window in batches:
                     self.position = (epoch, read)
                     for k in range(plan.accumulation_steps):
                         start = (k * plan.num_processes + self.process_index) * plan.micro_batch_size
                         yield epoch, self.collate(window[start : start + plan.micro_batch_size])
-                    window = []
-            if read < skip:
-                raise ConfigError(
-                    f"the training stream gave {read} examples in epoch {epoch}, fewer than the {skip} read before"
-                    " the checkpoint: it changed since"
-                )
-            if read < size:
-                raise ConfigError(
-                    f"the training stream gave {read} examples in epoch {epoch}, fewer than global_batch_size={size}"
-                )
-            epoch, skip = epoch + 1, 0
+            epoch, skip, resume_rng = epoch + 1, 0, None
+
+    def _global_batches(self, epoch: int, skip: int, resume_rng: Callable[[], None] | None) -> Pass:
+        """A pass's global batches after its first `skip` examples, each with the examples read to its end
+        (reading only: the step collates, so a collate drawing random numbers draws in the step's order)."""
+        size = self.plan.global_batch_size
+        window: list[Any] = []
+        read = 0
+        for example in examples(self.dataset, epoch):
+            read += 1
+            if read <= skip:
+                if read == skip and resume_rng is not None:
+                    resume_rng()
+                continue
+            window.append(example)
+            if len(window) == size:
+                yield read, window
+                window = []
+        if read < skip:
+            raise ConfigError(
+                f"the training stream gave {read} examples in epoch {epoch}, fewer than the {skip} read before"
+                " the checkpoint: it changed since"
+            )
+        if read < size:
+            raise ConfigError(
+                f"the training stream gave {read} examples in epoch {epoch}, fewer than global_batch_size={size}"
+            )
 
 
 def eval_batches(

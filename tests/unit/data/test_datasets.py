@@ -114,10 +114,15 @@ def test_a_stream_resumes_bitwise(source, stop_step, tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("source", ["hf_sharded", "hf_shards"], ids=["shuffled: re-reading", "from state_dict"])
-def test_a_stream_split_over_two_processes_resumes_bitwise(source, tmp_path):
+@pytest.mark.parametrize(
+    ("source", "reading"),
+    [("hf_sharded", "num_prefetch_batches=0"), ("hf_shards", "num_prefetch_batches=0"),
+     ("hf_shards", "num_prefetch_batches=2")],
+    ids=["shuffled: re-reading", "from state_dict", "saved while reading ahead, resumed reading in the step"],
+)  # fmt: skip
+def test_a_stream_split_over_two_processes_resumes_bitwise(source, reading, tmp_path):
     run = [f"source={source}", "save_every_steps=5", "keep_last=0"]  # 4 shards: each process reads 2
-    train_and_dump("cpu_ddp", tmp_path / "full", "sources", *run, world_size=2)
+    train_and_dump("cpu_ddp", tmp_path / "full", "sources", *run, reading, world_size=2)
     checkpoint = tmp_path / "full" / "checkpoints" / "step_00000005"
 
     train_and_dump("cpu_ddp", tmp_path / "resumed", "sources", *run, f"resume={checkpoint}", world_size=2)

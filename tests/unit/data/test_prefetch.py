@@ -4,7 +4,9 @@ The test recipe collates rows itself (the per-row path, where a thread pays) and
 global generator in every forward pass, so a batch fetched at another moment of the generator's sequence, or a
 loader iterator created on the thread, would change the losses. Runs with and without prefetching end bitwise
 equal on one process and two, over epoch boundaries and across a mid-epoch resume; a collate that draws random
-numbers itself is refused in one line; a failing row fails the run as it does without a thread.
+numbers itself is refused in one line; a failing row fails the run as it does without a thread. A stream is read
+ahead a step at a time, bitwise the same, its checkpoints holding the training's position, not the reading's
+(data/stream_split.py's tests play a split stream's two processes).
 """
 
 from __future__ import annotations
@@ -146,11 +148,30 @@ def test_while_the_gate_is_paused_the_thread_fetches_nothing():
     batches.close()
 
 
-def test_a_stream_refuses_prefetching_in_one_line_before_any_work(tmp_path):
-    with pytest.raises(at.ConfigError, match="num_prefetch_batches works on map-style training sets"):
-        at.train("gpt", output_dir=str(tmp_path / "refused"), streaming=True, num_prefetch_batches=2, max_steps=2,
-                 show_progress_bar=False, report=False)  # fmt: skip
-    assert not (tmp_path / "refused").exists()
+def test_a_stream_read_ahead_trains_bitwise_as_read_in_the_step_and_resumes_where_the_training_was(tmp_path, capsys):
+    """A datasets stream of 40 rows: 5 steps a pass, so 23 steps cross four epoch boundaries. Each pass's first
+    3 steps are read in the step, the rest by the thread: the checkpoint of step 14, the fourth of its pass,
+    is taken while the thread has read the fifth, and holds the position of step 14, not of the reading."""
+    stream = dict(stream="datasets", random_collate=True)  # the collate draws: in the step, as without a thread
+    train(tmp_path / "inline", **stream)
+    train(tmp_path / "ahead", num_prefetch_batches=4, save_every_steps=14, keep_last=0, **stream)
+    assert (
+        "  data: a stream, read whole by every process ahead on a thread (4 micro-batches)" in capsys.readouterr().out
+    )
+    assert len(losses(tmp_path / "inline")) == 23
+    assert_same_training(tmp_path / "inline", tmp_path / "ahead")
+
+    train(tmp_path / "resumed", num_prefetch_batches=4,
+          resume=str(tmp_path / "ahead" / "checkpoints" / "step_00000014"), **stream)  # fmt: skip
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "inline")[14:]
+    assert_bitwise(final_parameters(tmp_path / "inline"), final_parameters(tmp_path / "resumed"))
+
+
+def test_a_stream_whose_reading_draws_from_the_global_generator_is_refused_in_one_line(tmp_path):
+    with pytest.raises(at.ConfigError, match="num_prefetch_batches: building a training batch draws from a global"):
+        train(tmp_path / "refused", num_prefetch_batches=2, stream="random_stream")
+    assert not prefetch_threads()
+    train(tmp_path / "inline", stream="random_stream")  # without a thread the same recipe trains
 
 
 @pytest.mark.multiprocess

@@ -6,6 +6,7 @@ shuffle buffer) by re-reading that part. Two processes are played by two threads
 from __future__ import annotations
 
 import threading
+import time
 
 import datasets
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from accel_trainer.data import loaders
 from accel_trainer.data.batching import plan_batches
+from accel_trainer.data.prefetch import prefetched
 from accel_trainer.data.stream_split import SplitStream, gathered, has_shuffle_buffer, position_for, splits
 from accel_trainer.data.streams import whole_position
 from accel_trainer.errors import ConfigError
@@ -33,8 +35,9 @@ def sharded(sizes: list[int], shuffle: bool = False) -> datasets.IterableDataset
     return stream.shuffle(seed=3, buffer_size=8) if shuffle else stream
 
 
-def read_on_two_processes(dataset, steps: int, saved=None, said=None) -> list[tuple[SplitStream, list]]:
-    """`steps` steps of each process's micro-batches, the processes summing counts as all_reduce would."""
+def read_on_two_processes(dataset, steps: int, saved=None, said=None, ahead=None) -> list[tuple[SplitStream, list]]:
+    """`steps` steps of each process's micro-batches, the processes summing counts as all_reduce would;
+    `ahead`: that many steps read ahead on a thread (num_prefetch_batches)."""
     barrier, counts = threading.Barrier(2), [0, 0]
     results: list = [None, None]
 
@@ -48,7 +51,7 @@ def read_on_two_processes(dataset, steps: int, saved=None, said=None) -> list[tu
 
         collate = lambda rows: [int(r["x"]) for r in rows]  # noqa: E731
         warn = (said if said is not None else []).append if rank == 0 else lambda line: None
-        stream = SplitStream(dataset, loaders.as_torch, collate, PLAN, rank, total, warn)
+        stream = SplitStream(dataset, loaders.as_torch, collate, PLAN, rank, total, warn, read_ahead(ahead))
         batches = stream.micro_batches(position_for(saved, rank, 2), None)
         results[rank] = stream, [next(batches) for _ in range(steps * PLAN.accumulation_steps)]
 
@@ -58,6 +61,10 @@ def read_on_two_processes(dataset, steps: int, saved=None, said=None) -> list[tu
     for thread in threads:
         thread.join(timeout=60)
     return results
+
+
+def read_ahead(depth: int | None):
+    return (lambda steps: steps) if depth is None else lambda steps: prefetched(steps, None, depth)
 
 
 def epoch_examples(batches, epoch: int) -> list[int]:
@@ -92,17 +99,52 @@ def test_equal_parts_end_their_epochs_without_a_word():
     assert said == []
 
 
+@pytest.mark.parametrize("ahead", [None, 2], ids=["read in the step", "read ahead"])
 @pytest.mark.parametrize("shuffle", [False, True], ids=["from datasets' state", "re-reading a shuffled part"])
-def test_a_resume_continues_each_process_where_it_was(shuffle):
-    uninterrupted = read_on_two_processes(sharded([8, 8, 8, 8], shuffle), steps=7)
-    stopped = read_on_two_processes(sharded([8, 8, 8, 8], shuffle), steps=3)
+def test_a_resume_continues_each_process_where_it_was(shuffle, ahead):
+    """8 steps a pass: reading ahead, the thread reads from step 4 on, so at step 5 it has read beyond."""
+    uninterrupted = read_on_two_processes(sharded([16, 16, 16, 16], shuffle), steps=10)
+    stopped = read_on_two_processes(sharded([16, 16, 16, 16], shuffle), steps=5, ahead=ahead)
     position = gathered([(rank, stream.position()) for rank, (stream, _) in enumerate(stopped)])
 
-    resumed = read_on_two_processes(sharded([8, 8, 8, 8], shuffle), steps=4, saved=position)
+    resumed = read_on_two_processes(sharded([16, 16, 16, 16], shuffle), steps=5, saved=position)
 
     assert [s.exact_state for s, _ in stopped] == [not shuffle] * 2
     for rank in (0, 1):
-        assert resumed[rank][1] == uninterrupted[rank][1][3 * PLAN.accumulation_steps :]
+        assert resumed[rank][1] == uninterrupted[rank][1][5 * PLAN.accumulation_steps :]
+
+
+def test_reading_ahead_on_a_thread_changes_nothing_the_processes_train_on_or_say():
+    said_inline: list[str] = []
+    said_ahead: list[str] = []
+    inline = read_on_two_processes(sharded([8, 4, 8, 4]), steps=9, said=said_inline)  # 3 epochs, 8 dropped each
+    ahead = read_on_two_processes(sharded([8, 4, 8, 4]), steps=9, said=said_ahead, ahead=3)
+
+    assert [batches for _, batches in ahead] == [batches for _, batches in inline]
+    assert said_ahead == said_inline and len(said_inline) == 1
+
+
+def test_a_thread_reads_ahead_while_the_position_stays_where_the_training_is():
+    produced: list[int] = []
+
+    def counted(values: list[int]):
+        for x in values:
+            produced.append(x)
+            yield {"x": x}
+
+    stream = SplitStream(datasets.IterableDataset.from_generator(counted, gen_kwargs={"values": list(range(64))}),
+                         loaders.as_torch, lambda rows: [int(r["x"]) for r in rows], plan_batches(4, 2, 1), 0,
+                         lambda count: count, ahead=read_ahead(4))  # fmt: skip
+    batches = stream.micro_batches(None, None)
+    taken = [next(batches) for _ in range(10)]  # 5 steps of 4 examples: 3 read in the step, then the thread's
+    deadline = time.monotonic() + 10
+    while len(produced) < 20 + 4 * 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    assert len(produced) >= 20 + 4 * 4  # 4 steps queued beyond the one in hand
+    assert stream.position()["read"] == 20 and [x for _, batch in taken for x in batch] == list(range(20))
+    batches.close()
+    assert not [thread for thread in threading.enumerate() if thread.name == "accel-trainer-prefetch"]
 
 
 def test_only_a_stream_of_shards_dividing_over_the_processes_is_split_and_shards_insists():

@@ -2,11 +2,15 @@
 
 Forty rows make five optimizer steps of eight per epoch, so a run of a few dozen steps crosses several epoch
 boundaries; dropout draws from torch's global generator in every forward pass, beside whatever builds the
-batches. `random_collate` makes the collate draw from it too; `failing_read` makes one row read fail.
+batches. `random_collate` makes the collate draw from it too; `failing_read` makes one row read fail. `stream`
+gives the rows as a stream instead (datasets' `IterableDataset` of 4 shards, or a torch one that draws a
+per-row noise from the global generator as it reads: `random_stream`).
 """
 
 from dataclasses import dataclass
+from typing import Literal
 
+import datasets
 import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
@@ -27,6 +31,8 @@ class RowsConfig(at.TrainConfig):
     """Add noise drawn from torch's global generator to every batch."""
     failing_read: int = 0
     """Raise at this row read, counting reads from 1 (row 4k+1 to 4k+4 make micro-batch k); 0: none."""
+    stream: Literal["", "datasets", "random_stream"] = ""
+    """Give the rows as a stream: a datasets.IterableDataset of 4 shards, or a torch one drawing as it reads."""
 
 
 class Rows(torch.utils.data.Dataset):
@@ -44,6 +50,18 @@ class Rows(torch.utils.data.Dataset):
         return {"x": self.x[index], "y": self.x[index].sum(0, keepdim=True)}
 
 
+class RandomStream(torch.utils.data.IterableDataset):
+    """The rows in order, each with a noise drawn from torch's global generator as it is read."""
+
+    def __init__(self, rows: Rows) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        for index in range(len(self.rows)):
+            row = self.rows[index]
+            yield {"x": row["x"] + 0.01 * torch.randn(5), "y": row["y"]}
+
+
 @at.register_recipe("rows_with_dropout")
 class RowsWithDropout(at.Recipe):
     Config = RowsConfig
@@ -53,7 +71,13 @@ class RowsWithDropout(at.Recipe):
                                    torch.nn.Linear(16, 1))  # fmt: skip
 
     def build_datasets(self, cfg):
-        return Rows(cfg.failing_read), None
+        rows = Rows(cfg.failing_read)
+        if cfg.stream == "datasets":
+            table = datasets.Dataset.from_dict({"x": rows.x.numpy(), "y": rows.x.sum(1, keepdim=True).numpy()})
+            return table.to_iterable_dataset(num_shards=4), None
+        if cfg.stream == "random_stream":
+            return RandomStream(rows), None
+        return rows, None
 
     def collate(self, examples):
         batch = default_collate(examples)
