@@ -34,11 +34,17 @@ from accel_trainer.config.train_config import (
     resolve_config,
     resolve_settings,
 )
+from accel_trainer.data.batching import plan_batches
 from accel_trainer.errors import LayoutError, UserError, describe_crash
 from accel_trainer.loop import train_loop
 from accel_trainer.observe.breadcrumb import where
 from accel_trainer.observe.trackers import check_trackers
-from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file, settings_on_layout
+from accel_trainer.parallel.accelerator import (
+    build_accelerator,
+    data_parallel_size_on_layout,
+    launch_settings_file,
+    settings_on_layout,
+)
 from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launched_world_size
 from accel_trainer.parallel.layout_file import Layout, check_launched_layout, layout_environment, read_layout
 from accel_trainer.processes import end_launched_worker, launch_processes, run_layout
@@ -167,9 +173,13 @@ def main(recipe_name: str, argv: list[str] | None = None, program: list[str] | N
 
 
 def _config_checked(recipe_name: str, line: CommandLine, layout: Layout) -> None:
-    """The config's own refusals, said once before the layout's processes start: each would say it, seconds
-    later (printed twice on 2 processes, 10 s in)."""
-    settings_on_layout(get_recipe(recipe_name).Config, layout, line.config_file, line.overrides)
+    """The config's own refusals and its batch sizes against the layout's data-parallel ranks, said once before
+    the layout's processes start: each would say it, seconds later (printed twice on 2 processes, 8 s in)."""
+    cfg, settings = settings_on_layout(get_recipe(recipe_name).Config, layout, line.config_file, line.overrides)
+    data_parallel = data_parallel_size_on_layout(settings, layout)
+    if data_parallel is not None:  # an `auto` micro-batch is found later: the global batch must split already
+        micro_batch_size = 1 if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
+        plan_batches(cfg.global_batch_size, micro_batch_size, data_parallel)
 
 
 def _command_status(recipe_name: str, arguments: list[str], program: list[str]) -> int | None:

@@ -187,6 +187,25 @@ def test_the_installed_command_reports_a_typo_in_one_line_and_exits_2(layout, tm
     assert not list(tmp_path.iterdir())  # a rejected run writes nothing
 
 
+@pytest.mark.parametrize("layout", ["layout=cpu_ddp", "layout=cpu_fsdp_tp"], ids=["DDP", "FSDP x TP: 2 of 4"])
+def test_batch_sizes_that_do_not_split_over_a_layout_s_data_parallel_ranks_are_said_once_before_any_process_starts(
+    layout, tmp_path
+):
+    result = subprocess.run(
+        [sys.executable, "-m", "accel_trainer", "train", "mlp", layout, "global_batch_size=30", "micro_batch_size=4"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "accel-trainer: error: global_batch_size=30 is not a multiple of micro_batch_size=4 x 2 data-parallel rank(s)"
+        " = 8; pick a global_batch_size divisible by 8 (24 or 32) or a smaller micro_batch_size that divides it: 3"
+    ]
+    assert not list(tmp_path.iterdir())
+
+
 HEAVY_MODULES = ("torch", "accelerate", "datasets", "transformers")
 
 

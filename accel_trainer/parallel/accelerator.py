@@ -33,7 +33,7 @@ from accel_trainer.errors import ConfigError, LayoutError
 from accel_trainer.parallel import launch_fixes
 from accel_trainer.parallel.compiling import dynamo_plugin
 from accel_trainer.parallel.layout_file import Layout, layout_environment, layout_path_from_environment
-from accel_trainer.parallel.mesh import DataRanks, set_up_mesh
+from accel_trainer.parallel.mesh import DataRanks, mesh_shape, set_up_mesh
 from accel_trainer.parallel.pipeline.stages import Pipeline
 
 _DDP_TYPES = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
@@ -187,6 +187,18 @@ def settings_on_layout(
     layout's: its refusals (an unknown key, a bad value, a malformed or missing file), said before any starts."""
     with layout_environment(layout):
         return resolve_settings(config_cls, config_file, dict(overrides), launch_settings_file())
+
+
+def data_parallel_size_on_layout(settings: LayoutSettings, layout: Layout) -> int | None:
+    """The data-parallel ranks a run on `layout` would have (what its batch plan divides by), from a process that
+    is not one of the layout's; None where the layout's sizes are refused: its processes say why."""
+    with layout_environment(layout):
+        is_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            return mesh_shape(settings, layout.num_processes, is_fsdp, device_type).data_parallel_size
+        except LayoutError:
+            return None
 
 
 def settings_note() -> str:

@@ -21,9 +21,24 @@ import accel_trainer as at
 from accel_trainer import ConfigError, LayoutError
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.parallel import launch_fixes
+from accel_trainer.parallel.accelerator import data_parallel_size_on_layout, settings_on_layout
+from accel_trainer.parallel.layout_file import read_layout
 from accel_trainer.parallel.mesh import MeshShape, mesh_shape
 from accel_trainer.parallel.tensor_parallel import _check_sequence_lengths, apply_tensor_parallel, check_tp_plan
 from conftest import launcher_sizes, one_process_mesh
+
+
+@pytest.mark.parametrize(
+    ("layout", "data_parallel"),
+    [("cpu", 1), ("cpu_ddp", 2), ("cpu_fsdp", 2), ("cpu_tp", 1), ("cpu_fsdp_tp", 2), ("cpu_hsdp", 4), ("cpu_pp", 1),
+     ("cpu_pp_fsdp", 2), ("2node_cpu", 2)],
+)  # fmt: skip
+def test_the_launching_process_knows_each_layout_s_data_parallel_ranks_before_any_starts(layout, data_parallel):
+    """What the run's batch plan divides by, checked once before the layout's processes start (run.py): the
+    figures the processes themselves find (test_model_parallel.py, test_pipeline.py)."""
+    spec = read_layout(layout)
+    _, settings = settings_on_layout(at.TrainConfig, spec, None, {})
+    assert data_parallel_size_on_layout(settings, spec) == data_parallel
 
 
 @pytest.mark.parametrize(
