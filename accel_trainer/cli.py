@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 from accel_trainer.closed_stdout import exit_quietly_when_stdout_closes
-from accel_trainer.errors import UserError
+from accel_trainer.errors import EstimateCrashed, UserError
+from accel_trainer.estimate.arguments import parse_estimate_arguments
 from accel_trainer.warning_lines import show_our_warnings_as_one_line
 
 
@@ -90,10 +91,11 @@ def _main(arguments: list[str]) -> None:
         evaluate_main(arguments[1:])
         return
     if arguments[:1] == ["estimate"] and not {"-h", "--help"} & set(arguments):
-        from accel_trainer.estimate.command import EstimateCrashed, estimate_command
-
         try:
-            estimate_command(arguments[1:])
+            asked = parse_estimate_arguments(arguments[1:])  # before torch is imported: a mistake said at once
+            from accel_trainer.estimate.command import estimate_command
+
+            estimate_command(asked)
         except UserError as error:
             print(f"accel-trainer: error: {error}", file=sys.stderr)
             raise SystemExit(2) from None

@@ -31,6 +31,11 @@ class LayoutError(UserError):
     """The processes that were started do not form the layout that was asked for."""
 
 
+class EstimateCrashed(Exception):
+    """A rank's `accel-trainer estimate` failed in recipe or framework code: its description, as a run's crash is
+    described (`describe_crash`)."""
+
+
 def describe_crash(error: BaseException) -> str:
     """The recipe's frames of a traceback, the exception, and one line naming the recipe method."""
     every = traceback.extract_tb(error.__traceback__)

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import multiprocessing
 import warnings
 from typing import Any
 
-from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.config.train_config import resolve_settings
 from accel_trainer.data.batching import plan_batches
-from accel_trainer.errors import ConfigError, RecipeError, UserError, describe_crash
+from accel_trainer.errors import EstimateCrashed, RecipeError, UserError, describe_crash
 from accel_trainer.estimate.advice import USABLE, advice
+from accel_trainer.estimate.arguments import EstimateArguments
 from accel_trainer.estimate.fake_world import fake_tensors, on_the_fake_device, played_rank
 from accel_trainer.estimate.step_memory import RankMemory, first_examples, rank_memory
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file, settings_on_layout
@@ -31,18 +30,15 @@ from accel_trainer.parallel.mesh import data_ranks
 from accel_trainer.registry import get_recipe, recipe_name_of
 
 
-def estimate_command(words: list[str]) -> None:
-    """Run the command on its words (after `estimate`); prints the table, or the JSON with `--json`.
+def estimate_command(arguments: EstimateArguments) -> None:
+    """Run the command (its words read by estimate/arguments.py); prints the table, or the JSON with `--json`.
 
     Raises:
-        UserError: no recipe or layout, an unknown one, a bad override, or the layout's own refusal.
+        UserError: an unknown recipe or layout, a bad override, or the layout's own refusal.
     """
-    as_json, device_gb, words = _own_options(words)
-    if not words or words[0].startswith(("-", "layout=")) or "=" in words[0]:
-        raise ConfigError("estimate needs a recipe: accel-trainer estimate NAME layout=LAYOUT [key=value ...]")
-    recipe_name, line = recipe_name_of(words[0]), parse_command_line(words[1:])
-    if line.layout is None:
-        raise ConfigError(f"estimate needs a layout: accel-trainer estimate {recipe_name} layout=8gpu_fsdp ...")
+    line, as_json, device_gb = arguments.line, arguments.as_json, arguments.device_gb
+    assert line.layout is not None  # parse_estimate_arguments refuses a command without one
+    recipe_name = recipe_name_of(arguments.recipe)
     layout = read_layout(line.layout, line.launcher_options)
     recipe_cls = get_recipe(recipe_name)
     cfg, _ = settings_on_layout(recipe_cls.Config, layout, line.config_file, line.overrides)
@@ -146,10 +142,6 @@ def _answer(send: Any, function: Any, args: tuple) -> None:
         send.close()
 
 
-class EstimateCrashed(Exception):
-    """A rank's estimate failed in recipe or framework code: its description, as a run's crash is described."""
-
-
 def worst_rank(recipe_name: str, layout: Layout, line: Any, examples: list[Any], changed: dict[str, Any]) -> RankMemory:
     """Rank 0 estimated again with `changed` settings (for the advice), on the first of `examples` a changed
     micro-batch size takes: it holds the largest shard of every parameter (FSDP pads the last ones) and a
@@ -195,26 +187,3 @@ def _merged(estimated: list[RankMemory], scale: int) -> list[tuple[int, int, Ran
 
 def _shown(memory: RankMemory, scale: int) -> list[str]:
     return [f"{value / scale:.1f}" for key, value in memory.as_dict().items() if key != "rank"]
-
-
-def _own_options(words: list[str]) -> tuple[bool, float | None, list[str]]:
-    """`--json` and `--device_memory_gb G` (or `=G`), taken out of the words; the rest are the recipe's."""
-    own_end = words.index("--") if "--" in words else len(words)
-    as_json, device_gb, rest, index = False, None, [], 0
-    while index < own_end:
-        word = words[index]
-        if word == "--json":
-            as_json = True
-        elif word.startswith("--device_memory_gb"):
-            value = word.partition("=")[2] or (words[index + 1] if index + 1 < own_end else "")
-            index += 0 if "=" in word else 1
-            try:
-                device_gb = float(value)
-            except ValueError:
-                device_gb = math.nan
-            if not math.isfinite(device_gb) or device_gb <= 0:
-                raise ConfigError(f"--device_memory_gb needs a number of GB above 0 (80 for an H100), not {value!r}")
-        else:
-            rest.append(word)
-        index += 1
-    return as_json, device_gb, rest + words[own_end:]

@@ -4,6 +4,7 @@ one line; `--device_memory_gb` names what would fit."""
 
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,6 +131,26 @@ def test_a_recipe_that_reads_a_tensors_value_is_told_in_one_line(tmp_path):
     )
     result = estimate(str(recipe), "layout=cpu", check=False)
     assert_one_line_error(result.returncode, result.stderr, "reads a tensor's value in its model or compute_loss")
+
+
+@pytest.mark.parametrize(("words", "said"), [
+    (["mlp", "layout=cpu", "--jsn"], "estimate has no option --jsn; did you mean --json?"),
+    (["mlp", "layout=cpu", "--device_memory=80"],
+     "estimate has no option --device_memory; did you mean --device_memory_gb?"),
+    (["mlp"], "estimate needs a layout: accel-trainer estimate mlp layout=8gpu_fsdp ..."),
+    (["layout=cpu"], "estimate needs a recipe: accel-trainer estimate NAME layout=LAYOUT [key=value ...]"),
+])  # fmt: skip
+def test_a_mistake_in_the_command_s_own_words_is_said_before_torch_is_imported(words, said):
+    """Reading torch, accelerate and datasets takes about 5 s before the recipe or layout is even looked at."""
+    script = (
+        "import sys\nfrom accel_trainer import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+        "    print('status', e.code)\n"
+        "print('heavy', [m for m in ('torch', 'accelerate', 'datasets') if m in sys.modules])"
+    )
+    result = subprocess.run([sys.executable, "-c", script, "estimate", *words], capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert result.stderr.strip().splitlines() == [f"accel-trainer: error: {said}"]
+    assert result.stdout.splitlines() == ["status 2", "heavy []"]
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "nan"])
