@@ -5,11 +5,11 @@
 - `output_dir` empty: a new folder `outputs/<recipe>/<date-time>`, made unique with `-2`, `-3`, ... by an
   exclusive `mkdir`, so six runs started in one second get six folders. From its start until it completes,
   a marker `outputs/<recipe>/.preempted/<identity>` names the run's folder, where the identity is a hash of
-  the recipe and its resolved config (run-control keys aside): re-running the same command continues that
-  run whether it was preempted, killed (SIGKILL, out of memory, a launcher's timeout) or crashed, and the
-  marker is removed when the run completes. The running process holds a lock on the marker (flock, dropped
-  by the kernel when the process dies), so the same command started while the first still runs gets a new
-  folder instead of writing into the running one.
+  the recipe and its resolved config's settings away from their defaults (run-control keys aside): re-running
+  the same command continues that run whether it was preempted, killed (SIGKILL, out of memory, a launcher's
+  timeout) or crashed, and the marker is removed when the run completes. The running process holds a lock on
+  the marker (flock, dropped by the kernel when the process dies), so the same command started while the first
+  still runs gets a new folder instead of writing into the running one.
 - Either way, a run asked to resume a folder that holds a run but no complete checkpoint says so in one line
   (`no complete checkpoint in X: starting at step 0`) instead of starting over silently.
 
@@ -19,13 +19,14 @@ Only the main process decides (these functions touch the file system); run.py sh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import time
 from pathlib import Path
 
 from accel_trainer.checkpoint import files as checkpoint_files
-from accel_trainer.config.train_config import TrainConfig, config_to_yaml
+from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.errors import UserError
 
 try:
@@ -91,9 +92,13 @@ def holds_a_run(folder: Path) -> bool:
 
 
 def identity(recipe_name: str, cfg: TrainConfig) -> str:
-    """A short hash of the recipe and its resolved config, run-control keys aside."""
-    lines = [line for line in config_to_yaml(cfg).splitlines() if line.split(":", 1)[0] not in RUN_CONTROL_KEYS]
-    return hashlib.sha256("\n".join([recipe_name, *lines]).encode()).hexdigest()[:16]
+    """A short hash of the recipe and the settings of its resolved config away from their defaults, run-control
+    keys aside: a setting a later version adds (at its default) leaves a stopped run's identity as it was, so the
+    same command still continues it after an upgrade."""
+    defaults = type(cfg)()
+    changed = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in RUN_CONTROL_KEYS]
+    settings = [(name, value) for name, value in changed if value != getattr(defaults, name)]
+    return hashlib.sha256(repr([recipe_name, *settings]).encode()).hexdigest()[:16]
 
 
 def preempted_marker(recipe_name: str, cfg: TrainConfig) -> Path:

@@ -18,6 +18,7 @@ import pytest
 import accel_trainer as at
 from accel_trainer.checkpoint import files as checkpoint_files
 from accel_trainer.checkpoint.files import CheckpointError
+from accel_trainer.checkpoint.run_folder import identity
 from accel_trainer.errors import UserError
 from accel_trainer.stopping.signals import Preempted
 from conftest import read_metrics
@@ -128,6 +129,19 @@ def test_rerunning_a_preempted_command_without_output_dir_continues_it(tmp_path,
     assert result.run_dir == stopped.value.checkpoint.parent.parent
     assert logged_steps(result.run_dir) == [1, 2, 3, 4]
     assert not list((tmp_path / "outputs" / "vae_stopped_once" / ".preempted").glob("*"))  # the marker is gone
+
+
+def test_a_setting_a_later_version_adds_at_its_default_leaves_a_stopped_run_s_identity_as_it_was():
+    """The marker of a preempted run is found by this identity: an upgrade adding a config field must not lose it."""
+
+    @dataclasses.dataclass
+    class Upgraded(at.TrainConfig):
+        a_new_setting: int = 7
+
+    assert identity("vae", Upgraded(lr=0.1)) == identity("vae", at.TrainConfig(lr=0.1))
+    assert identity("vae", Upgraded(lr=0.1, a_new_setting=8)) != identity("vae", at.TrainConfig(lr=0.1))
+    assert identity("vae", at.TrainConfig(lr=0.2)) != identity("vae", at.TrainConfig(lr=0.1))
+    assert identity("vae", at.TrainConfig(lr=0.1, show_progress_bar=False)) == identity("vae", at.TrainConfig(lr=0.1))
 
 
 def test_after_a_resume_metrics_never_hold_a_step_twice(tmp_path):
