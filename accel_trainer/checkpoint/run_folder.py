@@ -24,6 +24,7 @@ import hashlib
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from accel_trainer.checkpoint import files as checkpoint_files
 from accel_trainer.config.train_config import TrainConfig
@@ -95,10 +96,15 @@ def identity(recipe_name: str, cfg: TrainConfig) -> str:
     """A short hash of the recipe and the settings of its resolved config away from their defaults, run-control
     keys aside: a setting a later version adds (at its default) leaves a stopped run's identity as it was, so the
     same command still continues it after an upgrade."""
-    defaults = type(cfg)()
-    changed = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in RUN_CONTROL_KEYS]
-    settings = [(name, value) for name, value in changed if value != getattr(defaults, name)]
+    fields = [field for field in dataclasses.fields(cfg) if field.name not in RUN_CONTROL_KEYS]
+    settings = [(f.name, getattr(cfg, f.name)) for f in fields if getattr(cfg, f.name) != _declared_default(f)]
     return hashlib.sha256(repr([recipe_name, *settings]).encode()).hexdigest()[:16]
+
+
+def _declared_default(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default  # MISSING for a field without one: always part of the identity
 
 
 def preempted_marker(recipe_name: str, cfg: TrainConfig) -> Path:
