@@ -4,11 +4,15 @@ Anything the user can fix (a bad override, an unknown recipe, a wrong layout) ra
 `UserError`. The command-line entry points print such an error as one line and exit with status 2 instead
 of showing a traceback. Any other exception is a bug: when it comes from recipe code, `describe_crash`
 shows the recipe's own frames only (not 40 lines of the loop, accelerate and torch); a crash inside the
-framework keeps its whole traceback, and `ACCEL_TRAINER_FULL_TRACEBACK=1` always shows everything.
+framework keeps its whole traceback, and `ACCEL_TRAINER_FULL_TRACEBACK=1` always shows everything. On a layout
+of several processes that the command started, a refusal every process makes is said once (`say_user_error`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import traceback
 from pathlib import Path
 
@@ -61,3 +65,26 @@ def _is_recipe_code(filename: str) -> bool:
         return not filename.startswith("<frozen")
     path = Path(filename)
     return not (_PACKAGE in path.resolve().parents or "site-packages" in path.parts)
+
+
+ERROR_LINES_VARIABLE = "ACCEL_TRAINER_ERROR_LINES"
+"""A folder where the processes of a layout the command started leave their refusals (processes.py)."""
+
+
+def say_user_error(line: str) -> None:
+    """A refusal's line, in one write. A process of a layout this command started leaves it for the starting
+    process, which says each distinct line once the processes have ended (`say_error_lines_left`): the same
+    refusal was printed by every process. Alone, or under a plain `accelerate launch`, it goes to stderr."""
+    folder = os.environ.get(ERROR_LINES_VARIABLE)
+    if folder:
+        with contextlib.suppress(OSError):
+            Path(folder, os.environ.get("RANK", "0")).write_text(line)
+            return
+    sys.stderr.write(line)
+
+
+def say_error_lines_left(folder: Path) -> None:
+    """The refusals the processes left in `folder`, each distinct line once, in rank order."""
+    ranks = sorted((path for path in folder.iterdir() if path.name.isdigit()), key=lambda path: int(path.name))
+    for line in dict.fromkeys(path.read_text() for path in ranks):
+        sys.stderr.write(line)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from accel_trainer.config.command_line import CommandLine
-from accel_trainer.errors import UserError, describe_crash
+from accel_trainer.errors import ERROR_LINES_VARIABLE, UserError, describe_crash, say_error_lines_left
 from accel_trainer.parallel.launch_fixes import launched_world_size
 from accel_trainer.parallel.layout_file import Layout, apply_layout, launch_layout, read_layout
 from accel_trainer.stopping.signals import EXIT_PREEMPTED
@@ -225,11 +225,15 @@ def start_layout_processes(layout: Layout, program: list[str]) -> int:
     signal to the launcher's group does not reach: Slurm's `--signal`, srun's forwarding)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    with _launcher_defaults():
+    with _launcher_defaults(), tempfile.TemporaryDirectory(prefix="accel-trainer-errors-") as lines:
+        os.environ[ERROR_LINES_VARIABLE] = lines
         try:
             return launch_layout(layout, program)
         except SignalException:  # the agent forwarded it to the workers, which saved
             return EXIT_PREEMPTED
+        finally:
+            del os.environ[ERROR_LINES_VARIABLE]
+            say_error_lines_left(Path(lines))
 
 
 @contextlib.contextmanager

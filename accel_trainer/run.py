@@ -35,7 +35,7 @@ from accel_trainer.config.train_config import (
     resolve_settings,
 )
 from accel_trainer.data.batching import plan_batches
-from accel_trainer.errors import LayoutError, UserError, describe_crash
+from accel_trainer.errors import LayoutError, UserError, describe_crash, say_user_error
 from accel_trainer.loop import train_loop
 from accel_trainer.observe.breadcrumb import where
 from accel_trainer.observe.trackers import check_trackers
@@ -137,9 +137,9 @@ def _train_here(
         elif not cfg.output_dir:
             stop.how_to_continue = f"rerun the same command to continue it (or add output_dir={run_dir})"
         raise
-    except BaseException:
+    except BaseException as error:
         if run_dir is not None and new_folder and accelerator.is_main_process:
-            _remove_if_empty(run_dir)  # failed before writing anything (a recipe or data error): leave no trace
+            run_folder.discard_unstarted(run_dir, refused=isinstance(error, UserError))
         raise
     finally:
         if accelerator.is_main_process:  # a run that did not complete stays the one its command continues
@@ -207,7 +207,7 @@ def _command_status(recipe_name: str, arguments: list[str], program: list[str]) 
             print(f"run folder: {result.run_dir}", flush=True)  # flushed where a closed stdout is caught
         status = 0
     except UserError as error:  # one write: the lines of two processes must not run into each other
-        sys.stderr.write(f"accel-trainer: error: {error}\n")
+        say_user_error(f"accel-trainer: error: {error}\n")
         status = 2
     except Preempted as stop:
         if is_rank_zero:
@@ -270,12 +270,6 @@ def _print_config(recipe_name: str, line: CommandLine, is_rank_zero: bool, proce
     print(config_to_yaml(cfg), end="")
     print("# layout settings")
     print(layout_to_yaml(layout), end="", flush=True)
-
-
-def _remove_if_empty(run_dir: Path) -> None:
-    """Remove a run folder this run created and wrote nothing to; a folder holding anything stays."""
-    with contextlib.suppress(OSError):
-        run_dir.rmdir()
 
 
 def _make_run_dir(accelerator: Any, recipe_name: str, cfg: Any) -> Path:

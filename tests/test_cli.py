@@ -15,6 +15,7 @@ import yaml
 from accel_trainer import ConfigError, cli, run
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.registry import describe, get_recipe, registered_recipes
+from conftest import WORKERS
 
 
 def one_line_error(capsys) -> str:
@@ -204,6 +205,24 @@ def test_batch_sizes_that_do_not_split_over_a_layout_s_data_parallel_ranks_are_s
         " = 8; pick a global_batch_size divisible by 8 (24 or 32) or a smaller micro_batch_size that divides it: 3"
     ]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_refusal_every_process_of_a_started_layout_makes_is_said_once_and_leaves_no_run_folder(tmp_path):
+    """Made by the processes themselves, after the run folder and its header files were written: the stream of
+    one shard cannot be split over 2 processes."""
+    recipe = WORKERS / "recipes" / "sources.py"
+    result = subprocess.run(
+        [sys.executable, "-m", "accel_trainer", "train", str(recipe), "layout=cpu_ddp", "source=hf_generator",
+         "stream_split=shards", f"output_dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "accel-trainer: error: stream_split=shards: the training stream has 1 shard(s), which do not split over 2"
+        " data-parallel processes; give it a multiple of 2 shards (files, or to_iterable_dataset(num_shards=...)),"
+        " or set stream_split=auto to read it whole on every process"
+    ]
+    assert not (tmp_path / "run").exists()  # its config.yaml, run_info.json, ... went with it
 
 
 HEAVY_MODULES = ("torch", "accelerate", "datasets", "transformers")

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,17 @@ def release(recipe_name: str, cfg: TrainConfig, run_dir: Path | None, completed:
             with contextlib.suppress(OSError):  # only when empty: a failed first run leaves no trace
                 folder.rmdir()
     os.close(descriptor)
+
+
+def discard_unstarted(folder: Path, refused: bool) -> None:
+    """Remove a folder this run created and that holds no run (no metrics, no checkpoint): a refused run's
+    (`refused`: a UserError) whatever it wrote there (config.yaml, run_info.json, ...), so that the next run in it
+    starts clean; a crashed run's only when empty (what it wrote says what happened)."""
+    with contextlib.suppress(OSError):
+        if refused and not holds_a_run(folder):
+            shutil.rmtree(folder)
+        else:
+            folder.rmdir()
 
 
 def holds_a_run(folder: Path) -> bool:

@@ -79,10 +79,10 @@ class RunData:
     def _ahead(self, steps: Pass) -> Pass:
         """A stream pass's steps, read ahead on a thread with `num_prefetch_batches`: as many steps as hold that
         many micro-batches (data/prefetch.py)."""
-        if not self.num_prefetch_batches:
-            return steps
-        depth = -(-self.num_prefetch_batches // self.plan.accumulation_steps)
-        return prefetched(steps, None, depth, self.prefetch_gate)
+        return prefetched(steps, None, self._steps_ahead(), self.prefetch_gate) if self.num_prefetch_batches else steps
+
+    def _steps_ahead(self) -> int:
+        return -(-self.num_prefetch_batches // self.plan.accumulation_steps)
 
     def check_position(self, position: list[int] | dict[str, Any] | None) -> None:
         """Refuse, in one line, a checkpoint's stream position that this run cannot continue from."""
@@ -107,9 +107,7 @@ class RunData:
         if self.train_loader is not None:
             return data.describe_path(self.train_loader, recipe)
         when = (
-            f"ahead on a thread ({self.num_prefetch_batches} micro-batches)"
-            if self.num_prefetch_batches
-            else "in the step"
+            f"ahead on a thread, {self._steps_ahead()} step(s) at most" if self.num_prefetch_batches else "in the step"
         )
         if self.splits():
             return (
@@ -120,6 +118,8 @@ class RunData:
             shards = getattr(self.train_set, "num_shards", 0)
             why = f"its {shards} shards do not divide over" if shards else "it has no shards to split over"
             return f"a stream, read whole by every process {when} ({why} the {self.ranks.size} processes)"
+        if self.ranks.size == 1:
+            return f"a stream, read {when} (data/streams.py)"
         return f"a stream, read whole by every process {when} (data/streams.py)"
 
     def eval_batches(self) -> tuple[Any, bool]:
