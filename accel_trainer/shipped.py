@@ -11,6 +11,7 @@ trained), or a layout's accelerate config with its settings companion. It never 
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 
@@ -72,8 +73,10 @@ def find_layout(name_or_file: str) -> Path:
         return path
     shipped = layouts().get(path.name.removesuffix(".yaml")) if path.parent == Path(".") else None
     if shipped is None:
+        near = difflib.get_close_matches(path.name.removesuffix(".yaml"), layouts(), n=2)
+        hint = f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""
         raise ConfigError(
-            f"layout {name_or_file!r} is neither a file nor a shipped layout; shipped: {', '.join(layouts())}"
+            f"layout {name_or_file!r} is neither a file nor a shipped layout{hint}; shipped: {', '.join(layouts())}"
         )
     return shipped
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import accel_trainer as at
-from accel_trainer import cli
+from accel_trainer import ConfigError, cli
 from accel_trainer.shipped import describe_layout, find_layout, layouts, recipe_files
 from conftest import REPO, assert_one_line_error, exit_status, read_metrics
 
@@ -46,6 +46,11 @@ def test_a_copied_layout_brings_its_settings_file(tmp_path, capsys):
     ).read_text()
     assert "launch with: accelerate launch --config_file" in capsys.readouterr().out
     assert find_layout("cpu_tp") == REPO / "accelerate_configs" / "cpu_tp.yaml"
+
+
+def test_a_mistyped_layout_name_gets_the_nearest_shipped_ones():
+    with pytest.raises(ConfigError, match=r"layout 'cpu_dpp' is neither .* \(did you mean 'cpu_pp' or 'cpu_ddp'\?\)"):
+        find_layout("cpu_dpp")
 
 
 @pytest.mark.parametrize(
