@@ -24,7 +24,7 @@ from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig, config_to_yaml, layout_to_yaml
 from accel_trainer.data import loaders as data
 from accel_trainer.data.auto_batch import check_auto_layout, choose_micro_batch_size
-from accel_trainer.data.batching import BatchPlan, plan_batches
+from accel_trainer.data.batching import BatchPlan, plan_batches, planned_micro_batch_size
 from accel_trainer.data.run_data import RunData, build_loaders
 from accel_trainer.ema import WeightAverage
 from accel_trainer.hf_loss import ModelItems, model_items
@@ -254,7 +254,7 @@ def _model_and_sets(
     its identity says auto)."""
     if cfg.micro_batch_size == "auto":
         check_auto_layout(accelerator, layout, ranks)
-    plan = plan_batches(cfg.global_batch_size, _fixed_micro_batch_size(cfg), ranks.size)
+    plan = plan_batches(cfg.global_batch_size, planned_micro_batch_size(cfg.micro_batch_size), ranks.size)
     recipe.tokenizer = recipe.build_tokenizer(cfg)
     model = fsdp_loading.build_model(recipe, cfg, accelerator)
     frozen = FrozenWeights.agreed(model)
@@ -293,8 +293,3 @@ def _model_items(accelerator: Accelerator, model: Any, plan: BatchPlan, ranks: D
     countable = pipeline is None and ranks.context_parallel == 1
     several = plan.accumulation_steps > 1 or ranks.size > 1
     return model_items(accelerator.unwrap_model(model), countable, warn=several and accelerator.is_main_process)
-
-
-def _fixed_micro_batch_size(cfg: TrainConfig) -> int:
-    """The micro-batch size set; 1 for auto, whose size is found later (the global batch is checked now)."""
-    return 1 if cfg.micro_batch_size == "auto" else cfg.micro_batch_size

@@ -34,7 +34,7 @@ from accel_trainer.config.train_config import (
     resolve_config,
     resolve_settings,
 )
-from accel_trainer.data.batching import plan_batches
+from accel_trainer.data.batching import plan_batches, planned_micro_batch_size
 from accel_trainer.errors import LayoutError, UserError, describe_crash, say_user_error
 from accel_trainer.loop import train_loop
 from accel_trainer.observe.breadcrumb import where
@@ -177,9 +177,8 @@ def _config_checked(recipe_name: str, line: CommandLine, layout: Layout) -> None
     the layout's processes start: each would say it, seconds later (printed twice on 2 processes, 8 s in)."""
     cfg, settings = settings_on_layout(get_recipe(recipe_name).Config, layout, line.config_file, line.overrides)
     data_parallel = data_parallel_size_on_layout(settings, layout)
-    if data_parallel is not None:  # an `auto` micro-batch is found later: the global batch must split already
-        micro_batch_size = 1 if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
-        plan_batches(cfg.global_batch_size, micro_batch_size, data_parallel)
+    if data_parallel is not None:
+        plan_batches(cfg.global_batch_size, planned_micro_batch_size(cfg.micro_batch_size), data_parallel)
 
 
 def _command_status(recipe_name: str, arguments: list[str], program: list[str]) -> int | None:

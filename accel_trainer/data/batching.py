@@ -48,6 +48,12 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, num_processes: i
     return BatchPlan(global_batch_size, micro_batch_size, num_processes, global_batch_size // per_step)
 
 
+def planned_micro_batch_size(micro_batch_size: int | str) -> int:
+    """The micro-batch size to plan with before training: the one set, or 1 for `auto`, whose size is found later
+    (the global batch must already split over the data-parallel ranks)."""
+    return 1 if micro_batch_size == "auto" else int(micro_batch_size)
+
+
 def _sizes_that_divide(global_batch_size: int, micro_batch_size: int, num_processes: int) -> str:
     """The fix, with numbers: the nearest global batches that divide, and the largest smaller micro-batch that
     divides this one (none where the global batch does not split over the ranks at all)."""
