@@ -16,7 +16,7 @@ from typing import Any
 
 from accel_trainer.checkpoint.files import CheckpointError
 from accel_trainer.checkpoint.run_folder import RUN_CONTROL_KEYS
-from accel_trainer.config.train_config import TrainConfig, config_to_dict, config_to_yaml
+from accel_trainer.config.train_config import TrainConfig, config_to_dict, config_to_yaml, declared_defaults
 
 TRAIN_STATE = "train_state.json"
 # The checkpoint format: 2 is pickle-free. Format 1 (accel-trainer 0.1, no "format" key) pickled optimizer,
@@ -90,7 +90,7 @@ def check_compatible(
     """
     if state["recipe"] != recipe_name:
         raise CheckpointError(f"the checkpoint was written by recipe {state['recipe']!r}, not {recipe_name!r}")
-    saved, defaults = state["config"], config_to_dict(type(cfg)())
+    saved, defaults = state["config"], declared_defaults(type(cfg))
     changed = {
         key: (saved.get(key), value)
         for key, value in config_to_dict(cfg).items()

@@ -19,16 +19,14 @@ Only the main process decides (these functions touch the file system); run.py sh
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 from accel_trainer.checkpoint import files as checkpoint_files
-from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.config.train_config import TrainConfig, config_to_dict, declared_defaults
 from accel_trainer.errors import UserError
 
 try:
@@ -108,15 +106,13 @@ def identity(recipe_name: str, cfg: TrainConfig) -> str:
     """A short hash of the recipe and the settings of its resolved config away from their defaults, run-control
     keys aside: a setting a later version adds (at its default) leaves a stopped run's identity as it was, so the
     same command still continues it after an upgrade."""
-    fields = [field for field in dataclasses.fields(cfg) if field.name not in RUN_CONTROL_KEYS]
-    settings = [(f.name, getattr(cfg, f.name)) for f in fields if getattr(cfg, f.name) != _declared_default(f)]
+    defaults = declared_defaults(type(cfg))
+    settings = [
+        (key, value)
+        for key, value in config_to_dict(cfg).items()
+        if key not in RUN_CONTROL_KEYS and (key not in defaults or value != defaults[key])
+    ]
     return hashlib.sha256(repr([recipe_name, *settings]).encode()).hexdigest()[:16]
-
-
-def _declared_default(field: dataclasses.Field) -> Any:
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default  # MISSING for a field without one: always part of the identity
 
 
 def preempted_marker(recipe_name: str, cfg: TrainConfig) -> Path:
