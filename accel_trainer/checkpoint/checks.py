@@ -16,7 +16,8 @@ from typing import Any
 
 from accel_trainer.checkpoint.files import CheckpointError
 from accel_trainer.checkpoint.run_folder import RUN_CONTROL_KEYS
-from accel_trainer.config.train_config import TrainConfig, config_to_dict, config_to_yaml, declared_defaults
+from accel_trainer.config.fields import declared_defaults
+from accel_trainer.config.train_config import TrainConfig, config_to_dict, config_to_yaml
 
 TRAIN_STATE = "train_state.json"
 # The checkpoint format: 2 is pickle-free. Format 1 (accel-trainer 0.1, no "format" key) pickled optimizer,

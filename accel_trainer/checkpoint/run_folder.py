@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from accel_trainer.checkpoint import files as checkpoint_files
-from accel_trainer.config.train_config import TrainConfig, config_to_dict, declared_defaults
+from accel_trainer.config.fields import declared_defaults
+from accel_trainer.config.train_config import TrainConfig, config_to_dict
 from accel_trainer.errors import UserError
 
 try:

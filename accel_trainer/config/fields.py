@@ -261,3 +261,15 @@ def parse_steps(text: str) -> tuple[int, int] | None:
     if steps[0] < 1 or steps[1] < steps[0]:
         raise ConfigError(f"profile_steps={text!r}: the steps must be 1 or more, first <= last")
     return steps
+
+
+def declared_defaults(config_cls: type) -> dict[str, Any]:
+    """Each field's declared default, as `config_to_dict` writes values (a field without one is left out): what
+    a setting a later version adds is taken to be in a checkpoint or a run's identity that predates it."""
+    defaults = {}
+    for field in dataclasses.fields(config_cls):
+        if field.default_factory is not dataclasses.MISSING:
+            defaults[field.name] = field.default_factory()
+        elif field.default is not dataclasses.MISSING:
+            defaults[field.name] = field.default
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()}

@@ -249,18 +249,6 @@ def config_to_dict(config: TrainConfig) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
 
 
-def declared_defaults(config_cls: type[TrainConfig]) -> dict[str, Any]:
-    """Each field's declared default, as `config_to_dict` writes values (a field without one is left out): what
-    a setting a later version adds is taken to be in a checkpoint or a run's identity that predates it."""
-    defaults = {}
-    for field in dataclasses.fields(config_cls):
-        if field.default_factory is not dataclasses.MISSING:
-            defaults[field.name] = field.default_factory()
-        elif field.default is not dataclasses.MISSING:
-            defaults[field.name] = field.default
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()}
-
-
 def config_to_yaml(config: TrainConfig) -> str:
     return yaml.safe_dump(config_to_dict(config), sort_keys=False)
 
