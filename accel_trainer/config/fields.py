@@ -177,6 +177,17 @@ LAUNCHER_KEYS = dict.fromkeys(
 """Keys users bring from other tools' command lines, answered with the way to start processes here."""
 
 
+def _nearest_keys(key: str, known: list[str]) -> str:
+    """The hint after an unknown key: the closest known one, or up to three near ones, never the whole list (a
+    recipe has sixty keys); `--help` lists them all."""
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    near = difflib.get_close_matches(key, known, n=3, cutoff=0.4) or [k for k in known if key in k or k in key][:3]
+    listed = " or ".join(map(repr, near))
+    return f"; the nearest known keys are {listed} (--help lists them all)" if near else "; --help lists the keys"
+
+
 def check_values(classes: tuple[type, ...], values: Mapping[Any, Any], where: str) -> tuple[dict[str, Any], ...]:
     """Type each value by the field of that name in one of `classes`; one dict of typed values per class.
 
@@ -189,8 +200,7 @@ def check_values(classes: tuple[type, ...], values: Mapping[Any, Any], where: st
     for key, value in values.items():
         owner = next((i for i, class_fields in enumerate(fields) if key in class_fields), None)
         if not isinstance(key, str) or owner is None:
-            hint = difflib.get_close_matches(str(key), known, n=1)
-            suggestion = f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(known)}"
+            suggestion = _nearest_keys(str(key), known)
             suggestion = LAUNCHER_KEYS.get(str(key), suggestion)
             raise ConfigError(f"unknown config key {key!r} {where}{suggestion}")
         checked[owner][key] = coerce_value(key, value, fields[owner][key])
