@@ -56,6 +56,12 @@ def describe_crash(error: BaseException) -> str:
     ).rstrip()
 
 
+def recipe_site(error: BaseException) -> str:
+    """Where recipe code raised `error`, as "file:line in function", or "" when no recipe frame did."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if _is_recipe_code(frame.filename)]
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+
+
 def _is_recipe_code(filename: str) -> bool:
     """Code of the user's: not accel_trainer's, not an installed package's, not Python's frozen modules.
 

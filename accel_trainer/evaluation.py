@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import gather_object, send_to_device
 
 from accel_trainer.batch_rows import batch_size, first_rows
 from accel_trainer.config.train_config import TrainConfig, evaluates_after
-from accel_trainer.errors import UserError
+from accel_trainer.errors import RecipeError, UserError, recipe_site
 from accel_trainer.eval_outputs import metric_sums
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
@@ -103,6 +103,32 @@ def evaluate_run(run: Run) -> dict[str, float]:
                 averaged = evaluate(run.accelerator, run.evaluator, run.model, *run.data.eval_batches())
             scores.update({"eval_ema/" + name.removeprefix("eval/"): value for name, value in averaged.items()})
     return scores
+
+
+def sanity_check(run: Run) -> None:
+    """The recipe's eval metrics on the eval set's first micro-batch, before the first step (`sanity_eval`): a metric
+    that fails or returns what the loop cannot read is a one-line error now, not after the training. Every process
+    runs the same batch (a sharded forward is collective); the random streams and the model's mode are left as they
+    were, so the training does not change.
+
+    Raises:
+        RecipeError: eval_metrics raised (naming the exception and where), or returned an unreadable value.
+    """
+    if not run.cfg.sanity_eval or run.data.eval_set is None:
+        return
+    note_where("the sanity check of eval_metrics before step", run.checkpointer.state.step + 1)
+    try:
+        with rng_untouched():
+            batch = send_to_device(run.data.first_eval_batch(), run.accelerator.device)
+            evaluate(run.accelerator, run.evaluator, run.model, [batch], padded=False)
+    except UserError as error:
+        raise RecipeError(f"the sanity check of eval_metrics on the first eval batch, before training: {error}") from None
+    except Exception as error:  # noqa: BLE001 - a recipe's bug, said in one line before any training
+        site = recipe_site(error)
+        raise RecipeError(
+            f"eval_metrics fails on the first eval batch, before training: {type(error).__name__}: {error}"
+            f"{f' ({site})' if site else ''}; fix it, or skip this check with sanity_eval=false"
+        ) from None
 
 
 def evaluate_baseline(run: Run, observer: Observer) -> None:

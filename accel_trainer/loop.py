@@ -25,7 +25,7 @@ from accelerate import Accelerator
 from accel_trainer.checkpoint.trained import RunIdentity
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig
-from accel_trainer.evaluation import evaluate_after, evaluate_baseline
+from accel_trainer.evaluation import evaluate_after, evaluate_baseline, sanity_check
 from accel_trainer.heap import setup_left_out_of_collections
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
@@ -59,6 +59,7 @@ def train_loop(
     check_early_stop(cfg, run.data.eval_set is not None)
     if state.step >= cfg.max_steps or state.stopped_early:  # the run's files stay as they are: nothing trains
         return run.already_trained()
+    sanity_check(run)  # a broken eval metric is refused before the run folder holds a run
     run.write_start_files(cfg, layout, recipe_name)
     observer = run.observer(cfg, setup_started)
     try:

@@ -61,6 +61,9 @@ class TrainConfig:
     """Log training metrics every this many optimizer steps (0: only the last step)."""
     eval_every_steps: int = 0
     """Evaluate every this many optimizer steps; 0 evaluates only at the end."""
+    sanity_eval: bool = True
+    """Run the recipe's eval metrics on one eval batch before the first step, so that a broken metric is a one-line
+    error at the start of a run, not after it (as Lightning's sanity check); false skips it."""
     output_dir: str = ""
     """Run folder; empty means outputs/<recipe>/<date-time>. Set it to resume or restart a run."""
     resume: str = "auto"
