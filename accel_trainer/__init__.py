@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from accel_trainer.config.layout import LayoutSettings
     from accel_trainer.config.train_config import TrainConfig
+    from accel_trainer.data.sources import check_data_spec, read_data
     from accel_trainer.errors import ConfigError, LayoutError, RecipeError, UserError
     from accel_trainer.losses import token_cross_entropy
+    from accel_trainer.pretrained import base_context, check_base, load_base_model, load_base_tokenizer
     from accel_trainer.recipe import Recipe
     from accel_trainer.registry import add_recipe, get_recipe, register_recipe, registered_recipes
     from accel_trainer.run import TrainResult, main, train
@@ -46,9 +48,15 @@ _HOMES = {
     "TrainResult": "run",
     "UserError": "errors",
     "add_recipe": "registry",
+    "base_context": "pretrained",
+    "check_base": "pretrained",
+    "check_data_spec": "data.sources",
     "evaluate_saved": "saved_evaluation",
     "get_recipe": "registry",
+    "load_base_model": "pretrained",
+    "load_base_tokenizer": "pretrained",
     "main": "run",
+    "read_data": "data.sources",
     "register_recipe": "registry",
     "registered_recipes": "registry",
     "token_cross_entropy": "losses",
@@ -66,9 +74,15 @@ __all__ = [
     "TrainResult",
     "UserError",
     "add_recipe",
+    "base_context",
+    "check_base",
+    "check_data_spec",
     "evaluate_saved",
     "get_recipe",
+    "load_base_model",
+    "load_base_tokenizer",
     "main",
+    "read_data",
     "register_recipe",
     "registered_recipes",
     "token_cross_entropy",

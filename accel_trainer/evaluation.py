@@ -122,7 +122,9 @@ def sanity_check(run: Run) -> None:
             batch = send_to_device(run.data.first_eval_batch(), run.accelerator.device)
             evaluate(run.accelerator, run.evaluator, run.model, [batch], padded=False)
     except UserError as error:
-        raise RecipeError(f"the sanity check of eval_metrics on the first eval batch, before training: {error}") from None
+        raise RecipeError(
+            f"the sanity check of eval_metrics on the first eval batch, before training: {error}"
+        ) from None
     except Exception as error:  # noqa: BLE001 - a recipe's bug, said in one line before any training
         site = recipe_site(error)
         raise RecipeError(

@@ -1,13 +1,21 @@
-"""Where a model's pretrained weights came from: the one place that reads transformers' and peft's records of it
-(checkpoints fingerprint the base, FSDP's RAM-efficient loading reads a base on the main process only)."""
+"""Pretrained bases: where a model's weights come from and where they came from.
+
+`base=` names a `save_pretrained` folder, a hub id found in the local Hugging Face cache, or a `.gguf` file
+(transformers' GGUF loading, dequantized); `check_base` checks it when the config is made, `load_base_model` and
+`load_base_tokenizer` read it. `base_source` is the one place that reads transformers' and peft's records of where
+a built model came from (checkpoints fingerprint the base, FSDP's RAM-efficient loading reads a base on the main
+process only)."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from accel_trainer.errors import ConfigError
 
 
 def base_source(model: torch.nn.Module) -> str | None:
@@ -28,3 +36,117 @@ def quiet_progress_bars() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if "transformers" in sys.modules and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] != "0":
         sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
+def check_base(base: str) -> str:
+    """A `base=` value checked when the config is made, as the run will keep it: a `save_pretrained` folder or a
+    `.gguf` file as an absolute path (the run's config.yaml and checkpoints then name it from any folder), a hub id
+    as it is, once it is in the local Hugging Face cache (or may be fetched: HF_HUB_OFFLINE unset).
+
+    Raises:
+        ConfigError: a run folder (naming its final/), a folder with no config.json, a missing file, or a hub id
+            that is not cached while offline (saying how to fetch it).
+    """
+    path = Path(base).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ConfigError(f"base={base}: no such GGUF file")
+        return str(path.resolve())
+    if path.is_dir():
+        if not (path / "config.json").is_file() and (path / "final" / "config.json").is_file():
+            raise ConfigError(f"base={base} is a run folder; its model is base={path / 'final'}")
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"base={base} is not a pretrained model's folder (no {path / 'config.json'}): give a folder that"
+                " save_pretrained wrote (such as a run's final/), a .gguf file or a hub id"
+            )
+        return str(path.resolve())
+    if not _is_hub_id(base):
+        raise ConfigError(f"base={base}: no such folder or file (nor a hub id, which reads org/name)")
+    if cached_snapshot(base) is None and _offline():
+        raise ConfigError(
+            f"base={base} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: fetch it first with"
+            f" `hf download {base}` where the hub can be reached, or give a local folder or .gguf file"
+        )
+    return base
+
+
+def load_base_model(base: str, **options: Any) -> Any:
+    """`AutoModelForCausalLM.from_pretrained` of a checked base: a GGUF file dequantized (transformers' GGUF
+    loading) and recorded under its path, so checkpoints and FSDP's loading know where it came from."""
+    from transformers import AutoModelForCausalLM
+
+    folder, gguf_file = _files(base)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, **extra, **options)
+    if gguf_file:
+        # The weights are plain tensors now: its final/ must not claim to be a GGUF checkpoint, nor name the file's
+        # own title ("Smollm2 135M 8k ...") as where it came from.
+        # transformers leaves the dequantized model marked as quantized, so its own Trainer (and TRL) refuse to train
+        # it ("purely quantized models"); canary: tests/test_real_models.py.
+        del model.config.quantization_config
+        vars(model).update(hf_quantizer=None, is_quantized=False)
+        model.config._name_or_path = base
+    return model
+
+
+def load_base_tokenizer(base: str) -> Any:
+    """The base's own tokenizer (`AutoTokenizer.from_pretrained`, a GGUF file's from its metadata), with a padding
+    token: its own, else its end-of-text token, as TRL pads."""
+    from transformers import AutoTokenizer
+
+    folder, gguf_file = _files(base)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"base={base} has no tokenizer that transformers can read: {_first_line(error)}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def base_context(model: Any) -> int:
+    """The longest sequence the model's positions allow (0: no limit known)."""
+    config = model.config
+    return int(getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 0) or 0)
+
+
+def cached_snapshot(repo_id: str) -> str | None:
+    """The folder of `repo_id`'s newest snapshot in the local Hugging Face cache, or None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return str(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+
+
+def _files(base: str) -> tuple[str, str | None]:
+    """The folder from_pretrained reads, and the GGUF file's name in it."""
+    path = Path(base)
+    if path.suffix == ".gguf":
+        return str(path.parent), path.name
+    if path.is_dir():
+        return base, None
+    return cached_snapshot(base) or base, None  # not cached: transformers fetches it
+
+
+def _is_hub_id(name: str) -> bool:
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

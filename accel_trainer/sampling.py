@@ -63,7 +63,7 @@ def sample(
         if chat:
             message = [{"role": "user", "content": prompt}]
             text = str(tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True))
-        encoded = tokenizer(text, return_tensors="pt").to(device)
+        encoded = tokenizer(text, return_tensors="pt", add_special_tokens=not chat).to(device)  # a template has its own
         options = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         with torch.no_grad():
             output = model.generate(**encoded, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **options)

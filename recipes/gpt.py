@@ -80,6 +80,19 @@ class ByteTextConfig(at.TrainConfig):
     """A folder for datasets' Arrow cache of the paragraphs, the split and the cut or packed examples, reused by
     later runs (datasets' fingerprints: a change of block_size or split makes a new entry); the main process
     writes it first, the others read it. Empty: built in memory by each process, nothing kept."""
+    data: str = ""
+    """Your training text instead of the demo corpus: text files, folders or globs (.txt/.md, one row a paragraph),
+    .jsonl/.json/.parquet/.csv (the text_column), a save_to_disk folder or a cached hub dataset id; a weighted
+    mixture as a,b or a:0.7,b:0.3 (accel_trainer/data/sources.py). Empty: the demo corpus."""
+    eval_data: str = ""
+    """The held-out text, in data's forms; empty: eval_fraction of data is held out."""
+    text_column: str = "text"
+    """The column holding the text in .jsonl/.json/.parquet/.csv data, a save_to_disk folder or a hub dataset."""
+
+    def __post_init__(self) -> None:
+        if self.eval_data and not self.data:
+            raise at.ConfigError("eval_data= is the held-out part of your own data=: give data= too")
+        self.data, self.eval_data = (at.check_data_spec(spec) if spec else "" for spec in (self.data, self.eval_data))
 
 
 @dataclass
@@ -258,30 +271,50 @@ def load_paragraphs(files: list[str], cache_dir: str = "") -> datasets.Dataset:
         )
 
 
-def chunk_paragraphs(batch: dict[str, list[str]], block_size: int) -> dict[str, list[list[int]]]:
-    """Cut each paragraph's UTF-8 bytes into chunks of at most block_size + 1 bytes.
+def utf8_bytes(texts: list[str]) -> list[list[int]]:
+    """The byte-level models' tokens: each text's UTF-8 bytes."""
+    return [list(text.encode("utf-8")) for text in texts]
 
-    Consecutive chunks overlap by one byte, so every byte after a paragraph's first is a target exactly once;
-    a paragraph of one byte has nothing to predict and is dropped.
+
+class TokenizerEncoding:
+    """A real tokenizer's tokens of each text, as the tokenizer adds its special tokens (a BOS for some), followed
+    by its end-of-text token, so a model learns where a text ends. A class, not a closure: datasets hashes it for
+    its cache fingerprints (by the tokenizer it holds)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        eos = self.tokenizer.eos_token_id
+        return [ids + [eos] for ids in self.tokenizer(texts)["input_ids"]]
+
+
+def chunk_paragraphs(
+    batch: dict[str, list[str]], block_size: int, encode: Any = utf8_bytes
+) -> dict[str, list[list[int]]]:
+    """Cut each paragraph's tokens (`encode`: its UTF-8 bytes by default) into chunks of at most block_size + 1.
+
+    Consecutive chunks overlap by one token, so every token after a paragraph's first is a target exactly once;
+    a paragraph of one token has nothing to predict and is dropped.
     """
     chunks = []
-    for text in batch["text"]:
-        data = text.encode("utf-8")
+    for data in encode(batch["text"]):
         chunks.extend(list(data[start : start + block_size + 1]) for start in range(0, len(data) - 1, block_size))
     return {"input_ids": chunks}
 
 
-def pack_paragraphs(batch: dict[str, list[str]], block_size: int) -> dict[str, list[list[int]]]:
-    """Lay the paragraphs' bytes end to end and cut windows of block_size + 1 bytes, each byte marked with its
-    paragraph (numbered from 0 in each window).
+def pack_paragraphs(
+    batch: dict[str, list[str]], block_size: int, encode: Any = utf8_bytes
+) -> dict[str, list[list[int]]]:
+    """Lay the paragraphs' tokens (`encode`: bytes by default) end to end and cut windows of block_size + 1
+    tokens, each token marked with its paragraph (numbered from 0 in each window).
 
-    Windows overlap by one byte, as chunks do; the bytes after the last full window of a map batch (1,000
-    paragraphs) are dropped. A paragraph's first byte is never a target: its window restarts the context there.
+    Windows overlap by one token, as chunks do; the tokens after the last full window of a map batch (1,000
+    paragraphs) are dropped. A paragraph's first token is never a target: its window restarts the context there.
     """
     ids: list[int] = []
     documents: list[int] = []
-    for number, text in enumerate(batch["text"]):
-        data = text.encode("utf-8")
+    for number, data in enumerate(encode(batch["text"])):
         ids.extend(data)
         documents.extend([number] * len(data))
     windows, marks = [], []
@@ -297,21 +330,41 @@ def is_eval_paragraph(row: dict[str, str], fraction: float, seed: int) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
-def build_splits(cfg: GPTConfig) -> tuple[Any, datasets.Dataset]:
-    """Train and eval examples; paragraphs are split first so a paragraph's chunks stay on one side."""
-    cut = pack_paragraphs if cfg.pack_sequences else chunk_paragraphs
-    options = dict(batched=True, remove_columns=["text"], fn_kwargs={"block_size": cfg.block_size})
+def text_rows(cfg: ByteTextConfig, streaming: bool) -> Any:
+    """The training text as rows of one column, "text": the user's `data=`, else the demo corpus's paragraphs."""
+    if cfg.data:
+        return at.read_data(cfg.data, [{"text": cfg.text_column}], streaming=streaming, seed=cfg.seed)
     files = source_files(cfg.max_source_bytes)
+    if streaming:
+        return datasets.load_dataset("text", data_files=files, sample_by="paragraph", split="train", streaming=True)
+    return load_paragraphs(files, cfg.data_cache_dir)
+
+
+def build_splits(cfg: ByteTextConfig, encode: Any = utf8_bytes) -> tuple[Any, datasets.Dataset]:
+    """Train and eval examples, the text's tokens (`encode`) cut or packed; a held-out fraction is split off by
+    paragraph (or row) first, so a paragraph's chunks stay on one side. `eval_data=` is the eval set instead."""
+    cut = pack_paragraphs if cfg.pack_sequences else chunk_paragraphs
+    options = dict(batched=True, fn_kwargs={"block_size": cfg.block_size, "encode": encode})
     with _quiet_datasets():
-        paragraphs = load_paragraphs(files, cfg.data_cache_dir)
+        if cfg.eval_data:
+            held_out = at.read_data(cfg.eval_data, [{"text": cfg.text_column}], streaming=False, seed=cfg.seed)
+            train = text_rows(cfg, cfg.streaming)
+            if cfg.streaming:
+                train = train.shuffle(seed=cfg.seed, buffer_size=1000)
+            return _cut(train, cut, options), _cut(held_out, cut, options)
         if not cfg.streaming:
-            splits = paragraphs.train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
-            return splits["train"].map(cut, **options), splits["test"].map(cut, **options)
+            splits = text_rows(cfg, streaming=False).train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
+            return _cut(splits["train"], cut, options), _cut(splits["test"], cut, options)
         side = {"fraction": cfg.eval_fraction, "seed": cfg.split_seed}
-        eval_set = paragraphs.filter(is_eval_paragraph, fn_kwargs=side).map(cut, **options)
-        stream = datasets.load_dataset("text", data_files=files, sample_by="paragraph", split="train", streaming=True)
+        eval_set = _cut(text_rows(cfg, streaming=False).filter(is_eval_paragraph, fn_kwargs=side), cut, options)
+        stream = text_rows(cfg, streaming=True)
         train = stream.filter(lambda row: not is_eval_paragraph(row, **side)).shuffle(seed=cfg.seed, buffer_size=1000)
-        return train.map(cut, **options), eval_set
+        return _cut(train, cut, options), eval_set
+
+
+def _cut(rows: Any, cut: Any, options: dict[str, Any]) -> Any:
+    """Rows of text as examples of tokens (every other column dropped)."""
+    return rows.map(cut, remove_columns=rows.column_names or ["text"], **options)
 
 
 @at.register_recipe("gpt")
@@ -339,6 +392,11 @@ class ByteGPT(at.Recipe):
         "lm_head": "colwise_gather_output",
     }
 
+    @property
+    def pad_id(self) -> int:
+        """The input id at padded positions (a real tokenizer's recipe gives its padding token's)."""
+        return PAD_ID
+
     def build_model(self, cfg: GPTConfig) -> nn.Module:
         return GPT(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.block_size, cfg.dropout)
 
@@ -346,7 +404,7 @@ class ByteGPT(at.Recipe):
         return build_splits(cfg)
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Pad to the longest sequence of the batch, rounded up to a multiple of 8: inputs with PAD_ID, targets
+        """Pad to the longest sequence of the batch, rounded up to a multiple of 8: inputs with `pad_id`, targets
         with IGNORE_INDEX (sequence and context parallelism split the length evenly over up to 8 and 4
         processes); positions 0..length-1 for every row. Packed windows: see `collate_packed`."""
         if "documents" in examples[0]:
@@ -354,7 +412,7 @@ class ByteGPT(at.Recipe):
         sequences = [torch.as_tensor(example["input_ids"], dtype=torch.long) for example in examples]
         longest = self.cfg.block_size if self.cfg.pad_to_block_size else max(len(s) for s in sequences) - 1
         length = _padded_length(longest, self.cfg.block_size)
-        input_ids = torch.full((len(sequences), length), PAD_ID, dtype=torch.long)
+        input_ids = torch.full((len(sequences), length), self.pad_id, dtype=torch.long)
         targets = torch.full((len(sequences), length), IGNORE_INDEX, dtype=torch.long)
         for row, sequence in enumerate(sequences):
             input_ids[row, : len(sequence) - 1] = sequence[:-1]

@@ -1,19 +1,25 @@
-"""Fine-tune a pretrained transformers causal LM from a local folder: LoRA through peft, or every weight.
+"""Fine-tune a pretrained transformers causal LM on your own text: LoRA through peft, or every weight.
 
-    accel-trainer train hf_causal_lm output_dir=runs/base max_steps=300          # a base of our own
-    accel-trainer train hf_finetune base=runs/base/final max_steps=100           # LoRA (lora_r=8)
-    accel-trainer train hf_finetune base=runs/base/final lora_r=0 lr=3e-4        # every weight
-    accel-trainer train hf_finetune base=runs/base/final layout=cpu_fsdp         # any layout
+    accel-trainer train hf_finetune base=HuggingFaceTB/SmolLM2-135M data=notes/ max_steps=200   # a cached hub id
+    accel-trainer train hf_finetune base=model.Q8_0.gguf data=a.jsonl:0.7,b.parquet:0.3          # a GGUF file
+    accel-trainer train hf_finetune base=runs/base/final max_steps=100            # a base of our own, the demo text
+    accel-trainer train hf_finetune base=runs/base/final lora_r=0 lr=3e-4         # every weight
+    accel-trainer train hf_finetune base=... data=... layout=cpu_fsdp             # any layout
 
-The base is read with `AutoModelForCausalLM.from_pretrained(base)` (no download: a folder). With `lora_r > 0`
-the model is peft's LoRA of it: only the adapter trains, and each checkpoint holds the adapter, its optimizer
-state and a fingerprint of the frozen base (accel_trainer/checkpoint/frozen.py), which a resume checks.
-`final/` is then the merged model, `AutoModelForCausalLM.from_pretrained(<run>/final)`, and `final/adapter/`
-the adapter alone, `PeftModel.from_pretrained(base_model, <run>/final/adapter)`; both give the same logits.
-FSDP shards the base's `_no_split_modules` blocks (GPT2Block) as units without being told.
+`base=` is a `save_pretrained` folder (such as hf_causal_lm's `final/`), a hub id in the local Hugging Face cache
+(HF_HUB_OFFLINE honoured), or a `.gguf` file, dequantized (accel_trainer/pretrained.py). The base's own tokenizer
+reads the text: each paragraph (or row) is its tokens and the base's end-of-text token, cut into examples of at
+most block_size + 1 tokens (or packed: pack_sequences=true), padded with the base's padding token (its
+end-of-text token when it has none); block_size may not exceed the base's context. `data=` takes text files,
+folders, globs, .jsonl/.json/.parquet/.csv (text_column=), a save_to_disk folder or a cached hub dataset, and
+weighted mixtures (see `--help`); without it, the demo corpus (the Python standard library's paragraphs).
 
-The data, batches, loss and eval are hf_causal_lm's (bytes of the Python standard library), so the base must
-be a byte-level model such as hf_causal_lm's `final/`; block_size may not exceed the base's context.
+With `lora_r > 0` the model is peft's LoRA of the base: only the adapter trains, and each checkpoint holds the
+adapter, its optimizer state and a fingerprint of the frozen base (accel_trainer/checkpoint/frozen.py), which a
+resume checks. `final/` is then the merged model, `AutoModelForCausalLM.from_pretrained(<run>/final)` with the
+base's tokenizer beside it, and `final/adapter/` the adapter alone, `PeftModel.from_pretrained(base_model,
+<run>/final/adapter)`; both give the same logits. FSDP shards the base's `_no_split_modules` blocks as units
+without being told.
 """
 
 from __future__ import annotations
@@ -21,24 +27,25 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import accel_trainer as at
 
 ByteGPT = at.get_recipe("gpt")
 HFCausalLM = at.get_recipe("hf_causal_lm")
-ByteTextConfig = sys.modules[ByteGPT.__module__].ByteTextConfig  # the schedule and data fields, no model shape
+gpt_module = sys.modules[ByteGPT.__module__]
+ByteTextConfig = gpt_module.ByteTextConfig  # the schedule and data fields, no model shape
 
 
 @dataclass
 class PretrainedBase:
-    """The fields of a fine-tune of a local pretrained model (this recipe's and sft_chat's), checked when the
-    config is made: a one-line error before any work, and the base's folder kept as an absolute path, so the
-    run's config.yaml, its checkpoints and final/adapter name it from any working directory."""
+    """The fields of a fine-tune of a pretrained model (this recipe's and sft_chat's), checked when the config is
+    made: a one-line error before any work, and a local base kept as an absolute path, so the run's config.yaml,
+    its checkpoints and final/adapter name it from any working directory."""
 
     base: str = ""
-    """The pretrained model: a folder `AutoModelForCausalLM.from_pretrained` reads (a run's final/)."""
+    """The pretrained model: a save_pretrained folder (a run's final/), a hub id in the local Hugging Face cache,
+    or a .gguf file (dequantized)."""
     lora_r: int = 8
     """Rank of the LoRA adapter on every linear layer but the output head; 0 trains every weight instead."""
     lora_alpha: float = 16.0
@@ -51,17 +58,9 @@ class PretrainedBase:
             raise at.ConfigError(f"lora_r={self.lora_r}: must be at least 0 (0 trains every weight, no adapter)")
         if not 0 <= self.lora_dropout < 1:
             raise at.ConfigError(f"lora_dropout={self.lora_dropout}: must be in [0, 1)")
-        if not self.base:
-            return
-        folder = Path(self.base).expanduser()
-        if not (folder / "config.json").is_file() and (folder / "final" / "config.json").is_file():
-            raise at.ConfigError(f"base={self.base} is a run folder; its model is base={folder / 'final'}")
-        if not (folder / "config.json").is_file():
-            raise at.ConfigError(
-                f"base={self.base} is not a pretrained model's folder (no {folder / 'config.json'}): give a folder"
-                " that save_pretrained wrote, such as a run's final/"
-            )
-        self.base = str(folder.resolve())
+        if self.base:
+            self.base = at.check_base(self.base)
+        getattr(super(), "__post_init__", lambda: None)()  # the data fields' checks
 
 
 @dataclass
@@ -82,27 +81,35 @@ class HFFinetune(HFCausalLM):  # type: ignore[valid-type,misc]
     wrap_classes = ()  # the framework takes the base's _no_split_modules
 
     def build_tokenizer(self, cfg: FinetuneConfig) -> Any:
-        """The base's tokenizer (its folder's tokenizer.json), else hf_causal_lm's byte tokenizer."""
-        if cfg.base and (Path(cfg.base) / "tokenizer.json").is_file():
-            from transformers import AutoTokenizer
+        """The base's own tokenizer, with its padding token (its end-of-text token when it has none)."""
+        if not cfg.base:
+            raise at.ConfigError(self.needs_base)
+        return at.load_base_tokenizer(cfg.base)
 
-            return AutoTokenizer.from_pretrained(cfg.base)
-        return super().build_tokenizer(cfg)
+    needs_base = "this recipe needs base=: a save_pretrained folder (a run's final/), a cached hub id or a .gguf file"
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    def build_datasets(self, cfg: FinetuneConfig) -> tuple[Any, Any]:
+        """The text (data=, else the demo corpus) in the base's own tokens."""
+        tokenizer = self.tokenizer if self.tokenizer is not None else self.build_tokenizer(cfg)
+        return gpt_module.build_splits(cfg, encode=gpt_module.TokenizerEncoding(tokenizer))
 
     def build_model(self, cfg: FinetuneConfig) -> Any:
         if not cfg.base:
-            raise at.ConfigError("this recipe needs base=FOLDER: a pretrained model's folder (a run's final/)")
-        from transformers import AutoModelForCausalLM
+            raise at.ConfigError(self.needs_base)
         from transformers.pytorch_utils import Conv1D
 
         sys.modules[HFCausalLM.__module__].quiet_padding_advice()  # its batches, padded on the right
         try:
-            model = AutoModelForCausalLM.from_pretrained(cfg.base)
+            model = at.load_base_model(cfg.base)
         except OSError as error:
             raise at.RecipeError(f"base={cfg.base} cannot be loaded: {str(error).splitlines()[0]}") from None
         if getattr(model, "loss_type", "") is None:  # a base saved without one: transformers says so at each forward
             model.loss_type = "ForCausalLM"
-        context = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", 0)
+        context = at.base_context(model)
         if context and cfg.block_size > context:
             raise at.RecipeError(f"block_size={cfg.block_size} is longer than the base's context, {context}")
         if cfg.lora_r == 0:

@@ -1,22 +1,26 @@
-"""Chat fine-tuning: a pretrained causal LM taught to answer questions about the Python standard library, its loss
-on the assistant's tokens only.
+"""Chat fine-tuning of a pretrained causal LM on your conversations, the loss on the assistant's tokens only.
 
-    accel-trainer train hf_causal_lm output_dir=runs/base max_steps=600       # pretrain a base of our own
-    accel-trainer train sft_chat base=runs/base/final output_dir=runs/sft      # LoRA (lora_r=8)
-    accel-trainer train sft_chat base=runs/base/final lora_r=0 lr=3e-4         # every weight
+    accel-trainer train sft_chat base=SmolLM2-135M-Instruct.Q4_1.gguf data=chats.jsonl      # LoRA (lora_r=8)
+    accel-trainer train sft_chat base=HuggingFaceTB/SmolLM2-135M-Instruct data=chats.jsonl lora_r=0 lr=3e-5
+    accel-trainer train sft_chat base=... data=chats.jsonl eval_data=held_out.jsonl layout=cpu_fsdp
     accel-trainer sample runs/sft --chat --prompt "What does abc.abstractmethod do?"
+    accel-trainer train hf_causal_lm output_dir=runs/base max_steps=600       # the demo: a base of our own,
+    accel-trainer train sft_chat base=runs/base/final output_dir=runs/sft      # on the stdlib's questions
 
-Data: questions and answers made from text on disk, the docstrings of the standard library modules the GPT recipe
-reads: for each documented public function or class, "What does <module>.<name> do?" answered by the first
-sentence of its docstring; loaded as a `datasets.Dataset` of chat messages and split with a fixed seed.
-Template: the tokenizer's chat template (transformers' `apply_chat_template`) marks the assistant's reply with
-`{% generation %}`, so `return_assistant_tokens_mask=True` gives the tokens the loss reads; the reply ends with the
-end-of-text token, which the model learns to write. The tokenizer with its template is saved in final/.
-Packing: conversations are packed back to back into windows of block_size + 1 tokens, as the GPT's
-pack_sequences packs paragraphs: positions restart and attention stays within each conversation
-(hf_causal_lm's `model_inputs`), and a token is a target only where the mask says it is the assistant's.
-`eval/loss` is the held-out assistant-token loss; `answers.md` holds the model's answers to a few held-out
-questions beside the docstrings'. The model is hf_finetune's: LoRA through peft or every weight, from `base`.
+Data (`data=`, in any form of data/sources.py: .jsonl, .parquet, a folder, a mixture...): rows with a `messages`
+column (system, user and assistant turns, any number) or `prompt`/`completion` columns (lists of messages, as TRL
+writes them, or plain text: a user's message and the answer). `eval_data=` is the held-out set, else an
+eval_fraction of the rows. Without data=, the demo: for each documented public function or class of the stdlib
+modules the GPT recipe reads, "What does <module>.<name> do?" answered by its docstring's first sentence.
+Template: the base's own chat template (`chat_template=chatml` or a .jinja file to choose another); the assistant's
+tokens are those a reply adds to the conversation before it (accel_trainer/data/chat.py), as TRL finds a
+completion's. The tokenizer with its template is saved in final/, so `sample --chat` answers in it.
+Conversations longer than block_size + 1 tokens are dropped (`long_conversations=cut` keeps their beginning
+instead), and a line counts them. Packing: conversations are packed back to back into windows of block_size + 1
+tokens: positions restart and attention stays within each conversation (hf_causal_lm's `model_inputs`), and a
+token is a target only where it is the assistant's. `eval/loss` is the held-out assistant-token loss (nats per
+token, as TRL's eval_loss); `answers.md` holds the model's answers to a few held-out prompts beside the data's.
+The model is hf_finetune's: LoRA through peft or every weight, from `base`.
 """
 
 from __future__ import annotations
@@ -24,28 +28,24 @@ from __future__ import annotations
 import ast
 import re
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
+from accelerate import PartialState
 
 import accel_trainer as at
+from accel_trainer.data import chat
 
 HFCausalLM = at.get_recipe("hf_causal_lm")
 HFFinetune = at.get_recipe("hf_finetune")
 PretrainedBase = sys.modules[HFFinetune.__module__].PretrainedBase  # base, lora_r, lora_alpha, lora_dropout
 gpt_module = sys.modules[at.get_recipe("gpt").__module__]
 model_inputs = sys.modules[HFCausalLM.__module__].model_inputs
-PAD_ID, IGNORE_INDEX = 256, -100  # as in recipes/gpt.py
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}{{ '### Question\\n' + message['content'] + '\\n### Answer\\n' }}"
-    "{% else %}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}{% endif %}"
-    "{% endfor %}"
-)
+IGNORE_INDEX = -100  # as in recipes/gpt.py
 
 
 @dataclass
@@ -58,51 +58,68 @@ class SFTChatConfig(PretrainedBase, at.TrainConfig):  # type: ignore[valid-type,
     log_every_steps: int = 20
     eval_every_steps: int = 100
     block_size: int = 128
-    """Tokens per packed window (conversations longer than block_size + 1 are left out)."""
+    """Tokens per packed window; a conversation longer than block_size + 1 is dropped or cut (long_conversations)."""
+    data: str = ""
+    """Your conversations: rows with messages, or prompt/completion, in any form data= takes (.jsonl, .parquet, a
+    folder, a save_to_disk folder, a cached hub dataset, a weighted mixture a:0.7,b:0.3). Empty: the demo."""
+    eval_data: str = ""
+    """Held-out conversations, in data's forms; empty: eval_fraction of the rows is held out."""
+    chat_template: str = ""
+    """The chat template: empty for the base's own, chatml, or a .jinja file."""
+    long_conversations: str = "drop"
+    """What becomes of a conversation longer than block_size + 1 tokens: drop (left out) or cut (its beginning
+    kept); either way a line counts them."""
     max_answer_chars: int = 160
-    """Answers are the docstrings' first sentences, cut to at most this many characters at a word."""
+    """The demo's answers are the docstrings' first sentences, cut to at most this many characters at a word."""
     max_source_bytes: int = 2_000_000
-    """As the GPT's: the stdlib files whose docstrings make the questions."""
+    """As the GPT's: the stdlib files whose docstrings make the demo's questions."""
     eval_fraction: float = 0.05
-    """Fraction of the conversations held out for evaluation."""
+    """Fraction of the conversations held out for evaluation (without eval_data)."""
     split_seed: int = 1234
     """Seed of the train/eval split, fixed so that runs with different seeds share one eval set."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.long_conversations not in ("drop", "cut"):
+            raise at.ConfigError(f"long_conversations={self.long_conversations}: give drop or cut")
+        if self.eval_data and not self.data:
+            raise at.ConfigError("eval_data= is the held-out part of your own data=: give data= too")
+        self.data, self.eval_data = (at.check_data_spec(spec) if spec else "" for spec in (self.data, self.eval_data))
+        self.chat_template = chat.check_template_choice(self.chat_template)
 
 
 @at.register_recipe("sft_chat")
 class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
-    """A pretrained causal LM fine-tuned to answer stdlib questions, the loss on assistant tokens (LoRA or full)."""
+    """A pretrained causal LM fine-tuned on conversations, the loss on the assistant's tokens (LoRA or full)."""
 
     Config = SFTChatConfig
 
     def build_tokenizer(self, cfg: SFTChatConfig) -> Any:
-        """The base's tokenizer with this recipe's chat template."""
+        """The base's tokenizer with the chosen chat template (its own by default)."""
         tokenizer = super().build_tokenizer(cfg)
-        tokenizer.chat_template = CHAT_TEMPLATE
+        chat.resolve_template(tokenizer, cfg.chat_template)
         return tokenizer
 
     def build_datasets(self, cfg: SFTChatConfig) -> tuple[datasets.Dataset, datasets.Dataset]:
         tokenizer = self.tokenizer if self.tokenizer is not None else self.build_tokenizer(cfg)
         splits = conversation_splits(cfg)
+        window = cfg.block_size + 1
 
         def tokenize(row: dict[str, Any]) -> dict[str, Any]:
-            encoded = tokenizer.apply_chat_template(
-                row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            return {"input_ids": encoded["input_ids"], "assistant_masks": encoded["assistant_masks"]}
+            return chat.tokenize_conversation(tokenizer, row["messages"])
 
-        def packed(split: datasets.Dataset) -> datasets.Dataset:
-            tokens = split.map(tokenize, remove_columns=["messages"])
-            tokens = tokens.filter(lambda row: len(row["input_ids"]) <= cfg.block_size + 1)
-            return tokens.map(pack, batched=True, fn_kwargs={"window": cfg.block_size + 1},
+        def packed(split: datasets.Dataset, name: str) -> datasets.Dataset:
+            tokens = split.map(tokenize, remove_columns=split.column_names)
+            tokens = fit_to_window(tokens, window, cfg.long_conversations, name)
+            return tokens.map(pack, batched=True, fn_kwargs={"window": window, "pad_id": self.pad_id},
                               remove_columns=tokens.column_names)  # fmt: skip
 
         with gpt_module._quiet_datasets():
-            train, held_out = packed(splits["train"]), packed(splits["test"])
+            train, held_out = packed(splits["train"], "training"), packed(splits["test"], "held-out")
         if len(train) == 0 or len(held_out) == 0:
             raise at.ConfigError(
-                f"no conversation fits a window of block_size={cfg.block_size} tokens (or none is held out): raise"
-                " block_size or max_source_bytes, or lower max_answer_chars"
+                f"no {'training' if len(train) == 0 else 'held-out'} conversation is left in windows of"
+                f" block_size={cfg.block_size} tokens: raise block_size (or give more conversations)"
             )
         return train, held_out
 
@@ -118,32 +135,72 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
         return at.token_cross_entropy(model(**model_inputs(batch)).logits, batch["targets"], IGNORE_INDEX)
 
     def write_artifacts(self, model: Any, eval_dataset: Any, run_dir: Path) -> None:
-        """`answers.md`: the model's answers (greedy, to the end-of-text token) to the first held-out questions,
-        beside the docstrings' answers."""
+        """`answers.md`: the model's answers (greedy, to the end-of-text token) to the first held-out prompts (each
+        conversation up to its last reply), beside the data's replies."""
         tokenizer = self.tokenizer
-        held_out = conversation_splits(self.cfg)["test"]  # the eval set's conversations, as messages
-        lines = ["# Answers to held-out questions\n"]
-        context = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+        held_out = conversation_splits(self.cfg)["test"]
+        lines = ["# Answers to held-out prompts\n"]
+        context = at.base_context(model)
         for row in held_out.select(range(min(5, len(held_out)))):
-            question, reference = row["messages"]
-            prompt = tokenizer.apply_chat_template([question], tokenize=True, return_tensors="pt", return_dict=True)
+            turns = row["messages"]
+            last = max(i for i, message in enumerate(turns) if message["role"] == "assistant")
+            prompt_text = tokenizer.apply_chat_template(turns[:last], tokenize=False, add_generation_prompt=True)
+            prompt = tokenizer(prompt_text, return_tensors="pt", add_special_tokens=False)
             with torch.no_grad():
                 room = context - prompt["input_ids"].shape[1]  # the model's positions end there
                 output = model.generate(
                     **prompt, max_new_tokens=min(self.cfg.max_answer_chars + 1, room), do_sample=False,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=self.pad_id,
                 )  # fmt: skip
             answer = tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
             lines.append(
-                f"**{question['content']}**\n\n- model: {answer.strip()}\n- docstring: {reference['content']}\n"
+                f"**{turns[last - 1]['content'] if last else ''}**\n\n- model: {answer.strip()}\n"
+                f"- data: {turns[last]['content']}\n"
             )
         (run_dir / "answers.md").write_text("\n".join(lines))
 
 
 def conversation_splits(cfg: SFTChatConfig) -> datasets.DatasetDict:
-    """The stdlib conversations as messages, split into "train" and "test" (held out) with the config's seed."""
-    rows = [{"messages": messages} for messages in stdlib_questions(cfg.max_source_bytes, cfg.max_answer_chars)]
-    return datasets.Dataset.from_list(rows).train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
+    """The conversations as rows of `messages`, split into "train" and "test" (held out): eval_data= as the test
+    split, else an eval_fraction of the rows with the config's split seed. Without data=, the demo's questions."""
+    if not cfg.data:
+        rows = [{"messages": messages} for messages in stdlib_questions(cfg.max_source_bytes, cfg.max_answer_chars)]
+        return datasets.Dataset.from_list(rows).train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
+    with gpt_module._quiet_datasets():
+        train = as_messages(at.read_data(cfg.data, chat.FORMS, streaming=False, seed=cfg.seed))
+        if cfg.eval_data:
+            held_out = as_messages(at.read_data(cfg.eval_data, chat.FORMS, streaming=False, seed=cfg.seed))
+            return datasets.DatasetDict(train=train, test=held_out)
+        return train.train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
+
+
+def as_messages(rows: datasets.Dataset) -> datasets.Dataset:
+    """Rows of messages, or of prompt/completion, as rows of one `messages` column (chat.as_turns)."""
+    if rows.column_names == ["messages"]:
+        return rows
+    return rows.map(lambda row: {"messages": chat.as_turns(row)}, remove_columns=rows.column_names)
+
+
+def fit_to_window(tokens: datasets.Dataset, window: int, long_conversations: str, name: str) -> datasets.Dataset:
+    """The tokenized conversations that fit a window, the longer ones dropped or cut to it (`long_conversations`),
+    with a line on the main process counting them."""
+    lengths = [len(ids) for ids in tokens["input_ids"]]
+    too_long = sum(length > window for length in lengths)
+    if too_long == 0:
+        return tokens
+    if PartialState().is_main_process:
+        fate = "dropped" if long_conversations == "drop" else f"cut to their first {window} tokens"
+        other = (
+            "long_conversations=cut keeps their beginning" if long_conversations == "drop" else "drop leaves them out"
+        )
+        warnings.warn(
+            f"accel-trainer: {too_long} of {len(lengths)} {name} conversations are longer than block_size + 1 ="
+            f" {window} tokens (the longest {max(lengths)}): {fate}; raise block_size, or {other}",
+            stacklevel=2,
+        )
+    if long_conversations == "drop":
+        return tokens.filter(lambda row: len(row["input_ids"]) <= window)
+    return tokens.map(lambda row: {key: values[:window] for key, values in row.items()})
 
 
 def stdlib_questions(max_source_bytes: int, max_answer_chars: int) -> list[list[dict[str, str]]]:
@@ -177,7 +234,7 @@ def first_sentence(docstring: str, max_chars: int) -> str:
     return sentence
 
 
-def pack(batch: dict[str, list[Any]], window: int) -> dict[str, list[list[int]]]:
+def pack(batch: dict[str, list[Any]], window: int, pad_id: int) -> dict[str, list[list[int]]]:
     """Conversations back to back in windows of `window` tokens, each marked with its conversation's number
     (-1 for the padding that ends a window), none cut in two."""
     packed: dict[str, list[list[int]]] = {"input_ids": [], "documents": [], "assistant": []}
@@ -185,7 +242,7 @@ def pack(batch: dict[str, list[Any]], window: int) -> dict[str, list[list[int]]]
 
     def flush() -> None:
         room = window - len(current["input_ids"])
-        for key, fill in (("input_ids", PAD_ID), ("documents", -1), ("assistant", 0)):
+        for key, fill in (("input_ids", pad_id), ("documents", -1), ("assistant", 0)):
             packed[key].append(current[key] + [fill] * room)
             current[key] = []
 

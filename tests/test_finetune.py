@@ -226,8 +226,10 @@ def test_the_export_of_a_full_finetune_is_a_folder_transformers_loads_with_its_t
 
 def test_a_base_that_is_no_model_folder_and_a_negative_rank_are_refused_when_the_config_is_made(base, monkeypatch):
     config = at.get_recipe("hf_finetune").Config
-    with pytest.raises(at.ConfigError, match="is not a pretrained model's folder"):
+    with pytest.raises(at.ConfigError, match="no such folder or file"):
         config(base=str(base.parent / "nowhere"))
+    with pytest.raises(at.ConfigError, match="is not a pretrained model's folder"):
+        config(base=str(base.parent / "checkpoints"))
     with pytest.raises(at.ConfigError, match=f"is a run folder; its model is base={base}"):
         config(base=str(base.parent))
     with pytest.raises(at.ConfigError, match="lora_r=-4: must be at least 0"):
@@ -390,5 +392,11 @@ def test_a_chat_runs_final_folder_answers_in_its_chat_template_and_its_report_ho
     templated = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
     assert templated.endswith("### Answer\n")
     assert sample(one, [templated], max_new_tokens=8, temperature=0) == [templated + reply]  # the reply alone
+    without = transformers.AutoTokenizer.from_pretrained(one / "final")
+    without.chat_template = None
+    without.save_pretrained(one / "no_template")
+    (one / "no_template" / "chat_template.jinja").unlink(missing_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        (one / "no_template" / name).write_bytes((one / "final" / name).read_bytes())
     with pytest.raises(UserError, match="has no chat template"):
-        sample(base, ["What does abc.ABC do?"], chat=True)
+        sample(one / "no_template", ["What does abc.ABC do?"], chat=True)
