@@ -414,8 +414,9 @@ def test_the_real_model_before_training_scores_trls_eval_loss_then_learns_the_he
     trl_loss = trl_eval_loss(model, real_tokenizer, held_out_rows)
     del model
     at.train("sft_chat", base=str(real_gguf()), data=str(train), eval_data=str(held_out),
-             output_dir=str(tmp_path / "run"), max_steps=8, eval_every_steps=8, global_batch_size=8, micro_batch_size=8, lr=3e-3, warmup_steps=1,
-             block_size=64, lora_r=8, show_progress_bar=False, report=False)  # fmt: skip
+             output_dir=str(tmp_path / "run"), max_steps=8, eval_every_steps=8, global_batch_size=8,
+             micro_batch_size=8, lr=3e-3, warmup_steps=1, block_size=64, lora_r=8, show_progress_bar=False,
+             report=False)  # fmt: skip
     reset_accelerate_state()
     evaluations = [record["eval/loss"] for record in read_metrics(tmp_path / "run") if "eval/loss" in record]
     print(f"step-0 eval/loss {evaluations[0]:.7f}, TRL eval_loss {trl_loss:.7f}, after 8 steps {evaluations[-1]:.4f}")
