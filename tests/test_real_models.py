@@ -19,10 +19,21 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+import yaml
 
 import accel_trainer as at
 from accel_trainer.data import chat
-from conftest import final_parameters, read_metrics, reset_accelerate_state, train_and_dump
+from conftest import (
+    BIN,
+    TEST_OVERRIDES,
+    assert_one_line_error,
+    clean_env,
+    final_parameters,
+    read_metrics,
+    reset_accelerate_state,
+    run_command,
+    train_and_dump,
+)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -425,3 +436,51 @@ def test_the_real_model_before_training_scores_trls_eval_loss_then_learns_the_he
     after = re.findall(r"- model: (.*)", (tmp_path / "run" / "answers.md").read_text())
     assert sum(answer.startswith("Ahoy!") for answer in before) == 0, before
     assert sum(answer.startswith("Ahoy!") for answer in after) >= 4, after
+
+
+# --- hf_finetune on a folder of text ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory) -> Path:
+    """A user's notes: a folder of .txt files, paragraphs between blank lines."""
+    folder = tmp_path_factory.mktemp("notes")
+    for i in range(6):
+        paragraphs = [" ".join(f"{NAMES[(i + j) % 8]} likes {COLOURS[(i * j) % 6]} paint" for j in range(k + 3))
+                      for k in range(12)]  # fmt: skip
+        (folder / f"note_{i}.txt").write_text("\n\n".join(paragraphs) + "\n")
+    return folder
+
+
+TEXT = ["max_steps=4", "block_size=32", "global_batch_size=8", "micro_batch_size=4", "warmup_steps=1",
+        "log_every_steps=1", "eval_every_steps=4", "lr=3e-3", "lora_r=4"]  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_hf_finetune_of_a_folder_of_text_trains_to_the_weights_of_one_process_on_fsdp(tiny_base, text_folder, tmp_path):
+    common = [f"base={tiny_base}", f"data={text_folder}", *TEXT]
+    train_and_dump("cpu", tmp_path / "one", "hf_finetune", *common, world_size=1)
+    train_and_dump("cpu_fsdp", tmp_path / "fsdp", "hf_finetune", *common, world_size=2)
+    expected, actual = final_parameters(tmp_path / "one"), final_parameters(tmp_path / "fsdp")
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **TOLERANCE)
+    records = read_metrics(tmp_path / "one")
+    assert "eval/bits_per_token" in records[-1] and "eval/bits_per_char" not in records[-1]  # tokens, not bytes
+
+
+def test_the_command_fine_tunes_a_cached_hub_id_on_a_folder_of_text_as_a_new_user_types_it(
+    tiny_base, text_folder, tmp_path
+):
+    cache = tmp_path / "hub"
+    fake_hub_cache(cache, "someone/tiny-smol", tiny_base)
+    env = clean_env(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    run = tmp_path / "run"
+    command = [BIN / "accel-trainer", "train", "hf_finetune", "base=someone/tiny-smol", f"data={text_folder}",
+               f"output_dir={run}", *TEXT, "max_steps=2", *TEST_OVERRIDES]  # fmt: skip
+    result = run_command(command, env=env)
+    assert "accel-trainer: recipe hf_finetune" in result.stdout
+    assert yaml.safe_load((run / "config.yaml").read_text())["base"] == "someone/tiny-smol"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(run / "final")
+    assert len(tokenizer) == 49152 and "<|im_start|>" in tokenizer.chat_template
+    missing = run_command([*command[:3], "base=someone/other", f"data={text_folder}"], env=env, check=False)
+    assert_one_line_error(missing.returncode, missing.stderr, "fetch it first with `hf download someone/other`")
