@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,15 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
             n_head=cfg.n_head, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
             bos_token_id=PAD_ID, eos_token_id=PAD_ID, pad_token_id=PAD_ID,
         )  # fmt: skip
-        return transformers.GPT2LMHeadModel(config)
+        return self.packed_by_positions(transformers.GPT2LMHeadModel(config))
+
+    padding_free = True
+    """Packed batches reach the model as positions alone (`model_inputs`); set by `packed_by_positions`."""
+
+    def packed_by_positions(self, model: Any) -> Any:
+        """`model`, this recipe's packed batches given to it by positions alone where it supports that."""
+        self.padding_free = packs_by_positions(model)
+        return model
 
     def build_tokenizer(self, cfg: Any) -> Any:
         """The model's tokenizer: each byte is its own id (0-255, as the data encodes text), 256 is padding and
@@ -77,8 +86,10 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Padding is only at the end of a sequence, so causal attention never lets a real token see it.
         if self.cfg.own_loss:
-            return model(**model_inputs(batch), labels=batch["labels"]).loss
-        return at.token_cross_entropy(model(**model_inputs(batch)).logits, batch["targets"], IGNORE_INDEX)
+            return model(**model_inputs(batch, self.padding_free), labels=batch["labels"]).loss
+        return at.token_cross_entropy(
+            model(**model_inputs(batch, self.padding_free)).logits, batch["targets"], IGNORE_INDEX
+        )
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """The GPT's batch; with own_loss also transformers' `labels`: the inputs, IGNORE_INDEX at padding (the
@@ -94,7 +105,7 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
         return batch
 
     def eval_metrics(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        logits = model(**model_inputs(batch)).logits.float()
+        logits = model(**model_inputs(batch, self.padding_free)).logits.float()
         targets = batch["targets"]
         # The vocabulary as the last, contiguous dimension: log-softmax over a strided one (logits.transpose(1, 2))
         # is less exact, 1e-4 off in the mean loss of a 135M model (tests/test_real_models.py compares with TRL).
@@ -145,13 +156,19 @@ def quiet_padding_advice() -> None:
         logger.addFilter(_RightPaddingAdvice())
 
 
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What the model reads of a batch. A packed one (pack_sequences=true) also gives each token its position in
-    its own paragraph and a causal mask within each paragraph (4-D, True where a token may attend): transformers'
-    GPT-2 would otherwise count positions across the window and let a paragraph attend to the one before it
-    (position_ids alone change nothing there)."""
+def model_inputs(batch: dict[str, torch.Tensor], padding_free: bool = True) -> dict[str, Any]:
+    """What the model reads of a batch. A packed one (pack_sequences=true, sft_chat) also gives each token its
+    position in its own paragraph or conversation, which keeps attention within it:
+    - `padding_free` (a model built on transformers' masking utilities: `packs_by_positions`): the positions alone,
+      as transformers' flattening collator gives them; the model finds where each sequence starts (a position that
+      does not follow the one before) and masks within each, with no mask of ours: the form SDPA and
+      flash-attention's varlen kernels take. `use_cache=False`: with a cache, transformers skips that search and a
+      sequence attends to the ones before it (canary: tests/test_hf.py);
+    - otherwise a causal mask within each paragraph (4-D, True where a token may attend), built here."""
     if "documents" not in batch:
         return {"input_ids": batch["input_ids"]}
+    if padding_free:
+        return {"input_ids": batch["input_ids"], "position_ids": batch["positions"], "use_cache": False}
     documents = batch["documents"]
     length = documents.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
@@ -161,6 +178,16 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "position_ids": batch["positions"],
         "attention_mask": (same_paragraph & causal)[:, None],
     }
+
+
+def packs_by_positions(model: torch.nn.Module) -> bool:
+    """Whether a transformers model keeps packed sequences apart by their positions alone: its modeling module
+    builds its masks with transformers' `create_causal_mask` (masking_utils), which finds them (every model of
+    transformers 5 that was checked: Llama, Qwen2, GPT-2); a model of other code gets the 4-D mask."""
+    for klass in type(model).__mro__:
+        if klass.__module__.startswith("transformers.models."):
+            return hasattr(sys.modules[klass.__module__], "create_causal_mask")
+    return False
 
 
 def byte_tokenizer() -> Any:

@@ -112,6 +112,7 @@ class HFFinetune(HFCausalLM):  # type: ignore[valid-type,misc]
         context = at.base_context(model)
         if context and cfg.block_size > context:
             raise at.RecipeError(f"block_size={cfg.block_size} is longer than the base's context, {context}")
+        self.packed_by_positions(model)
         if cfg.lora_r == 0:
             return model
         peft = _peft()

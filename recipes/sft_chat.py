@@ -132,7 +132,8 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
         return batch
 
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return at.token_cross_entropy(model(**model_inputs(batch)).logits, batch["targets"], IGNORE_INDEX)
+        logits = model(**model_inputs(batch, self.padding_free)).logits
+        return at.token_cross_entropy(logits, batch["targets"], IGNORE_INDEX)
 
     def write_artifacts(self, model: Any, eval_dataset: Any, run_dir: Path) -> None:
         """`answers.md`: the model's answers (greedy, to the end-of-text token) to the first held-out prompts (each

@@ -114,9 +114,11 @@ def test_labels_other_than_the_batchs_are_refused_and_a_batch_without_labels_is_
         at.train("hf_own_loss_no_labels", output_dir=str(tmp_path / "none"), own_loss=True, **options)
 
 
-def test_a_packed_window_reads_each_paragraph_as_if_it_were_alone():
+@pytest.mark.parametrize("padding_free", [True, False], ids=["positions alone", "4-D mask"])
+def test_a_packed_window_reads_each_paragraph_as_if_it_were_alone(padding_free):
     """pack_sequences=true: positions restart and attention stays within each paragraph of a window, as in the
-    GPT recipe (transformers' GPT-2 gets position_ids and a 4-D mask; it shared attention across them before)."""
+    GPT recipe: transformers' GPT-2 gets the positions alone (use_cache=False: it finds the paragraphs itself), or
+    positions and a 4-D mask (a model not built on transformers' masking utilities)."""
     import sys
 
     import accel_trainer as at
@@ -124,9 +126,11 @@ def test_a_packed_window_reads_each_paragraph_as_if_it_were_alone():
     recipe_cls = at.get_recipe("hf_causal_lm")
     recipe = recipe_cls(recipe_cls.Config(n_layer=2, n_head=2, d_model=32, block_size=16, pack_sequences=True))
     model = recipe.build_model(recipe.cfg).eval()
+    assert recipe.padding_free  # GPT-2 of transformers 5 builds its masks with create_causal_mask
     first, second = list(b"def f():"), list(b"x = 12;\n\n")  # 8 + 9 bytes: a window of block_size + 1
     batch = recipe.collate([{"input_ids": first + second, "documents": [0] * 8 + [1] * 9}])
-    inputs = sys.modules[recipe_cls.__module__].model_inputs(batch)
+    inputs = sys.modules[recipe_cls.__module__].model_inputs(batch, padding_free)
+    assert ("attention_mask" in inputs) is not padding_free
     with torch.no_grad():
         packed = model(**inputs).logits
         alone = [model(input_ids=torch.tensor([ids])).logits for ids in (first, second[:-1])]
@@ -134,10 +138,22 @@ def test_a_packed_window_reads_each_paragraph_as_if_it_were_alone():
     torch.testing.assert_close(packed[:, 8:], alone[1], rtol=1e-5, atol=1e-5)
 
 
-def test_canary_transformers_gpt2_lets_packed_sequences_attend_to_each_other_given_position_ids_alone():
-    """hf_causal_lm's model_inputs passes a 4-D mask beside the restarted positions: with position_ids alone,
-    transformers' GPT-2 (sdpa) lets a packed sequence attend to the one before it. Fails the day position_ids
-    keep packed sequences apart, and the mask can go."""
+def test_a_model_of_other_code_than_transformers_masking_utilities_gets_the_4d_mask():
+    import sys
+
+    import accel_trainer as at
+
+    packs_by_positions = sys.modules[at.get_recipe("hf_causal_lm").__module__].packs_by_positions
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    llama = transformers.LlamaForCausalLM(config)
+    assert packs_by_positions(llama) and not packs_by_positions(torch.nn.Linear(2, 2))
+
+
+def test_canary_transformers_lets_packed_sequences_attend_to_each_other_given_position_ids_and_a_cache():
+    """hf_causal_lm's model_inputs passes `use_cache=False` beside the restarted positions: with a cache (the
+    config's default use_cache=True), transformers' GPT-2 (sdpa) skips its search for packed sequences and lets one
+    attend to the one before it. Fails the day position_ids keep packed sequences apart with a cache too."""
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=257, n_positions=16, n_embd=16,
                                                                  n_layer=1, n_head=2)).eval()  # fmt: skip
@@ -145,8 +161,10 @@ def test_canary_transformers_gpt2_lets_packed_sequences_attend_to_each_other_giv
     positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
     with torch.no_grad():
         packed = model(input_ids=torch.cat([first, second], 1), position_ids=positions).logits
+        without_cache = model(input_ids=torch.cat([first, second], 1), position_ids=positions, use_cache=False).logits
         alone = model(input_ids=second).logits
     assert not torch.allclose(packed[:, 5:], alone, atol=1e-4)
+    torch.testing.assert_close(without_cache[:, 5:], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_canary_from_pretrained_refuses_a_meta_default_device(tmp_path):
