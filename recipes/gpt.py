@@ -23,6 +23,7 @@ there: the main process builds them once, the other processes and later runs rea
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import sysconfig
@@ -135,11 +136,42 @@ class CausalSelfAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if documents is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        else:  # causal and within one paragraph: (batch, 1, length, length)
-            causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-            mask = (documents[:, :, None] == documents[:, None, :]) & causal
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout)
+        else:
+            y = document_attention(q, k, v, documents, dropout)
         return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
+
+
+def document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor, dropout: float
+) -> torch.Tensor:
+    """Causal attention within each packed paragraph (`documents`: (batch, length) paragraph marks).
+
+    On a GPU, flex_attention with a block mask: blocks wholly outside a paragraph are skipped and no (length x
+    length) mask is made. On the CPU, and with attention dropout (which flex_attention lacks), SDPA with the dense
+    (batch, 1, length, length) mask: torch 2.13's flex_attention has no backward on the CPU (canary:
+    tests/test_gpt.py), so the CPU layouts are the GPU's twin through the same mask, not the same kernel.
+    """
+    if q.is_cuda and not dropout:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_paragraph_causal(b: Any, h: Any, query: Any, key: Any) -> Any:
+            return (query >= key) & (documents[b, query] == documents[b, key])
+
+        batch, length = documents.shape
+        mask = create_block_mask(same_paragraph_causal, batch, None, length, length, device=documents.device)
+        return _compiled_flex_attention()(q, k, v, block_mask=mask)
+    length = documents.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
+    mask = (documents[:, :, None] == documents[:, None, :]) & causal
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout)
+
+
+@functools.cache
+def _compiled_flex_attention() -> Any:
+    """flex_attention compiled once per process: uncompiled, it materialises the whole score matrix."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 class Block(nn.Module):

@@ -155,6 +155,16 @@ def test_a_packed_paragraph_never_attends_to_the_one_before_it():
     torch.testing.assert_close(logits[0, second], logits[1, second], rtol=0, atol=0)  # and reach nothing after
 
 
+def test_canary_flex_attention_has_no_backward_on_the_cpu():
+    """recipes/gpt.py's document_attention uses flex_attention on a GPU and the dense mask on the CPU, because
+    torch's flex_attention cannot train there. Fails the day it can: then the CPU twin may run the GPU's kernel."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = (torch.randn(1, 1, 8, 4, requires_grad=True) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
+        flex_attention(q, k, v).sum().backward()
+
+
 def test_packing_trains_with_next_to_no_padding_and_streaming_resumes_bitwise_mid_stream(tmp_path):
     run = dict(**TINY, pack_sequences=True, streaming=True, max_steps=8, global_batch_size=8, micro_batch_size=4,
                log_every_steps=1, eval_every_steps=0, save_every_steps=4, keep_last=0,

@@ -358,3 +358,21 @@ def test_the_estimate_of_the_gpu_layout_is_within_a_fifth_of_what_cuda_allocates
     for kind in ("params_bytes", "grads_bytes", "optimizer_bytes"):
         assert planned[kind] == real[kind], kind
     assert abs(planned["peak_bytes"] - real["cuda_max_allocated_bytes"]) <= 0.2 * real["cuda_max_allocated_bytes"]
+
+
+def test_packed_gpt_attention_with_flex_on_cuda_matches_the_dense_mask_of_the_cpu_twin():
+    """recipes/gpt.py's document_attention: flex_attention with a block mask on CUDA, SDPA with the dense mask
+    elsewhere; outputs and gradients agree."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    import gpt
+
+    torch.manual_seed(0)
+    documents = torch.tensor([[0] * 40 + [1] * 60 + [2] * 28, [0] * 100 + [1] * 28], device="cuda")
+    q, k, v = (torch.randn(2, 4, 128, 32, device="cuda", requires_grad=True) for _ in range(3))
+    flex = gpt.document_attention(q, k, v, documents, dropout=0.0)
+    flex_grads = torch.autograd.grad(flex.square().sum(), (q, k, v))
+    dense = gpt.document_attention(*(t.cpu() for t in (q, k, v)), documents.cpu(), dropout=0.0)
+    dense_grads = torch.autograd.grad(dense.square().sum(), (q, k, v))
+    torch.testing.assert_close(flex.cpu(), dense, rtol=1e-4, atol=1e-4)
+    for got, expected in zip(flex_grads, dense_grads, strict=True):
+        torch.testing.assert_close(got.cpu(), expected.cpu(), rtol=1e-3, atol=1e-3)
