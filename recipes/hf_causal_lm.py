@@ -167,7 +167,7 @@ def model_inputs(batch: dict[str, torch.Tensor], padding_free: bool = True) -> d
     - otherwise a causal mask within each paragraph (4-D, True where a token may attend), built here."""
     if "documents" not in batch:
         return {"input_ids": batch["input_ids"]}
-    if padding_free:
+    if padding_free and not batch["positions"].is_meta:  # the FLOP count's meta copy: the search reads values
         return {"input_ids": batch["input_ids"], "position_ids": batch["positions"], "use_cache": False}
     documents = batch["documents"]
     length = documents.shape[1]

@@ -11,6 +11,7 @@ the weights again. (safetensors' `load_model` refuses the second name as unexpec
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from accel_trainer.checkpoint.tokenizer import save_tokenizer
 from accel_trainer.config.train_config import TrainConfig, config_to_yaml
 from accel_trainer.parallel.batchnorm import average_running_stats
 from accel_trainer.parallel.sharding import is_sharded, pipeline_size
+from accel_trainer.pretrained import base_source
 from accel_trainer.recipe import Recipe
 
 
@@ -83,7 +85,10 @@ def write_model_folder(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
     from safetensors.torch import save_file
 
     if hasattr(model, "peft_config") and hasattr(model, "merge_and_unload"):
-        model.save_pretrained(folder / "adapter")  # type: ignore[operator]
+        with warnings.catch_warnings():
+            if str(base_source(model)).endswith(".gguf"):  # peft looks for a config.json beside the base, in vain
+                warnings.filterwarnings("ignore", message="Could not find a config file in")
+            model.save_pretrained(folder / "adapter")  # type: ignore[operator]
         model = model.merge_and_unload()  # type: ignore[operator]
     weights = state_files.writable(model.state_dict())
     if hasattr(model, "save_pretrained"):
