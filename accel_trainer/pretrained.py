@@ -79,14 +79,18 @@ def load_base_model(base: str, **options: Any) -> Any:
     folder, gguf_file = _files(base)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(folder, **extra, **options)
-    if gguf_file:
-        # The weights are plain tensors now: its final/ must not claim to be a GGUF checkpoint, nor name the file's
-        # own title ("Smollm2 135M 8k ...") as where it came from.
-        # transformers leaves the dequantized model marked as quantized, so its own Trainer (and TRL) refuse to train
-        # it ("purely quantized models"); canary: tests/test_real_models.py.
-        del model.config.quantization_config
-        vars(model).update(hf_quantizer=None, is_quantized=False)
-        model.config._name_or_path = base
+    return plain_after_gguf(model, base) if gguf_file else model
+
+
+def plain_after_gguf(model: Any, base: str) -> Any:
+    """A model transformers read from a GGUF file, as the plain model it is once dequantized: transformers leaves it
+    marked quantized (`is_quantized`, a GGUF `hf_quantizer`, the config's `quantization_config`), so its own Trainer
+    and TRL refuse to train it ("purely quantized models") and its final/ would claim to be a GGUF checkpoint; and
+    it names the file's own title ("Smollm2 135M 8k ...") as where it came from, not the file. Canary:
+    tests/test_real_models.py."""
+    del model.config.quantization_config
+    vars(model).update(hf_quantizer=None, is_quantized=False)
+    model.config._name_or_path = base
     return model
 
 

@@ -133,7 +133,11 @@ def test_a_base_is_a_folder_a_cached_hub_id_or_a_gguf_file_and_anything_else_is_
 
 
 def test_a_gguf_base_loads_dequantized_as_a_plain_model_with_its_own_tokenizer_and_template(real_tokenizer):
-    model = at.load_base_model(str(real_gguf()))
+    """With a canary: transformers leaves a dequantized GGUF model marked quantized (its Trainer and TRL refuse to
+    train it), which `pretrained.plain_after_gguf` undoes; fails the day transformers unmarks it itself."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(real_gguf().parent, gguf_file=GGUF_NAME)
+    assert model.is_quantized and model.config.quantization_config.quant_method == "gguf"  # the canary
+    model = at.pretrained.plain_after_gguf(model, str(real_gguf()))  # as at.load_base_model does
     assert model.config.model_type == "llama" and model.dtype == torch.float32
     assert not hasattr(model.config, "quantization_config") and not model.is_quantized
     assert at.pretrained.base_source(model) == str(real_gguf())  # where it came from, for checkpoints
