@@ -74,10 +74,17 @@ def check_base(base: str) -> str:
 def load_base_model(base: str, **options: Any) -> Any:
     """`AutoModelForCausalLM.from_pretrained` of a checked base: a GGUF file dequantized (transformers' GGUF
     loading) and recorded under its path, so checkpoints and FSDP's loading know where it came from."""
+    from torch._guards import detect_fake_mode
     from transformers import AutoModelForCausalLM
 
     folder, gguf_file = _files(base)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
+    if gguf_file and detect_fake_mode() is not None:  # `estimate`: shapes alone (dequantizing needs real memory)
+        from transformers import AutoConfig
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, **extra))
+        model.config._name_or_path = base
+        return model
     model = AutoModelForCausalLM.from_pretrained(folder, **extra, **options)
     return plain_after_gguf(model, base) if gguf_file else model
 

@@ -145,6 +145,15 @@ def test_a_gguf_base_loads_dequantized_as_a_plain_model_with_its_own_tokenizer_a
     assert "<|im_start|>" in real_tokenizer.chat_template and real_tokenizer.pad_token == "<|im_end|>"
 
 
+def test_estimate_plans_a_gguf_base_from_its_shapes_without_dequantizing_it():
+    from torch._subclasses import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):  # as `accel-trainer estimate` builds the model
+        model = at.load_base_model(str(real_gguf()))
+    assert sum(parameter.numel() for parameter in model.parameters()) == 134_515_008
+    assert at.pretrained.base_source(model) == str(real_gguf())
+
+
 # --- data= ---------------------------------------------------------------------------------------------------
 
 
