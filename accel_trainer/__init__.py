@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from accel_trainer.config.layout import LayoutSettings
     from accel_trainer.config.train_config import TrainConfig
-    from accel_trainer.data.sources import check_data_spec, read_data
+    from accel_trainer.data.sources import check_data, check_data_spec, read_data
     from accel_trainer.errors import ConfigError, LayoutError, RecipeError, UserError
     from accel_trainer.losses import token_cross_entropy
     from accel_trainer.pretrained import base_context, check_base, load_base_model, load_base_tokenizer
@@ -50,6 +50,7 @@ _HOMES = {
     "add_recipe": "registry",
     "base_context": "pretrained",
     "check_base": "pretrained",
+    "check_data": "data.sources",
     "check_data_spec": "data.sources",
     "evaluate_saved": "saved_evaluation",
     "get_recipe": "registry",
@@ -76,6 +77,7 @@ __all__ = [
     "add_recipe",
     "base_context",
     "check_base",
+    "check_data",
     "check_data_spec",
     "evaluate_saved",
     "get_recipe",

@@ -91,9 +91,7 @@ class ByteTextConfig(at.TrainConfig):
     """The column holding the text in .jsonl/.json/.parquet/.csv data, a save_to_disk folder or a hub dataset."""
 
     def __post_init__(self) -> None:
-        if self.eval_data and not self.data:
-            raise at.ConfigError("eval_data= is the held-out part of your own data=: give data= too")
-        self.data, self.eval_data = (at.check_data_spec(spec) if spec else "" for spec in (self.data, self.eval_data))
+        self.data, self.eval_data = at.check_data(self.data, self.eval_data)
 
 
 @dataclass

@@ -31,7 +31,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import datasets
 import torch
@@ -66,7 +66,7 @@ class SFTChatConfig(PretrainedBase, at.TrainConfig):  # type: ignore[valid-type,
     """Held-out conversations, in data's forms; empty: eval_fraction of the rows is held out."""
     chat_template: str = ""
     """The chat template: empty for the base's own, chatml, or a .jinja file."""
-    long_conversations: str = "drop"
+    long_conversations: Literal["drop", "cut"] = "drop"
     """What becomes of a conversation longer than block_size + 1 tokens: drop (left out) or cut (its beginning
     kept); either way a line counts them."""
     max_answer_chars: int = 160
@@ -80,11 +80,7 @@ class SFTChatConfig(PretrainedBase, at.TrainConfig):  # type: ignore[valid-type,
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.long_conversations not in ("drop", "cut"):
-            raise at.ConfigError(f"long_conversations={self.long_conversations}: give drop or cut")
-        if self.eval_data and not self.data:
-            raise at.ConfigError("eval_data= is the held-out part of your own data=: give data= too")
-        self.data, self.eval_data = (at.check_data_spec(spec) if spec else "" for spec in (self.data, self.eval_data))
+        self.data, self.eval_data = at.check_data(self.data, self.eval_data)
         self.chat_template = chat.check_template_choice(self.chat_template)
 
 

@@ -126,6 +126,17 @@ def check_data_spec(spec: str) -> str:
     return ",".join(checked)
 
 
+def check_data(data: str, eval_data: str) -> tuple[str, str]:
+    """A recipe's `data=` and `eval_data=` checked as `check_data_spec` checks each (empty: the recipe's own data).
+
+    Raises:
+        ConfigError: eval_data without data, or a spec's mistake.
+    """
+    if eval_data and not data:
+        raise ConfigError("eval_data= is the held-out part of your own data=: give data= too")
+    return (check_data_spec(data) if data else "", check_data_spec(eval_data) if eval_data else "")
+
+
 def read_data(spec: str, columns: list[dict[str, str]], streaming: bool, seed: int) -> Any:
     """The rows of a `data=` spec with the given columns only, renamed: `columns` lists the forms a source may
     take, each a map of new names to a source's column names (`[{"text": text_column}]` keeps the text column as
