@@ -23,6 +23,7 @@ import yaml
 
 import accel_trainer as at
 from accel_trainer.data import chat
+from accel_trainer.sampling import sample
 from conftest import (
     BIN,
     TEST_OVERRIDES,
@@ -353,6 +354,12 @@ def test_final_loads_in_transformers_and_the_adapter_in_peft_with_the_bases_toke
     base_tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_base)
     assert tokenizer.chat_template == base_tokenizer.chat_template  # the base's own, not one of ours
     assert tokenizer.get_vocab() == base_tokenizer.get_vocab() and tokenizer.pad_token == "<|im_end|>"
+    [reply] = sample(final, ["What colour does Ada like?"], max_new_tokens=6, temperature=0, chat=True)
+    question = [{"role": "user", "content": "What colour does Ada like?"}]
+    templated = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    assert templated.endswith("<|im_start|>assistant\n")  # SmolLM2's own template, its system message included
+    [raw] = sample(final, [templated], max_new_tokens=6, temperature=0)  # printed without the special tokens
+    assert raw.endswith("What colour does Ada like?\nassistant\n" + reply)  # the chat's reply is the reply alone
 
 
 # --- the real model --------------------------------------------------------------------------------------------
