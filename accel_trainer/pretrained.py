@@ -61,7 +61,7 @@ def check_base(base: str) -> str:
                 " save_pretrained wrote (such as a run's final/), a .gguf file or a hub id"
             )
         return str(path.resolve())
-    if not _is_hub_id(base):
+    if not is_hub_id(base):
         raise ConfigError(f"base={base}: no such folder or file (nor a hub id, which reads org/name)")
     if cached_snapshot(base) is None and _offline():
         raise ConfigError(
@@ -144,7 +144,8 @@ def _files(base: str) -> tuple[str, str | None]:
     return cached_snapshot(base) or base, None  # not cached: transformers fetches it
 
 
-def _is_hub_id(name: str) -> bool:
+def is_hub_id(name: str) -> bool:
+    """Whether `name` reads as a hub repository id (org/name, or a bare name), as huggingface_hub checks one."""
     from huggingface_hub.utils import validate_repo_id
 
     try:

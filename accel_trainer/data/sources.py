@@ -27,6 +27,7 @@ from typing import Any
 import datasets
 
 from accel_trainer.errors import ConfigError
+from accel_trainer.pretrained import is_hub_id
 
 LOADERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File suffixes to the datasets loader that reads them."""
@@ -118,7 +119,7 @@ def check_data_spec(spec: str) -> str:
                 where = str(Path(where).expanduser().resolve())
         elif kind == "disk":
             where = str(Path(where).expanduser().resolve())
-        elif where.count("/") != 1 or where.startswith((".", "/", "~")):
+        elif not is_hub_id(where) or Path(where).suffix in LOADERS:
             raise ConfigError(
                 f"data source {where}: no such file or folder (nor a hub dataset id, which reads org/name)"
             )
