@@ -111,6 +111,12 @@ def load_base_tokenizer(base: str) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
     except (OSError, ValueError) as error:
+        if folder == base and is_hub_id(base) and not Path(base).exists():  # not cached, and fetching failed
+            raise ConfigError(
+                f"base={base} is not in the Hugging Face cache and could not be fetched ({_first_line(error)}):"
+                f" fetch it with `hf download {base}` where the hub can be reached, or give a local folder or"
+                " .gguf file"
+            ) from None
         raise ConfigError(f"base={base} has no tokenizer that transformers can read: {_first_line(error)}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

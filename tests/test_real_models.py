@@ -257,7 +257,7 @@ def test_the_assistants_tokens_are_what_each_reply_adds_in_the_bases_own_templat
         {"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]  # fmt: skip
 
 
-def test_a_template_that_rewrites_earlier_turns_or_a_chat_without_a_reply_is_refused_in_one_line(real_tokenizer):
+def test_a_template_that_rewrites_earlier_turns_or_drops_replies_or_a_chat_without_a_reply_is_one_line(real_tokenizer):
     tokenizer = real_tokenizer
     saved = tokenizer.chat_template
     try:  # a template that shows only the last reply (as some templates drop earlier reasoning)
@@ -267,6 +267,9 @@ def test_a_template_that_rewrites_earlier_turns_or_a_chat_without_a_reply_is_ref
         )
         with pytest.raises(at.ConfigError, match="no prefix of the longer one.*chat_template=chatml"):
             chat.tokenize_conversation(tokenizer, conversation(0)["messages"])
+        tokenizer.chat_template = "Notes to self."  # a text file given as the template: it renders no message
+        with pytest.raises(at.ConfigError, match="writes nothing of an assistant's reply"):
+            chat.tokenize_conversation(tokenizer, conversation(1)["messages"])
     finally:
         tokenizer.chat_template = saved
     with pytest.raises(at.ConfigError, match="has no assistant message"):

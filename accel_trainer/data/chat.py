@@ -91,6 +91,12 @@ def tokenize_conversation(tokenizer: Any, turns: list[dict[str, str]]) -> dict[s
                 " prefix of the longer one), so the assistant's tokens cannot be told apart: choose"
                 " chat_template=chatml or a .jinja file that keeps earlier turns as they are"
             )
+        if len(upto) == len(prompt):
+            raise ConfigError(
+                "the chat template writes nothing of an assistant's reply (the conversation with it renders as"
+                " without it), so there would be nothing to learn: choose a template that renders each message,"
+                " chat_template=chatml or the base's own"
+            )
         mask += [0] * (len(prompt) - len(ids)) + [1] * (len(upto) - len(prompt))
         ids = upto
     if not ids:
