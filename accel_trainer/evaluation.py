@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -106,30 +108,38 @@ def evaluate_run(run: Run) -> dict[str, float]:
 
 
 def sanity_check(run: Run) -> None:
-    """The recipe's eval metrics on the eval set's first micro-batch, before the first step (`sanity_eval`): a metric
-    that fails or returns what the loop cannot read is a one-line error now, not after the training. Every process
-    runs the same batch (a sharded forward is collective); the random streams and the model's mode are left as they
-    were, so the training does not change.
+    """The recipe's eval metrics on the eval set's first micro-batch, before the first step (`sanity_eval`): an eval
+    set with no example, a collate or a metric that fails, or a metric the loop cannot read is a one-line error now,
+    not after the training. Every process runs the same batch (a sharded forward is collective); the random streams
+    and the model's mode are left as they were, so the training does not change.
 
     Raises:
-        RecipeError: eval_metrics raised (naming the exception and where), or returned an unreadable value.
+        RecipeError: naming what failed (the exception and where, for a recipe's bug).
     """
     if not run.cfg.sanity_eval or run.data.eval_set is None:
         return
     note_where("the sanity check of eval_metrics before step", run.checkpointer.state.step + 1)
+    examples = run.data.first_eval_examples()
+    if not examples:
+        raise RecipeError("the eval set holds no example: give it some (or build_datasets may return None as eval)")
+    with _said_in_one_line("collate fails on the first eval examples"):
+        batch = send_to_device(run.data.collate(examples), run.accelerator.device)
+    with _said_in_one_line("eval_metrics fails on the first eval batch"), rng_untouched():
+        evaluate(run.accelerator, run.evaluator, run.model, [batch], padded=False)
+
+
+@contextlib.contextmanager
+def _said_in_one_line(what: str) -> Iterator[None]:
+    """A recipe's exception inside, as a RecipeError of one line: `what`, the exception and where it was raised."""
     try:
-        with rng_untouched():
-            batch = send_to_device(run.data.first_eval_batch(), run.accelerator.device)
-            evaluate(run.accelerator, run.evaluator, run.model, [batch], padded=False)
+        yield
     except UserError as error:
-        raise RecipeError(
-            f"the sanity check of eval_metrics on the first eval batch, before training: {error}"
-        ) from None
+        raise RecipeError(f"the sanity check before training: {what}: {error}") from None
     except Exception as error:  # noqa: BLE001 - a recipe's bug, said in one line before any training
         site = recipe_site(error)
         raise RecipeError(
-            f"eval_metrics fails on the first eval batch, before training: {type(error).__name__}: {error}"
-            f"{f' ({site})' if site else ''}; fix it, or skip this check with sanity_eval=false"
+            f"{what}, before training: {type(error).__name__}: {error}{f' ({site})' if site else ''}; fix it, or"
+            " skip this check with sanity_eval=false"
         ) from None
 
 

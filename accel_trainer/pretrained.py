@@ -96,7 +96,7 @@ def plain_after_gguf(model: Any, base: str) -> Any:
     it names the file's own title ("Smollm2 135M 8k ...") as where it came from, not the file. Canary:
     tests/test_real_models.py."""
     del model.config.quantization_config
-    vars(model).update(hf_quantizer=None, is_quantized=False)
+    vars(model).update(hf_quantizer=None, is_quantized=False, name_or_path=base)  # peft records name_or_path
     model.config._name_or_path = base
     return model
 

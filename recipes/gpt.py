@@ -393,8 +393,17 @@ def build_splits(cfg: ByteTextConfig, encode: Any = utf8_bytes) -> tuple[Any, da
 
 
 def _cut(rows: Any, cut: Any, options: dict[str, Any]) -> Any:
-    """Rows of text as examples of tokens (every other column dropped)."""
-    return rows.map(cut, remove_columns=rows.column_names or ["text"], **options)
+    """Rows of text as examples of tokens (every other column dropped); a held-out set (map-style) that yields none
+    is refused."""
+    examples = rows.map(cut, remove_columns=rows.column_names or ["text"], **options)
+    if isinstance(examples, datasets.Dataset) and len(examples) == 0:
+        block_size = options["fn_kwargs"]["block_size"]
+        raise at.ConfigError(
+            f"no example is left of {len(rows)} rows of text in windows of block_size={block_size} tokens (packed,"
+            " a window must be filled; cut, a row needs two tokens): give more text (eval_data=, eval_fraction=)"
+            " or lower block_size"
+        )
+    return examples
 
 
 @at.register_recipe("gpt")

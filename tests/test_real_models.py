@@ -142,6 +142,7 @@ def test_a_gguf_base_loads_dequantized_as_a_plain_model_with_its_own_tokenizer_a
     assert model.config.model_type == "llama" and model.dtype == torch.float32
     assert not hasattr(model.config, "quantization_config") and not model.is_quantized
     assert at.pretrained.base_source(model) == str(real_gguf())  # where it came from, for checkpoints
+    assert model.name_or_path == str(real_gguf())  # what peft records as an adapter's base
     assert at.base_context(model) == 8192
     assert "<|im_start|>" in real_tokenizer.chat_template and real_tokenizer.pad_token == "<|im_end|>"
 

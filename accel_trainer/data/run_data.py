@@ -122,9 +122,10 @@ class RunData:
             return f"a stream, read {when} (data/streams.py)"
         return f"a stream, read whole by every process {when} (data/streams.py)"
 
-    def first_eval_batch(self) -> Any:
-        """The eval set's first micro-batch, the same on every process (the sanity check before training)."""
-        return self.collate(data.first_examples(self.eval_set, self.plan.micro_batch_size))
+    def first_eval_examples(self) -> list[Any]:
+        """The eval set's first micro-batch of examples, the same on every process (the sanity check before
+        training)."""
+        return data.first_examples(self.eval_set, self.plan.micro_batch_size)
 
     def eval_batches(self) -> tuple[Any, bool]:
         """This process's eval micro-batches, and whether they still hold the loader's padding duplicates."""
