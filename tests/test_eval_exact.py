@@ -155,21 +155,22 @@ def test_an_eval_metrics_error_after_training_keeps_the_training_in_a_checkpoint
             output_dir=str(tmp_path),
             show_progress_bar=False,
             report=False,
+            sanity_eval=False,  # which would refuse it before training (the next test)
         )
 
     [saved] = checkpoint_files.complete_checkpoints(tmp_path)
     assert checkpoint_files.recorded_step(saved) == 3
 
 
-def test_a_broken_eval_metric_is_one_line_before_training_and_sanity_eval_false_skips_the_check(tmp_path):
+def test_a_broken_eval_metric_is_one_line_before_training_and_sanity_eval_false_skips_the_check(tmp_path, monkeypatch):
     """sanity_eval (on by default): eval_metrics runs on the first eval batch before step 1, so a metric that fails
     is refused in one line naming it and where, before the run folder holds a run."""
-    mlp = at.get_recipe("mlp")
 
-    @at.register_recipe("mlp_with_a_broken_metric")
-    class BrokenMetric(mlp):
+    class BrokenMetric(at.get_recipe("mlp")):
         def eval_metrics(self, model, batch):
             return {"accuracy": batch["label"]}  # a key the batch does not have
+
+    monkeypatch.setitem(at.registry._recipes, "mlp_with_a_broken_metric", BrokenMetric)
 
     options = dict(max_steps=3, show_progress_bar=False, report=False)
     with pytest.raises(RecipeError, match=r"eval_metrics fails on the first eval batch, before training: KeyError:"
