@@ -101,11 +101,14 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
         splits = conversation_splits(cfg)
         window = cfg.block_size + 1
 
-        def tokenize(row: dict[str, Any]) -> dict[str, Any]:
-            return chat.tokenize_conversation(tokenizer, row["messages"])
+        def tokenize(row: dict[str, Any], index: int, name: str) -> dict[str, Any]:
+            try:
+                return chat.tokenize_conversation(tokenizer, row["messages"], row["trained_from"])
+            except at.ConfigError as error:
+                raise at.ConfigError(f"{name} conversation {index}: {error}") from None
 
         def packed(split: datasets.Dataset, name: str) -> datasets.Dataset:
-            tokens = split.map(tokenize, remove_columns=split.column_names)
+            tokens = split.map(tokenize, with_indices=True, fn_kwargs={"name": name}, remove_columns=split.column_names)
             tokens = fit_to_window(tokens, window, cfg.long_conversations, name)
             return tokens.map(pack, batched=True, fn_kwargs={"window": window, "pad_id": self.pad_id},
                               remove_columns=tokens.column_names)  # fmt: skip
@@ -161,7 +164,8 @@ def conversation_splits(cfg: SFTChatConfig) -> datasets.DatasetDict:
     """The conversations as rows of `messages`, split into "train" and "test" (held out): eval_data= as the test
     split, else an eval_fraction of the rows with the config's split seed. Without data=, the demo's questions."""
     if not cfg.data:
-        rows = [{"messages": messages} for messages in stdlib_questions(cfg.max_source_bytes, cfg.max_answer_chars)]
+        questions = stdlib_questions(cfg.max_source_bytes, cfg.max_answer_chars)
+        rows = [{"messages": messages, "trained_from": 0} for messages in questions]
         return datasets.Dataset.from_list(rows).train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
     with gpt_module._quiet_datasets():
         train = as_messages(at.read_data(cfg.data, chat.FORMS, streaming=False, seed=cfg.seed))
@@ -172,10 +176,9 @@ def conversation_splits(cfg: SFTChatConfig) -> datasets.DatasetDict:
 
 
 def as_messages(rows: datasets.Dataset) -> datasets.Dataset:
-    """Rows of messages, or of prompt/completion, as rows of one `messages` column (chat.as_turns)."""
-    if rows.column_names == ["messages"]:
-        return rows
-    return rows.map(lambda row: {"messages": chat.as_turns(row)}, remove_columns=rows.column_names)
+    """Rows of messages, or of prompt/completion, as rows of `messages` and the first message that trains,
+    `trained_from` (chat.as_turns)."""
+    return rows.map(chat.as_turns, remove_columns=rows.column_names)
 
 
 def fit_to_window(tokens: datasets.Dataset, window: int, long_conversations: str, name: str) -> datasets.Dataset:

@@ -218,6 +218,15 @@ def test_a_data_mistake_is_one_line_naming_the_source_and_the_fix(tmp_path):
             at.check_data_spec(spec)
     with pytest.raises(at.ConfigError, match=r"has no column 'text' \(it has body\): name it with text_column="):
         at.read_data(str(rows), [{"text": "text"}], streaming=False, seed=0)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": oops}\n')
+    with pytest.raises(at.ConfigError, match="empty.jsonl holds no rows"):
+        at.read_data(str(tmp_path / "empty.jsonl"), [{"text": "text"}], streaming=False, seed=0)
+    with pytest.raises(at.ConfigError, match=r"broken.jsonl cannot be read: ArrowInvalid: JSON parse error.* in row 1"):
+        at.read_data(str(tmp_path / "broken.jsonl"), [{"text": "text"}], streaming=False, seed=0)
+    mixed = at.read_data(f"{tmp_path / 'mixed' / 'a.txt'},{rows}", [{"text": "body"}], streaming=False, seed=0)
+    assert mixed.column_names == ["text"] and set(mixed["text"]) == {"x"}  # a text file's rows: its text, whatever
+    # text_column names (the .jsonl's column)
     recipe = at.get_recipe("hf_finetune")
     with pytest.raises(at.ConfigError, match="eval_data= is the held-out part of your own data=: give data= too"):
         recipe.Config(eval_data=str(rows))
@@ -252,9 +261,15 @@ def test_the_assistants_tokens_are_what_each_reply_adds_in_the_bases_own_templat
     assert real_tokenizer.decode(ids) == real_tokenizer.apply_chat_template(turns, tokenize=False)
     without_system = chat.tokenize_conversation(real_tokenizer, conversation(1)["messages"])
     assert "You are a helpful AI assistant named SmolLM" in real_tokenizer.decode(without_system["input_ids"])
-    prompt_completion = {"prompt": [turns[1]], "completion": [turns[2]]}
-    assert chat.as_turns(prompt_completion) == turns[1:3]
-    assert chat.as_turns({"prompt": "Hi?", "completion": "Hello."}) == [
+    # prompt/completion: as TRL, only the completion's reply trains, the prompt's earlier replies are context
+    row = chat.as_turns({"prompt": turns[:4], "completion": turns[4:]})
+    assert row == {"messages": turns, "trained_from": 4}
+    encoded = chat.tokenize_conversation(real_tokenizer, row["messages"], row["trained_from"])
+    trained = [i for i, m in zip(encoded["input_ids"], encoded["assistant_masks"], strict=True) if m]
+    assert (
+        encoded["input_ids"] == ids and real_tokenizer.decode(trained) == "Because red reminds Ada of home.<|im_end|>\n"
+    )
+    assert chat.as_turns({"prompt": "Hi?", "completion": "Hello."})["messages"] == [
         {"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]  # fmt: skip
 
 
@@ -288,8 +303,12 @@ def test_chat_template_chooses_chatml_or_a_jinja_file_and_long_conversations_are
         recipe = recipe_cls(recipe_cls.Config(base=str(tiny_base), data=str(chats), chat_template=choice))
         tokenizer = recipe.build_tokenizer(recipe.cfg)
         assert tokenizer.apply_chat_template(conversation(1)["messages"], tokenize=False).startswith(start)
-    with pytest.raises(at.ConfigError, match="chat_template=nope: give chatml, a .jinja file"):
+    with pytest.raises(at.ConfigError, match="chat_template=nope: no such file"):
         recipe_cls.Config(base=str(tiny_base), chat_template="nope")
+    forgot = recipe_cls(recipe_cls.Config(base=str(tiny_base)))  # no data=: not the demo's questions, silently
+    forgot.tokenizer = forgot.build_tokenizer(forgot.cfg)
+    with pytest.raises(at.ConfigError, match="give your data with data="):
+        forgot.build_datasets(forgot.cfg)
     for fate, check in (("drop", "dropped"), ("cut", "cut to their first 49 tokens")):
         recipe = recipe_cls(recipe_cls.Config(base=str(tiny_base), data=str(chats), block_size=48,
                                               long_conversations=fate))  # fmt: skip

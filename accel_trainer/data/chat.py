@@ -59,21 +59,25 @@ def resolve_template(tokenizer: Any, choice: str) -> None:
         )
 
 
-def as_turns(row: dict[str, Any]) -> list[dict[str, str]]:
-    """A row's conversation as one list of messages (prompt-completion rows joined, plain text as a user's
-    message and the assistant's answer)."""
+def as_turns(row: dict[str, Any]) -> dict[str, Any]:
+    """A row's conversation as one list of messages, `messages`, and the index of the first message whose replies
+    train, `trained_from`: 0 for a row of messages (every reply trains); for a prompt-completion row, prompt and
+    completion joined, only the completion's replies training, as TRL's SFTTrainer trains a completion (plain text
+    is a user's message and the assistant's answer, put through the chat template; TRL would join plain text
+    without one)."""
     if "messages" in row:
-        return list(row["messages"])
+        return {"messages": list(row["messages"]), "trained_from": 0}
     prompt, completion = row["prompt"], row["completion"]
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     if isinstance(completion, str):
         completion = [{"role": "assistant", "content": completion}]
-    return list(prompt) + list(completion)
+    return {"messages": list(prompt) + list(completion), "trained_from": len(prompt)}
 
 
-def tokenize_conversation(tokenizer: Any, turns: list[dict[str, str]]) -> dict[str, list[int]]:
-    """The conversation's token ids and a mask of the assistant's tokens (1) among them.
+def tokenize_conversation(tokenizer: Any, turns: list[dict[str, str]], trained_from: int = 0) -> dict[str, list[int]]:
+    """The conversation's token ids and a mask of the assistant's tokens (1) among them, those of the replies from
+    message `trained_from` on (earlier replies are context, 0).
 
     Raises:
         ConfigError: no assistant message, or a template whose shorter conversations are no prefix of longer ones.
@@ -81,7 +85,7 @@ def tokenize_conversation(tokenizer: Any, turns: list[dict[str, str]]) -> dict[s
     ids: list[int] = []
     mask: list[int] = []
     for end, message in enumerate(turns):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or end < trained_from:
             continue
         prompt = _render(tokenizer, turns[:end], generation_prompt=True) if end else []
         upto = _render(tokenizer, turns[: end + 1], generation_prompt=False)
@@ -100,7 +104,10 @@ def tokenize_conversation(tokenizer: Any, turns: list[dict[str, str]]) -> dict[s
         mask += [0] * (len(prompt) - len(ids)) + [1] * (len(upto) - len(prompt))
         ids = upto
     if not ids:
-        raise ConfigError("a conversation has no assistant message: each row needs at least one reply to learn")
+        raise ConfigError(
+            "a conversation has no assistant message to learn (role 'assistant'"
+            f"{' in its completion' if trained_from else ''}): roles seen {sorted({m['role'] for m in turns})}"
+        )
     whole = _render(tokenizer, turns, generation_prompt=False)  # turns after the last reply are context only
     return {"input_ids": whole, "assistant_masks": mask + [0] * (len(whole) - len(mask))}
 

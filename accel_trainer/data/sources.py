@@ -148,7 +148,7 @@ def read_data(spec: str, columns: list[dict[str, str]], streaming: bool, seed: i
         ConfigError: a source in none of the forms (naming the columns it has), or one that cannot be read.
     """
     sources = parse_spec(spec)
-    tables = [_columns(_read(source, streaming), columns, source.where) for source in sources]
+    tables = [_columns(_read(source, streaming), _forms_of(source, columns), source.where) for source in sources]
     if len(tables) == 1:
         return tables[0]
     weights = [source.weight or 1.0 for source in sources]
@@ -156,24 +156,48 @@ def read_data(spec: str, columns: list[dict[str, str]], streaming: bool, seed: i
     return datasets.interleave_datasets(tables, probabilities=probabilities, seed=seed)
 
 
+def _forms_of(source: Source, forms: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The column forms `source` is read in: a text file's rows are always in "text", whatever text_column names
+    (the column of the other sources of a mixture)."""
+    if source.kind == "files" and source.files()[0] == "text" and [list(form) for form in forms] == [["text"]]:
+        return [{"text": "text"}]
+    return forms
+
+
 def _read(source: Source, streaming: bool) -> Any:
-    kind = source.kind
+    """The source's rows as datasets reads them; a source that cannot be read or holds no row is one line."""
+    unreadable = (OSError, ValueError, datasets.exceptions.DatasetNotFoundError, datasets.exceptions.DatasetBuildError)
     try:
-        if kind == "disk":
-            loaded = datasets.load_from_disk(str(Path(source.where).expanduser()))
-            if isinstance(loaded, datasets.DatasetDict):
-                loaded = loaded["train"]
-            return loaded.to_iterable_dataset() if streaming else loaded
-        if kind == "hub":
-            return datasets.load_dataset(source.where, split="train", streaming=streaming)
-        loader, files = source.files()
-        options = {"sample_by": "paragraph"} if loader == "text" else {}
-        return datasets.load_dataset(loader, data_files=files, split="train", streaming=streaming, **options)
-    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as error:
-        if isinstance(error, ConfigError):
-            raise
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"data source {source.where} cannot be read: {first}") from None
+        table = _loaded(source, streaming)
+    except ConfigError:
+        raise
+    except unreadable as error:  # datasets' generation error says why in its cause (a JSON line that does not parse)
+        raise ConfigError(
+            f"data source {source.where} cannot be read: {_first_line(error.__cause__ or error)}"
+        ) from None
+    if not streaming and len(table) == 0:
+        raise ConfigError(f"data source {source.where} holds no rows")
+    return table
+
+
+def _loaded(source: Source, streaming: bool) -> Any:
+    if source.kind == "disk":
+        loaded = datasets.load_from_disk(str(Path(source.where).expanduser()))
+        if isinstance(loaded, datasets.DatasetDict):
+            loaded = loaded["train"]
+        return loaded.to_iterable_dataset() if streaming else loaded
+    if source.kind == "hub":
+        return datasets.load_dataset(source.where, split="train", streaming=streaming)
+    loader, files = source.files()
+    if all(Path(file).stat().st_size == 0 for file in files):  # datasets' json reader stops on the first line
+        raise ConfigError(f"data source {source.where} holds no rows")
+    options = {"sample_by": "paragraph"} if loader == "text" else {}
+    return datasets.load_dataset(loader, data_files=files, split="train", streaming=streaming, **options)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def _columns(table: Any, forms: list[dict[str, str]], where: str) -> Any:
