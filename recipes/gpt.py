@@ -49,8 +49,8 @@ IGNORE_INDEX = -100
 
 @dataclass
 class ByteTextConfig(at.TrainConfig):
-    """The training schedule and the data of the byte-level language models (this recipe, hf_causal_lm,
-    hf_finetune): paragraphs of the Python standard library, as bytes."""
+    """The training schedule and the data of the text recipes (this recipe, hf_causal_lm, hf_finetune): your text
+    (data=) or the demo's paragraphs of the Python standard library, as bytes or a base's own tokens."""
 
     max_steps: int = 600
     global_batch_size: int = 32
@@ -61,9 +61,10 @@ class ByteTextConfig(at.TrainConfig):
     log_every_steps: int = 50
     eval_every_steps: int = 200
     block_size: int = 128
-    """Longest context in bytes; examples are cut to at most block_size + 1 bytes (inputs plus the next byte)."""
+    """Longest context in tokens (bytes for the byte-level models); examples are cut to at most block_size + 1
+    tokens (inputs plus the next token)."""
     pack_sequences: bool = False
-    """Pack paragraphs back to back into windows of block_size + 1 bytes instead of padding each: every position
+    """Pack paragraphs back to back into windows of block_size + 1 tokens instead of padding each: every position
     trains, and attention and positions restart at each paragraph (a document mask; no context parallelism)."""
     streaming: bool = False
     """Stream the training paragraphs from the source files (a datasets IterableDataset, shuffled in a buffer of

@@ -98,17 +98,14 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
 
     def build_datasets(self, cfg: SFTChatConfig) -> tuple[datasets.Dataset, datasets.Dataset]:
         tokenizer = self.tokenizer if self.tokenizer is not None else self.build_tokenizer(cfg)
+        sys.modules[HFFinetune.__module__].check_data_given(cfg, tokenizer)
         splits = conversation_splits(cfg)
         window = cfg.block_size + 1
 
-        def tokenize(row: dict[str, Any], index: int, name: str) -> dict[str, Any]:
-            try:
-                return chat.tokenize_conversation(tokenizer, row["messages"], row["trained_from"])
-            except at.ConfigError as error:
-                raise at.ConfigError(f"{name} conversation {index}: {error}") from None
-
         def packed(split: datasets.Dataset, name: str) -> datasets.Dataset:
-            tokens = split.map(tokenize, with_indices=True, fn_kwargs={"name": name}, remove_columns=split.column_names)
+            options = {"tokenizer": tokenizer, "split": name}
+            columns = split.column_names
+            tokens = split.map(chat.tokenize_row, with_indices=True, fn_kwargs=options, remove_columns=columns)
             tokens = fit_to_window(tokens, window, cfg.long_conversations, name)
             return tokens.map(pack, batched=True, fn_kwargs={"window": window, "pad_id": self.pad_id},
                               remove_columns=tokens.column_names)  # fmt: skip

@@ -39,7 +39,9 @@ def check_template_choice(choice: str) -> str:
         return choice
     path = Path(choice).expanduser()
     if not path.is_file():
-        raise ConfigError(f"chat_template={choice}: give chatml, a .jinja file, or nothing for the base's own template")
+        raise ConfigError(
+            f"chat_template={choice}: no such file (give chatml, a .jinja file, or nothing for the base's own template)"
+        )
     return str(path.resolve())
 
 
@@ -110,6 +112,19 @@ def tokenize_conversation(tokenizer: Any, turns: list[dict[str, str]], trained_f
         )
     whole = _render(tokenizer, turns, generation_prompt=False)  # turns after the last reply are context only
     return {"input_ids": whole, "assistant_masks": mask + [0] * (len(whole) - len(mask))}
+
+
+def tokenize_row(row: dict[str, Any], index: int, tokenizer: Any, split: str) -> dict[str, list[int]]:
+    """`tokenize_conversation` of a row of `messages` and `trained_from` (as_turns), for `Dataset.map` (a plain
+    function, which datasets can hash for its cache); an error names the row.
+
+    Raises:
+        ConfigError: as tokenize_conversation, naming the split and the row.
+    """
+    try:
+        return tokenize_conversation(tokenizer, row["messages"], row["trained_from"])
+    except ConfigError as error:
+        raise ConfigError(f"{split} conversation {index}: {error}") from None
 
 
 def _render(tokenizer: Any, turns: list[dict[str, str]], generation_prompt: bool) -> list[int]:
