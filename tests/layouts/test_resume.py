@@ -120,7 +120,7 @@ def test_a_signal_during_evaluation_stops_at_that_step_with_a_checkpoint(tmp_pat
 
         def eval_metrics(self, model, batch):
             SignalledDuringSecondEval.eval_batches += 1
-            if SignalledDuringSecondEval.eval_batches == 7:  # the step-0 eval has 6 batches of 32
+            if SignalledDuringSecondEval.eval_batches == 8:  # the sanity check's 1 batch, the step-0 eval's 6 of 32
                 os.kill(os.getpid(), signal.SIGUSR1)
             return super().eval_metrics(model, batch)
 
