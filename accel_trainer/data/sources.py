@@ -104,7 +104,8 @@ def _number(text: str) -> bool:
 
 def check_data_spec(spec: str) -> str:
     """A `data=` value checked without reading rows: files named exist and have a known kind, a hub id is well
-    formed and (offline) cached. Paths are made absolute, so the run's config names them from any folder.
+    formed (whether datasets finds it in its cache is known when it is read). Paths are made absolute, so the run's
+    config names them from any folder.
 
     Raises:
         ConfigError: naming the source and the fix.
