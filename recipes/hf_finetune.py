@@ -92,10 +92,24 @@ class HFFinetune(HFCausalLM):  # type: ignore[valid-type,misc]
     def pad_id(self) -> int:
         return int(self.tokenizer.pad_token_id)
 
+    def check_data_given(self, cfg: Any) -> None:
+        """Refuse to fine-tune a real pretrained model on the built-in demo data, made for the byte-level base of
+        hf_causal_lm: a forgotten data= would train it on Python's standard library and exit 0.
+
+        Raises:
+            ConfigError: no data= and a base whose tokenizer is not the demo's bytes.
+        """
+        if not cfg.data and not self.byte_level:
+            raise at.ConfigError(
+                f"base={cfg.base} is a pretrained model of its own tokenizer: give your data with data=FILE_OR_FOLDER"
+                " (the built-in demo data is for the byte-level base that hf_causal_lm trains)"
+            )
+
     def build_datasets(self, cfg: FinetuneConfig) -> tuple[Any, Any]:
         """The text (data=, else the demo corpus) in the base's own tokens."""
         tokenizer = self.tokenizer if self.tokenizer is not None else self.build_tokenizer(cfg)
-        check_data_given(cfg, tokenizer)
+        self.tokenizer = tokenizer  # byte_level reads it
+        self.check_data_given(cfg)
         return gpt_module.build_splits(cfg, encode=gpt_module.TokenizerEncoding(tokenizer))
 
     def build_model(self, cfg: FinetuneConfig) -> Any:
@@ -124,20 +138,6 @@ class HFFinetune(HFCausalLM):  # type: ignore[valid-type,misc]
         with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             return peft.get_peft_model(model, lora)
-
-
-def check_data_given(cfg: Any, tokenizer: Any) -> None:
-    """Refuse to fine-tune a real pretrained model on the built-in demo data, made for the byte-level base of
-    hf_causal_lm: a forgotten data= would train it on Python's standard library and exit 0.
-
-    Raises:
-        ConfigError: no data= and a base whose tokenizer is not the demo's bytes.
-    """
-    if not cfg.data and len(tokenizer) != gpt_module.VOCAB_SIZE:
-        raise at.ConfigError(
-            f"base={cfg.base} is a pretrained model of its own tokenizer: give your data with data=FILE_OR_FOLDER"
-            " (the built-in demo data is for the byte-level base that hf_causal_lm trains)"
-        )
 
 
 def _peft() -> Any:

@@ -98,7 +98,8 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
 
     def build_datasets(self, cfg: SFTChatConfig) -> tuple[datasets.Dataset, datasets.Dataset]:
         tokenizer = self.tokenizer if self.tokenizer is not None else self.build_tokenizer(cfg)
-        sys.modules[HFFinetune.__module__].check_data_given(cfg, tokenizer)
+        self.tokenizer = tokenizer  # byte_level reads it
+        self.check_data_given(cfg)
         splits = conversation_splits(cfg)
         window = cfg.block_size + 1
 
