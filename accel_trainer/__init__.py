@@ -24,16 +24,16 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from accel_trainer.commands.evaluate import evaluate_saved
     from accel_trainer.config.layout import LayoutSettings
     from accel_trainer.config.train_config import TrainConfig
+    from accel_trainer.contract.losses import token_cross_entropy
+    from accel_trainer.contract.pretrained import base_context, check_base, load_base_model, load_base_tokenizer
     from accel_trainer.data.sources import check_data, check_data_spec, read_data
     from accel_trainer.errors import ConfigError, LayoutError, RecipeError, UserError
-    from accel_trainer.losses import token_cross_entropy
-    from accel_trainer.pretrained import base_context, check_base, load_base_model, load_base_tokenizer
     from accel_trainer.recipe import Recipe
     from accel_trainer.registry import add_recipe, get_recipe, register_recipe, registered_recipes
     from accel_trainer.run import TrainResult, main, train
-    from accel_trainer.saved_evaluation import evaluate_saved
     from accel_trainer.stopping.signals import Preempted
 
 # Each public name (`__all__`, spelled out below for the linters) and the module that defines it.
@@ -48,19 +48,19 @@ _HOMES = {
     "TrainResult": "run",
     "UserError": "errors",
     "add_recipe": "registry",
-    "base_context": "pretrained",
-    "check_base": "pretrained",
+    "base_context": "contract.pretrained",
+    "check_base": "contract.pretrained",
     "check_data": "data.sources",
     "check_data_spec": "data.sources",
-    "evaluate_saved": "saved_evaluation",
+    "evaluate_saved": "commands.evaluate",
     "get_recipe": "registry",
-    "load_base_model": "pretrained",
-    "load_base_tokenizer": "pretrained",
+    "load_base_model": "contract.pretrained",
+    "load_base_tokenizer": "contract.pretrained",
     "main": "run",
     "read_data": "data.sources",
     "register_recipe": "registry",
     "registered_recipes": "registry",
-    "token_cross_entropy": "losses",
+    "token_cross_entropy": "contract.losses",
     "train": "run",
 }
 

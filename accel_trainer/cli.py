@@ -22,10 +22,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from accel_trainer.closed_stdout import exit_quietly_when_stdout_closes
+from accel_trainer.console.closed_stdout import exit_quietly_when_stdout_closes
+from accel_trainer.console.warning_lines import show_our_warnings_as_one_line
 from accel_trainer.errors import EstimateCrashed, UserError
 from accel_trainer.estimate.arguments import parse_estimate_arguments
-from accel_trainer.warning_lines import show_our_warnings_as_one_line
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 def _main(arguments: list[str]) -> None:
     parser = _parser()
     if arguments[:1] == ["evaluate"] and not {"-h", "--help"} & set(arguments):
-        from accel_trainer.saved_evaluation import main as evaluate_main
+        from accel_trainer.commands.evaluate import main as evaluate_main
 
         evaluate_main(arguments[1:])
         return
@@ -133,7 +133,7 @@ def _run_command(known: argparse.Namespace) -> None:
         _print_recipes(indent="  ")
         _print_layouts()
     elif known.command == "cp":
-        from accel_trainer.shipped import copy_shipped
+        from accel_trainer.contract.shipped import copy_shipped
 
         written = copy_shipped(known.name, known.destination)
         how = (
@@ -143,7 +143,7 @@ def _run_command(known: argparse.Namespace) -> None:
         )
         print(f"copied {known.name} to {', '.join(map(str, written))}; {how}")
     elif known.command == "new":
-        from accel_trainer.new_recipe import write_new_recipe
+        from accel_trainer.commands.new import write_new_recipe
 
         path = write_new_recipe(known.name, known.folder)
         print(f"wrote {path}; train it with: python {path} max_steps=300  (or accel-trainer train {path})")
@@ -156,7 +156,7 @@ def _run_command(known: argparse.Namespace) -> None:
 
         print(compare([Path(run) for run in known.runs], Path(known.output) if known.output else None, known.x))
     elif known.command == "sample":
-        from accel_trainer.sampling import sample
+        from accel_trainer.commands.sample import sample
 
         texts = sample(known.run, known.prompt, known.max_new_tokens, known.temperature, known.seed, known.chat)
         print("\n\n----------\n\n".join(texts))
@@ -168,7 +168,7 @@ def _run_command(known: argparse.Namespace) -> None:
         layout = known.layout.removeprefix("layout=") if known.layout else None
         raise SystemExit(doctor(layout or known.config_file, known.timeout_s, known.launcher_options))
     else:
-        from accel_trainer.saved_evaluation import export_run
+        from accel_trainer.commands.evaluate import export_run
 
         print(f"exported to {export_run(known.source, known.output)}")
 
@@ -185,7 +185,7 @@ def _print_recipes(indent: str = "") -> None:
 
 def _print_layouts() -> None:
     """Each shipped layout with the first line of its comment, and where the files are."""
-    from accel_trainer.shipped import describe_layout, layouts, layouts_folder
+    from accel_trainer.contract.shipped import describe_layout, layouts, layouts_folder
 
     shipped = layouts()
     width = max((len(name) for name in shipped), default=0)

@@ -6,11 +6,11 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
     build_model(cfg)            -> torch.nn.Module (on the CPU; the loop places it)
     build_datasets(cfg)         -> (train, eval or None): datasets.Dataset or IterableDataset, or a torch
                                    map-style Dataset or IterableDataset
-    compute_loss(model, batch)  -> a mean loss, or {"loss": sum, "num_items": n, "<term>": t} (losses.py)
+    compute_loss(model, batch)  -> a mean loss, or {"loss": sum, "num_items": n, "<term>": t} (contract/losses.py)
     build_optimizer(cfg, model) -> optional; AdamW with decoupled weight decay by default; each param
                                    group's own lr is its peak, which the schedule multiplies; or several
                                    optimizers by name, stepped together or in alternating phases
-                                   (`alternate_optimizers`, optimizers.py)
+                                   (`alternate_optimizers`, optim/optimizers.py)
     build_scheduler(cfg, optimizer) -> optional; any torch LR scheduler, stepped once per optimizer step
     eval_metrics(model, batch)  -> optional; per-sample metric tensors, batch means or (sums, num_items)
     collate(examples)           -> optional; how a list of examples becomes a batch
@@ -35,8 +35,8 @@ import torch
 from torch.utils.data import default_collate
 
 from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.contract.losses import read_loss_output
 from accel_trainer.errors import RecipeError
-from accel_trainer.losses import read_loss_output
 
 Batch = Any  # what collate returns: a dict of tensors by default, or tuples or tensors
 LossReturn = torch.Tensor | Mapping[str, Any]
@@ -59,7 +59,7 @@ class Recipe:
     alternate_optimizers: ClassVar[bool] = False
     """With several optimizers from build_optimizer (a mapping by name): True runs each step as one phase per
     optimizer, in order, calling `compute_loss(model, batch, phase=name)` and stepping that optimizer alone (a
-    GAN); False steps them all on the one loss (optimizers.py)."""
+    GAN); False steps them all on the one loss (optim/optimizers.py)."""
     sequence_dims: ClassVar[dict[str, int]] = {}
     """Batch keys to their sequence dimension (e.g. {"input_ids": 1, "targets": 1, "positions": 1}): every
     tensor the model or the loss reads along the sequence, which context parallelism slices (GPU layouts with
@@ -130,7 +130,7 @@ class Recipe:
         return None
 
     def eval_metrics(self, model: torch.nn.Module, batch: Batch) -> dict[str, Any]:
-        """Evaluation metrics of a batch of real samples: `{name: value}` (eval_outputs.py), each value
+        """Evaluation metrics of a batch of real samples: `{name: value}` (contract/eval_outputs.py), each value
 
         - a tensor of shape [batch_size], one value per sample: the loop reports its mean over the eval set;
         - a 0-dim tensor or a number, the batch's mean: weighted by the batch's samples, exact too;

@@ -1,7 +1,7 @@
 """Recipe registry: names to recipe classes, filled three ways.
 
 1. `@register_recipe("name")` on a `Recipe` subclass, in any module or script.
-2. The shipped recipe files (shipped.py finds them in a checkout or an installed package) and those in
+2. The shipped recipe files (contract/shipped.py finds them in a checkout or an installed package) and those in
    `./recipes` are imported on demand, which runs their decorators; `train ./file.py` imports that file.
 3. Installed packages declare an entry point in the group `accel_trainer.recipes` whose value is a module
    (registering on import) or a `Recipe` class (registered under the entry point's name).
@@ -24,9 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from accel_trainer.contract.shipped import recipes_folder
 from accel_trainer.errors import RecipeError
 from accel_trainer.recipe import Recipe
-from accel_trainer.shipped import recipes_folder
 
 ENTRY_POINT_GROUP = "accel_trainer.recipes"
 

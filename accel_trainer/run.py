@@ -23,7 +23,6 @@ from accelerate.utils import broadcast_object_list
 from torch.distributed import DistBackendError
 
 from accel_trainer.checkpoint import run_folder
-from accel_trainer.closed_stdout import stdout_is_closed
 from accel_trainer.config.command_line import CommandLine, parse_command_line
 from accel_trainer.config.fields import describe_fields
 from accel_trainer.config.layout import LayoutSettings
@@ -34,9 +33,11 @@ from accel_trainer.config.train_config import (
     resolve_config,
     resolve_settings,
 )
+from accel_trainer.console.closed_stdout import stdout_is_closed
+from accel_trainer.console.warning_lines import show_our_warnings_as_one_line
 from accel_trainer.data.batching import plan_batches, planned_micro_batch_size
+from accel_trainer.engine.loop import train_loop
 from accel_trainer.errors import LayoutError, UserError, describe_crash, say_user_error
-from accel_trainer.loop import train_loop
 from accel_trainer.observe.breadcrumb import where
 from accel_trainer.observe.trackers import check_trackers
 from accel_trainer.parallel.accelerator import (
@@ -50,7 +51,6 @@ from accel_trainer.parallel.layout_file import Layout, check_launched_layout, la
 from accel_trainer.processes import end_launched_worker, launch_processes, run_layout
 from accel_trainer.registry import describe, get_recipe, recipe_name_of
 from accel_trainer.stopping.signals import EXIT_PREEMPTED, Preempted, stop_signals_caught
-from accel_trainer.warning_lines import show_our_warnings_as_one_line
 
 
 @dataclass
@@ -158,7 +158,7 @@ def main(recipe_name: str, argv: list[str] | None = None, program: list[str] | N
 
     Errors the user can fix are printed as one line (exit status 2); a crash in recipe code shows the recipe's
     frames only, once (errors.describe_crash; exit status 1); a closed stdout (`| head`) ends it without a word
-    (closed_stdout.py; status 1). A run stopped by SIGTERM, SIGINT or SIGUSR1 saves a checkpoint and exits
+    (console/closed_stdout.py; status 1). A run stopped by SIGTERM, SIGINT or SIGUSR1 saves a checkpoint and exits
     with status 75 (`EXIT_PREEMPTED`). A multi-process run ends with
     `os._exit(status)` once everything is flushed, errors included: about 1 in 20 clean 2-process gloo runs
     otherwise aborted at interpreter exit (docs/accelerate-traps.md), and so did 1 in 6 FSDP runs stopped by

@@ -29,8 +29,8 @@ from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.checkpoint.writer import BackgroundWriter
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig
-from accel_trainer.optimizers import Optimizers, Phase
-from accel_trainer.schedules import build_scheduler
+from accel_trainer.optim.optimizers import Optimizers, Phase
+from accel_trainer.optim.schedules import build_scheduler
 
 
 def raw_disk_mb_per_s(folder: Path, megabytes: int = 512) -> float:

@@ -7,9 +7,9 @@
     accel-trainer train hf_finetune base=... data=... layout=cpu_fsdp             # any layout
 
 `base=` is a `save_pretrained` folder (such as hf_causal_lm's `final/`), a hub id in the local Hugging Face cache
-(HF_HUB_OFFLINE honoured), or a `.gguf` file, dequantized (accel_trainer/pretrained.py). The base's own tokenizer
-reads the text: each paragraph (or row) is its tokens and the base's end-of-text token, cut into examples of at
-most block_size + 1 tokens (or packed: pack_sequences=true), padded with the base's padding token (its
+(HF_HUB_OFFLINE honoured), or a `.gguf` file, dequantized (accel_trainer/contract/pretrained.py). The base's own
+tokenizer reads the text: each paragraph (or row) is its tokens and the base's end-of-text token, cut into examples of
+at most block_size + 1 tokens (or packed: pack_sequences=true), padded with the base's padding token (its
 end-of-text token when it has none); block_size may not exceed the base's context. `data=` takes text files,
 folders, globs, .jsonl/.json/.parquet/.csv (text_column=), a save_to_disk folder or a cached hub dataset, and
 weighted mixtures (see `--help`); without it, the demo corpus (the Python standard library's paragraphs).

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import accel_trainer as at
 from accel_trainer import ConfigError
-from accel_trainer.ema import WeightAverage
+from accel_trainer.optim.ema import WeightAverage
 from conftest import read_metrics, train_and_dump
 
 DECAY = 0.75

@@ -17,8 +17,8 @@ from torch import nn
 
 import accel_trainer as at
 from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.contract.eval_outputs import metric_sums
 from accel_trainer.errors import RecipeError
-from accel_trainer.eval_outputs import metric_sums
 from conftest import WORKERS, final_parameters, read_metrics, train_and_dump
 
 at.registry.discover_recipes([WORKERS / "recipes"])

@@ -9,7 +9,7 @@ import pytest
 
 import accel_trainer as at
 from accel_trainer import cli
-from accel_trainer.shipped import copy_shipped
+from accel_trainer.contract.shipped import copy_shipped
 from conftest import (
     REPO,
     assert_one_line_error,

@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 import accel_trainer as at
 from accel_trainer.checkpoint.export import export
 from accel_trainer.checkpoint.files import CheckpointError
+from accel_trainer.commands.evaluate import evaluate_saved, export_run
+from accel_trainer.commands.sample import sample
 from accel_trainer.errors import UserError
 from accel_trainer.observe.flops import flops_per_sample
-from accel_trainer.sampling import sample
-from accel_trainer.saved_evaluation import evaluate_saved, export_run
 from conftest import final_parameters, read_metrics, reset_accelerate_state, train_and_dump
 
 transformers = pytest.importorskip("transformers")

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import accel_trainer as at
+from accel_trainer.contract.losses import read_loss_output
 from accel_trainer.errors import RecipeError
-from accel_trainer.losses import read_loss_output
 from conftest import train_and_dump
 
 SCALAR = torch.tensor(1.5)

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from accel_trainer import cli
-from accel_trainer.new_recipe import render
+from accel_trainer.commands.new import render
 from accel_trainer.registry import describe, get_recipe
 from conftest import BIN, REPO, read_metrics
 

@@ -1,9 +1,10 @@
 """The package is layered: each part imports only parts below it, so it reads and changes bottom-up.
 
-From the top: the face (the command, the doctor, `train`/`main` and the evaluation of saved weights, starting
-processes), the loop and its step, the prepared run, the ways a run stops, what it records (`observe/`),
-checkpoints, optimizers and the EMA, data, the layouts (`parallel/`), the recipe contract, the configuration
-(`config/`, a leaf over `errors`). Every import counts, also one inside a function or under TYPE_CHECKING: a lazy
+From the top: the face (the command, the doctor and the estimate, `train`/`main` and the one-file commands
+(`commands/`), starting processes), the engine (`engine/`: the loop, preparation, the step, evaluation), the ways
+a run stops, what it records (`observe/`), checkpoints, optimizers, schedules and the EMA (`optim/`), data, the
+layouts (`parallel/`), the recipe contract and its parts (`contract/`), the configuration (`config/`, a leaf over
+`errors`). Every import counts, also one inside a function or under TYPE_CHECKING: a lazy
 import is still a dependency.
 """
 
@@ -16,23 +17,21 @@ from conftest import REPO
 
 PACKAGE = REPO / "accel_trainer"
 LAYERS = [  # bottom first; a unit is a top-level module or a whole package
-    {"errors", "rng", "warning_lines", "closed_stdout", "heap"},
+    {"errors", "console"},
     {"config"},
-    {"losses"},
-    {"recipe", "hf_loss", "eval_outputs", "batch_rows", "schedules", "model_calls", "shipped", "pretrained"},
+    {"contract"},
+    {"recipe"},
     {"registry"},
     {"parallel"},
     {"data"},
-    {"ema", "optimizers"},
+    {"optim"},
     {"checkpoint"},
     {"observe"},
     {"stopping"},
-    {"prepared_run"},
-    {"evaluation", "training_step"},
-    {"loop"},
+    {"engine"},
     {"processes"},
-    {"run", "saved_evaluation"},
-    {"doctor", "new_recipe", "sampling", "estimate"},
+    {"run", "commands"},
+    {"doctor", "estimate"},
     {"cli"},
     {"__main__", "__init__"},
 ]
@@ -103,3 +102,10 @@ def test_the_configuration_is_a_leaf_over_the_errors():
     for module, targets in imports().items():
         if unit_of(module) == "config":
             assert {unit_of(target) for target in targets} <= {"config", "errors"}, (module, targets)
+
+
+def test_the_top_level_holds_only_the_face_and_the_contract():
+    top = {path.stem for path in PACKAGE.glob("*.py")}
+    face = {"__init__", "__main__", "cli", "run", "processes", "errors"}
+    contract = {"recipe", "registry"}
+    assert top == face | contract

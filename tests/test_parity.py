@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import accel_trainer as at
-from accel_trainer.schedules import lr_multiplier
+from accel_trainer.optim.schedules import lr_multiplier
 
 
 class TinyRegression(at.Recipe):

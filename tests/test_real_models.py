@@ -22,8 +22,8 @@ import torch
 import yaml
 
 import accel_trainer as at
+from accel_trainer.commands.sample import sample
 from accel_trainer.data import chat
-from accel_trainer.sampling import sample
 from conftest import (
     BIN,
     TEST_OVERRIDES,

@@ -10,7 +10,7 @@ import torch
 
 from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.errors import ConfigError
-from accel_trainer.schedules import build_scheduler, lr_multiplier, peak_lr
+from accel_trainer.optim.schedules import build_scheduler, lr_multiplier, peak_lr
 
 
 def schedule(cfg: TrainConfig, num_steps: int | None = None) -> list[float]:

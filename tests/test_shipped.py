@@ -7,7 +7,7 @@ import pytest
 
 import accel_trainer as at
 from accel_trainer import ConfigError, cli
-from accel_trainer.shipped import describe_layout, find_layout, layouts, recipe_files
+from accel_trainer.contract.shipped import describe_layout, find_layout, layouts, recipe_files
 from conftest import REPO, assert_one_line_error, exit_status, read_metrics
 
 

@@ -29,8 +29,8 @@ from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.checkpoint.writer import BackgroundWriter
 from accel_trainer.config.train_config import TrainConfig, check_measurable, metric_of
+from accel_trainer.data.rng import apply_rng_states
 from accel_trainer.parallel.batchnorm import average_running_stats
-from accel_trainer.rng import apply_rng_states
 
 
 class Checkpointer:
@@ -128,7 +128,7 @@ class Checkpointer:
         if not name or scores is None:
             return False
         value, best = metric_of("keep_best_metric", name, scores), state.best_metric
-        better = math.isfinite(value) and (  # NaN or inf is never the best: loop.py says so when it happens
+        better = math.isfinite(value) and (  # NaN or inf is never the best: the evaluator says so when it happens
             best is None or (value < best if self.cfg.keep_best_mode == "min" else value > best)
         )
         if state.step == 0 or not better:

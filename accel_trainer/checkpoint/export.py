@@ -4,7 +4,7 @@
     accel-trainer export outputs/gpt/run1/checkpoints/step_00000500 --output exported/gpt
 
 A checkpoint that holds only the trainable weights (LoRA: checkpoint/frozen.py) needs its recipe to read the
-frozen base again: `accel-trainer export` does that (saved_evaluation.export_run), writing a peft model as the
+frozen base again: `accel-trainer export` does that (commands.evaluate.export_run), writing a peft model as the
 run's final/ is written, the merged model plus `adapter/`; `export` here refuses it in one line.
 
 Runs in one process without a process group: the shards of a sharded (FSDP) checkpoint are read from disk
@@ -47,7 +47,7 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
     if holds_only_trainable_weights(folder):
         raise CheckpointError(
             f"checkpoint {folder} holds only the trainable weights (its frozen base is not in it): export it with"
-            " `accel-trainer export`, which rebuilds the model from its base (saved_evaluation.export_run)"
+            " `accel-trainer export`, which rebuilds the model from its base (commands.evaluate.export_run)"
         )
     try:  # a manifest proves integrity, not content: whoever wrote the folder may have listed no files
         weights = consolidated_weights(folder)

@@ -25,9 +25,9 @@ from accel_trainer.checkpoint import files as checkpoint_files
 from accel_trainer.checkpoint import state_files
 from accel_trainer.checkpoint.tokenizer import save_tokenizer
 from accel_trainer.config.train_config import TrainConfig, config_to_yaml
+from accel_trainer.contract.pretrained import base_source
 from accel_trainer.parallel.batchnorm import average_running_stats
 from accel_trainer.parallel.sharding import is_sharded, pipeline_size
-from accel_trainer.pretrained import base_source
 from accel_trainer.recipe import Recipe
 
 

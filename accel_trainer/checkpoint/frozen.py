@@ -24,7 +24,7 @@ from accelerate.state import PartialState
 from accelerate.utils import broadcast_object_list
 
 from accel_trainer.checkpoint.files import CheckpointError
-from accel_trainer.pretrained import base_source
+from accel_trainer.contract.pretrained import base_source
 
 RECORD_KEY = "frozen"  # train_state.json's entry
 _TAKEN: weakref.WeakKeyDictionary[torch.nn.Module, FrozenWeights | None] = weakref.WeakKeyDictionary()

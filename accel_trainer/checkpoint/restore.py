@@ -48,8 +48,8 @@ from accel_trainer.checkpoint.small_files import TRAINER
 from accel_trainer.checkpoint.tokenizer import check_tokenizer
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.checkpoint.trained import RunIdentity, Trained
+from accel_trainer.data.rng import rng_file_name
 from accel_trainer.parallel.sharding import is_sharded
-from accel_trainer.rng import rng_file_name
 
 
 def restore(
@@ -63,7 +63,7 @@ def restore(
     run's data cannot continue from it, before anything is loaded or said.
 
     Returns its train state and this process's saved RNG states, which the caller applies at the moment that
-    matches the uninterrupted run (see loop.py); None when the process count changed, after a warning.
+    matches the uninterrupted run (see engine/loop.py); None when the process count changed, after a warning.
 
     Raises:
         CheckpointError: the checkpoint is incomplete or corrupt, or belongs to another recipe or model shape.

@@ -9,7 +9,7 @@ A checkpoint folder (`checkpoints/step_00000120/`) holds no pickle, so loading o
                                        FSDP only its structure, the tensors being in distributed/
     trainer.safetensors                LR scheduler and fp16 gradient-scaler state
                                        (only the trainable weights where some are frozen: checkpoint/frozen.py)
-    ema.safetensors                    the EMA of the weights (ema.py), with `ema_decay`; under FSDP or tensor
+    ema.safetensors                    the EMA of the weights (optim/ema.py), with `ema_decay`; under FSDP or tensor
                                        parallelism its shards are `ema/` keys of distributed/ instead
     rng_rank<r>.safetensors            every process's RNG states (python, numpy, torch, cuda)
     train_state.json                   format, step, epoch, samples seen, recipe, config and its hash, world
@@ -51,8 +51,8 @@ from accel_trainer.checkpoint.small_files import small_files
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.checkpoint.writer import BackgroundWriter
+from accel_trainer.data.rng import capture_rng_states, rng_file_name
 from accel_trainer.parallel.sharding import is_sharded, local_part
-from accel_trainer.rng import capture_rng_states, rng_file_name
 
 SHARDED = "distributed"
 OPTIMIZER = "optimizer.safetensors"

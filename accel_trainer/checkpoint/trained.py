@@ -12,8 +12,8 @@ from accel_trainer.checkpoint.frozen import FrozenWeights
 from accel_trainer.checkpoint.pipeline_state import whole_model_state
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig
-from accel_trainer.ema import WeightAverage
-from accel_trainer.optimizers import Optimizers
+from accel_trainer.optim.ema import WeightAverage
+from accel_trainer.optim.optimizers import Optimizers
 from accel_trainer.parallel.sharding import tied_names
 
 

@@ -26,13 +26,13 @@ from accelerate import Accelerator
 from accelerate.utils import find_executable_batch_size, gather_object, send_to_device
 
 from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.contract.losses import read_loss_output
 from accel_trainer.data import loaders as data
 from accel_trainer.data.batching import halved_micro_batch, per_process_batch
+from accel_trainer.data.rng import apply_rng_states, capture_rng_states
 from accel_trainer.errors import ConfigError
-from accel_trainer.losses import read_loss_output
 from accel_trainer.parallel.mesh import DataRanks
 from accel_trainer.recipe import Recipe
-from accel_trainer.rng import apply_rng_states, capture_rng_states
 
 
 def check_auto_layout(accelerator: Accelerator, layout: LayoutSettings, ranks: DataRanks) -> None:

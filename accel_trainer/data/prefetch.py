@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 from accel_trainer.data.columns import ColumnBatches
+from accel_trainer.data.rng import capture_rng_states, rng_untouched
 from accel_trainer.errors import ConfigError
-from accel_trainer.rng import capture_rng_states, rng_untouched
 
 CHECKED_FETCHES = 2
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import datasets
 
+from accel_trainer.contract.pretrained import is_hub_id
 from accel_trainer.errors import ConfigError
-from accel_trainer.pretrained import is_hub_id
 
 LOADERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File suffixes to the datasets loader that reads them."""

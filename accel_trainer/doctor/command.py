@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
+from accel_trainer.contract.shipped import find_layout, layouts_folder
 from accel_trainer.doctor.checks import Check, judge, port_in_output
 from accel_trainer.doctor.environment import environment_report
 from accel_trainer.errors import ConfigError
 from accel_trainer.parallel.layout_file import LAYOUT_VARIABLE
 from accel_trainer.processes import free_port
-from accel_trainer.shipped import find_layout, layouts_folder
 
 DEFAULT_LAYOUT = Path("accelerate_configs") / "cpu_ddp.yaml"
 """Two processes (gloo on the CPU, or 2 GPUs): the smallest layout with a rendezvous and collectives to check."""

@@ -27,11 +27,11 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.tensor import DTensor
 
 from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.contract.losses import read_loss_output
 from accel_trainer.data import loaders as data
 from accel_trainer.errors import ConfigError
 from accel_trainer.estimate.fake_world import ddp_bucket_bytes
-from accel_trainer.losses import read_loss_output
-from accel_trainer.optimizers import read_optimizers
+from accel_trainer.optim.optimizers import read_optimizers
 from accel_trainer.parallel import fsdp_loading
 from accel_trainer.parallel.accelerator import prepare_for_training
 from accel_trainer.parallel.context_parallel import sequence_slices

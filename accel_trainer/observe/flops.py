@@ -24,10 +24,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig
-from accel_trainer.losses import read_loss_output
+from accel_trainer.contract.losses import read_loss_output
+from accel_trainer.data.rng import rng_untouched
 from accel_trainer.parallel.fsdp_loading import weights_unread
 from accel_trainer.recipe import Recipe
-from accel_trainer.rng import rng_untouched
 
 # (name fragment, first match wins) -> dense TFLOP/s per device by compute dtype (vendor datasheets).
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [

@@ -16,7 +16,7 @@ import torch
 from accelerate import Accelerator
 
 from accel_trainer.config.train_config import TrainConfig
-from accel_trainer.losses import LossOutput
+from accel_trainer.contract.losses import LossOutput
 from accel_trainer.parallel.mesh import data_ranks
 
 
@@ -148,7 +148,7 @@ def _device_figures(
 
 def _optimizer_figures(figures: dict[str, Any]) -> dict[str, Any]:
     """The step's LRs and gradient norms as numbers, `lr` (the first optimizer's first group) and `grad_norm`
-    first, whatever the optimizers (training_step.py)."""
+    first, whatever the optimizers (engine/stepper.py)."""
     values = {key: float(value) if value is not None else None for key, value in figures.items()}
     lr = values.pop("lr", next((value for key, value in values.items() if key.startswith("lr")), None))
     lrs = {key: value for key, value in values.items() if key.startswith("lr")}

@@ -218,7 +218,7 @@ def prepare_for_training(
     """`accelerator.prepare` the model, optimizers and loaders; a None loader (a stream, no eval set) stays None."""
     model, *optimizers, train_loader, eval_loader = objects
     if pipeline is not None:  # not wrapped (there is no gradient to average); loaders for the data ranks
-        (optimizer,) = optimizers  # several are refused on a pipeline layout (optimizers.py)
+        (optimizer,) = optimizers  # several are refused on a pipeline layout (optim/optimizers.py)
         optimizer = accelerator.prepare_optimizer(optimizer)  # alone: prepare() refuses that under FSDP2
         if train_loader is not None:
             train_loader = launch_fixes.prepare_loader_for_data_ranks(accelerator, train_loader, ranks.rank, ranks.size)

@@ -23,9 +23,9 @@ import torch
 from accelerate import Accelerator, init_empty_weights
 from accelerate.utils import broadcast_object_list, patch_environment, set_module_tensor_to_device
 
+from accel_trainer.contract.pretrained import base_source, quiet_progress_bars
 from accel_trainer.errors import RecipeError
 from accel_trainer.parallel import launch_fixes
-from accel_trainer.pretrained import base_source, quiet_progress_bars
 from accel_trainer.recipe import Recipe
 
 READ_ONCE, EVERY_PROCESS, FAILED = "read by the main process", "built by every process", "failed"

@@ -230,7 +230,7 @@ def attach_mesh(accelerator: Accelerator, dp_replicate: int, dp_shard: int, tp: 
 @dataclass
 class PipelineParallelism(ParallelismConfig):
     """The run's sizes on a pipeline layout: accelerate's config has no pipeline dimension, so this one carries
-    it for mesh.data_ranks. accelerate's `prepare` never sees the model (prepared_run.py). Without FSDP no
+    it for mesh.data_ranks. accelerate's `prepare` never sees the model (engine/preparation.py). Without FSDP no
     device mesh is attached (the stages' sends use the world group); with FSDP the mesh is `(pp, dp_shard)`,
     pp outermost, and each stage is sharded over its `dp_shard` slice (parallel/pipeline/sharding.py)."""
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import yaml
 
+from accel_trainer.contract.shipped import find_layout
 from accel_trainer.errors import LayoutError
-from accel_trainer.shipped import find_layout
 
 LAYOUT_VARIABLE = "ACCEL_TRAINER_LAYOUT"
 OPTIONS_VARIABLE = "ACCEL_TRAINER_LAYOUT_OPTIONS"  # the launcher options, as a JSON list

@@ -21,7 +21,7 @@ def check_early_stop(cfg: TrainConfig, has_eval: bool) -> None:
     """Refuse an early_stop_metric that could never be measured, before any training.
 
     Raises:
-        ConfigError: not an eval metric, no eval set, or no evaluation before the end (evaluation.py).
+        ConfigError: not an eval metric, no eval set, or no evaluation before the end (engine/evaluator.py).
     """
     if cfg.early_stop_metric:
         check_measurable("early_stop_metric", cfg.early_stop_metric, cfg, has_eval)

@@ -26,8 +26,8 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.contract.losses import LossOutput
 from accel_trainer.errors import UserError
-from accel_trainer.losses import LossOutput
 
 
 class NonfiniteSteps(UserError):

@@ -33,7 +33,7 @@ def test_the_full_traceback_is_one_variable_away(tmp_path):
                             env=clean_env(ACCEL_TRAINER_FULL_TRACEBACK="1"), capture_output=True, text=True,
                             timeout=120)  # fmt: skip
 
-    assert "Traceback (most recent call last)" in result.stderr and "accel_trainer/loop.py" in result.stderr
+    assert "Traceback (most recent call last)" in result.stderr and "accel_trainer/engine/loop.py" in result.stderr
 
 
 @pytest.mark.multiprocess

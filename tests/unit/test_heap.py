@@ -1,5 +1,5 @@
 """While a run trains, the objects built before it are left out of Python's garbage collections (a full one
-scanned ~424,000 of them, 0.2 s, stalling the step after a checkpoint: accel_trainer/heap.py); after the run they
+scanned ~424,000 of them, 0.2 s, stalling the step after a checkpoint: accel_trainer/engine/heap.py); after the run they
 are handed back, so that the next run in the same process collects this one's cycles."""
 
 import gc

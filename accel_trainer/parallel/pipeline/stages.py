@@ -34,10 +34,10 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from accel_trainer.batch_rows import select_rows
+from accel_trainer.contract.batch_rows import select_rows
+from accel_trainer.contract.eval_outputs import metric_sums
+from accel_trainer.contract.losses import LossOutput, read_loss_output
 from accel_trainer.errors import ConfigError
-from accel_trainer.eval_outputs import metric_sums
-from accel_trainer.losses import LossOutput, read_loss_output
 from accel_trainer.parallel.pipeline.gradients import PipelineGradients
 from accel_trainer.parallel.pipeline.recipe_calls import StageOutput, batch_size, model_inputs
 from accel_trainer.parallel.pipeline.sharding import (

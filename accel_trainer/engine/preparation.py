@@ -26,15 +26,16 @@ from accel_trainer.data import loaders as data
 from accel_trainer.data.auto_batch import check_auto_layout, choose_micro_batch_size
 from accel_trainer.data.batching import BatchPlan, plan_batches, planned_micro_batch_size
 from accel_trainer.data.run_data import RunData, build_loaders
-from accel_trainer.ema import WeightAverage
-from accel_trainer.hf_loss import ModelItems, model_items
-from accel_trainer.model_calls import ModelCalls
+from accel_trainer.engine.hf_loss import ModelItems, model_items
+from accel_trainer.engine.model_calls import ModelCalls
 from accel_trainer.observe.flops import flops_per_sample, peak_for_mfu
 from accel_trainer.observe.header import header, model_summary, parameters_held, write_run_info
 from accel_trainer.observe.metrics import drop_records_after, format_metric
 from accel_trainer.observe.observer import Observer
 from accel_trainer.observe.window import Speed
-from accel_trainer.optimizers import Optimizers, check_layout_for_several, read_optimizers
+from accel_trainer.optim.ema import WeightAverage
+from accel_trainer.optim.optimizers import Optimizers, check_layout_for_several, read_optimizers
+from accel_trainer.optim.schedules import recipe_scheduler
 from accel_trainer.parallel import fsdp_loading
 from accel_trainer.parallel.accelerator import prepare_for_training, settings_note
 from accel_trainer.parallel.compiling import allow_recompiles_per_region
@@ -44,7 +45,6 @@ from accel_trainer.parallel.pipeline.stages import Pipeline
 from accel_trainer.parallel.verbs import StepVerbs
 from accel_trainer.parallel.wrapping import split_and_wrap
 from accel_trainer.recipe import Recipe
-from accel_trainer.schedules import recipe_scheduler
 from accel_trainer.stopping.nonfinite import NonfiniteGuard
 
 

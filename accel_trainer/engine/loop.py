@@ -25,17 +25,17 @@ from accelerate import Accelerator
 from accel_trainer.checkpoint.trained import RunIdentity
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig
-from accel_trainer.evaluation import evaluate_after, evaluate_baseline, sanity_check
-from accel_trainer.heap import setup_left_out_of_collections
+from accel_trainer.engine.evaluator import evaluate_after, evaluate_baseline, sanity_check
+from accel_trainer.engine.heap import setup_left_out_of_collections
+from accel_trainer.engine.preparation import Run, prepare_run
+from accel_trainer.engine.stepper import train_step
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
 from accel_trainer.observe.profiling import dump_out_of_memory
-from accel_trainer.prepared_run import Run, prepare_run
 from accel_trainer.recipe import Recipe
 from accel_trainer.stopping.early import check_early_stop
 from accel_trainer.stopping.signals import PreemptionWatcher
 from accel_trainer.stopping.stop import Stopping
-from accel_trainer.training_step import train_step
 
 
 def train_loop(

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from accel_trainer.contract.losses import LossOutput
 from accel_trainer.errors import RecipeError
-from accel_trainer.losses import LossOutput
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
 _FIX = "return at.token_cross_entropy(out.logits, labels, shift=True) from compute_loss instead"

@@ -48,14 +48,14 @@ from accel_trainer.checkpoint.tokenizer import check_tokenizer, save_tokenizer, 
 from accel_trainer.checkpoint.trained import RunIdentity
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.config.train_config import resolve_settings
+from accel_trainer.contract.pretrained import quiet_progress_bars
+from accel_trainer.engine.evaluator import evaluate_run
+from accel_trainer.engine.preparation import prepare_run
 from accel_trainer.errors import RecipeError, UserError
-from accel_trainer.evaluation import evaluate_run
 from accel_trainer.observe.flops import model_on_meta
 from accel_trainer.observe.metrics import console_line
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.layout_file import layout_environment
-from accel_trainer.prepared_run import prepare_run
-from accel_trainer.pretrained import quiet_progress_bars
 from accel_trainer.processes import end_launched_worker, run_layout
 from accel_trainer.recipe import Recipe
 from accel_trainer.registry import get_recipe, recipe_name_of

@@ -1,7 +1,7 @@
 """The rows of a batch, whatever shape `collate` gave it: how many samples it holds, and its first few.
 
 Evaluation cuts the last batch of a loader that accelerate evened out with duplicates down to its real rows
-(evaluation.py), and a pipeline's last stage computes the loss of each slice of a micro-batch
+(engine/evaluator.py), and a pipeline's last stage computes the loss of each slice of a micro-batch
 (parallel/pipeline/stages.py).
 """
 

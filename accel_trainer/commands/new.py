@@ -15,7 +15,7 @@ from string import Template
 
 from accel_trainer.errors import ConfigError
 
-TEMPLATE = Path(__file__).parent / "templates" / "recipe.py.template"
+TEMPLATE = Path(__file__).parents[1] / "templates" / "recipe.py.template"
 
 
 def render(name: str, description: str | None = None, folder: str = "recipes") -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 from accel_trainer.config.layout import SETTINGS_SUFFIX, settings_file_of
 from accel_trainer.errors import ConfigError
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]  # accel_trainer/
 _CHECKOUT = _PACKAGE.parent
 
 

@@ -12,19 +12,19 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, send_to_device
 
-from accel_trainer.batch_rows import batch_size, first_rows
 from accel_trainer.config.train_config import TrainConfig, evaluates_after
+from accel_trainer.contract.batch_rows import batch_size, first_rows
+from accel_trainer.contract.eval_outputs import metric_sums
+from accel_trainer.data.rng import rng_untouched
 from accel_trainer.errors import RecipeError, UserError, recipe_site
-from accel_trainer.eval_outputs import metric_sums
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
 from accel_trainer.parallel.batchnorm import average_running_stats
 from accel_trainer.parallel.pipeline.stages import Pipeline
 from accel_trainer.recipe import Recipe
-from accel_trainer.rng import rng_untouched
 
 if TYPE_CHECKING:
-    from accel_trainer.prepared_run import Run
+    from accel_trainer.engine.preparation import Run
 
 
 def describe_nonfinite(cfg: TrainConfig, scores: dict[str, float], step: int) -> str:

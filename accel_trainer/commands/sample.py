@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from accel_trainer.contract.pretrained import quiet_progress_bars
 from accel_trainer.errors import UserError
-from accel_trainer.pretrained import quiet_progress_bars
 
 
 def sample(

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from accel_trainer.contract.losses import FRAMEWORK_KEYS
 from accel_trainer.errors import ConfigError, RecipeError
-from accel_trainer.losses import FRAMEWORK_KEYS
 from accel_trainer.parallel.verbs import StepVerbs
 
 

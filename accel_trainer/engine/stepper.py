@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from accel_trainer.contract.losses import LossOutput, read_loss_output
 from accel_trainer.errors import RecipeError
-from accel_trainer.losses import LossOutput, read_loss_output
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
-from accel_trainer.optimizers import Phase
+from accel_trainer.optim.optimizers import Phase
 from accel_trainer.parallel.context_parallel import check_loss_counts_items, sequence_slices
 from accel_trainer.parallel.sharding import local_part
 from accel_trainer.parallel.verbs import discard_step, step_optimizers
 
 if TYPE_CHECKING:
-    from accel_trainer.prepared_run import Run
+    from accel_trainer.engine.preparation import Run
 
 
 def train_step(

@@ -8,7 +8,7 @@ A recipe's `eval_metrics(model, batch)` returns a flat mapping of metric names t
 A top-level "num_items" entry weights the one metric beside it (the short form of the pair); beside two or
 more it is refused, since it used to weight all of them: a token count turned a 0.94 accuracy into 0.03.
 
-Evaluation only ever passes the real rows of a batch (evaluation.py drops the duplicates that even out the
+Evaluation only ever passes the real rows of a batch (engine/evaluator.py drops the duplicates that even out the
 last batch before calling the recipe), so a batch mean is the mean of real samples. Anything else (a nested
 mapping, a list, a tensor of another shape) is a one-line `RecipeError` naming the form.
 """
