@@ -67,13 +67,15 @@ def main() -> None:
         writer = BackgroundWriter()
         for step in (1, 2, 3):
             started = time.perf_counter()
-            folder = checkpoint.save(accelerator, run_dir, TrainState(step=step), trained, identity)
+            folder = checkpoint.save(accelerator, run_dir, TrainState(step=step).state_dict(), trained, identity)
             saves.append(time.perf_counter() - started)
             started = time.perf_counter()
             restore(accelerator, folder, trained, identity)
             loads.append(time.perf_counter() - started)
             started = time.perf_counter()
-            checkpoint.save(accelerator, run_dir, TrainState(step=10 + step), trained, identity, writer=writer)
+            checkpoint.save(
+                accelerator, run_dir, TrainState(step=10 + step).state_dict(), trained, identity, writer=writer
+            )
             blocked.append(time.perf_counter() - started)
             writer.wait()
         size = folder_megabytes(folder)

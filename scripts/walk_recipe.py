@@ -62,6 +62,8 @@ def main() -> None:
             return
         read.add(frame.f_code)
         name = str(Path(file).relative_to(PACKAGE))
+        if "-f" in sys.argv:
+            print("VISIT", name, frame.f_code.co_name, "<-", caller.f_code.co_name if caller else None)
         if not visits or visits[-1] != name:
             visits.append(name)
 

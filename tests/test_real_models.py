@@ -23,6 +23,7 @@ import yaml
 
 import accel_trainer as at
 from accel_trainer.commands.sample import sample
+from accel_trainer.contract import pretrained
 from accel_trainer.data import chat
 from conftest import (
     BIN,
@@ -138,10 +139,10 @@ def test_a_gguf_base_loads_dequantized_as_a_plain_model_with_its_own_tokenizer_a
     train it), which `pretrained.plain_after_gguf` undoes; fails the day transformers unmarks it itself."""
     model = transformers.AutoModelForCausalLM.from_pretrained(real_gguf().parent, gguf_file=GGUF_NAME)
     assert model.is_quantized and model.config.quantization_config.quant_method == "gguf"  # the canary
-    model = at.pretrained.plain_after_gguf(model, str(real_gguf()))  # as at.load_base_model does
+    model = pretrained.plain_after_gguf(model, str(real_gguf()))  # as at.load_base_model does
     assert model.config.model_type == "llama" and model.dtype == torch.float32
     assert not hasattr(model.config, "quantization_config") and not model.is_quantized
-    assert at.pretrained.base_source(model) == str(real_gguf())  # where it came from, for checkpoints
+    assert pretrained.base_source(model) == str(real_gguf())  # where it came from, for checkpoints
     assert model.name_or_path == str(real_gguf())  # what peft records as an adapter's base
     assert at.base_context(model) == 8192
     assert "<|im_start|>" in real_tokenizer.chat_template and real_tokenizer.pad_token == "<|im_end|>"
@@ -153,7 +154,7 @@ def test_estimate_plans_a_gguf_base_from_its_shapes_without_dequantizing_it():
     with FakeTensorMode(allow_non_fake_inputs=True):  # as `accel-trainer estimate` builds the model
         model = at.load_base_model(str(real_gguf()))
     assert sum(parameter.numel() for parameter in model.parameters()) == 134_515_008
-    assert at.pretrained.base_source(model) == str(real_gguf())
+    assert pretrained.base_source(model) == str(real_gguf())
 
 
 # --- data= ---------------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Checkpointing, owned in one place: the run's progress, when to save, what to keep, where to resume.
 
-The loop asks a `Checkpointer` two things: `restore()` once at start (choose the resume point, load it,
-return the `TrainState`) and `after_step(...)` after each optimizer step (save if the cadence, the end of
-the run, a stop signal or a new best evaluation asks for it). Everything else is here: async writes,
-retention, keep-best, and the RNG states, whose restoration the data path times (`resume_rng`).
+The states it saves are registered once, when it is built (checkpoint/train_state.py). The loop then asks it
+two things: `restore()` once at start (choose the resume point, load it into the prepared objects and the
+states) and `after_step(stop, scores)` after each optimizer step (save if the cadence, the end of the run, a
+stop signal or a new best evaluation asks for it). Everything else is here: async writes, retention, keep-best,
+and the RNG states, whose restoration the data path times (`resume_rng`).
 
 keep-best sees every evaluation: when one gives a new best `keep_best_metric` off the save cadence, a
 checkpoint is saved at that step, so the best model is always on disk. The metric must be an eval metric
@@ -16,8 +17,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
@@ -25,7 +26,7 @@ from accelerate.utils import broadcast_object_list
 from accel_trainer.checkpoint import files
 from accel_trainer.checkpoint import restore as checkpoint_restore
 from accel_trainer.checkpoint import save as checkpoint
-from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.checkpoint.train_state import SavedFields, Stateful, TrainState, saved_states
 from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.checkpoint.writer import BackgroundWriter
 from accel_trainer.config.train_config import TrainConfig, check_measurable, metric_of
@@ -33,11 +34,29 @@ from accel_trainer.data.rng import apply_rng_states
 from accel_trainer.parallel.batchnorm import average_running_stats
 
 
+@dataclass
+class KeepBest(SavedFields):
+    """The best `keep_best_metric` so far and the checkpoint folder that holds it: the checkpointer's own state."""
+
+    best_metric: float | None = None
+    best_checkpoint: str | None = None
+
+
 class Checkpointer:
-    """Saves, keeps and restores the checkpoints of one run; owns its `TrainState`."""
+    """Saves, keeps and restores the checkpoints of one run: the prepared objects (`trained`) and the states
+    registered here once, when it is built (checkpoint/train_state.py): the run's progress, its own keep-best,
+    then `states` in order (the non-finite guard's counts, early stopping's, the items seen, the data position)."""
 
     def __init__(
-        self, accelerator: Accelerator, run_dir: Path, trained: Trained, identity: RunIdentity, *, has_eval: bool
+        self,
+        accelerator: Accelerator,
+        run_dir: Path,
+        trained: Trained,
+        identity: RunIdentity,
+        *,
+        has_eval: bool,
+        progress: TrainState,
+        states: tuple[Stateful, ...] = (),
     ) -> None:
         check_keep_best(identity.cfg, has_eval)
         self.accelerator = accelerator
@@ -45,58 +64,48 @@ class Checkpointer:
         self.trained = trained
         self.identity = identity
         self.cfg = identity.cfg
-        self.state = TrainState()
+        self.progress = progress
+        self.best = KeepBest()
+        self.states: tuple[Stateful, ...] = (progress, self.best, *states)
         self.resume_rng: Callable[[], None] | None = None
         """Applies the saved RNG states; the data path calls it at the moment the uninterrupted run was at."""
         self.writer = BackgroundWriter(identity.layout.collective_timeout_s) if self.cfg.async_save else None
 
-    def restore(self, check_position: Callable[[Any], None] | None = None) -> TrainState:
-        """Load the checkpoint `resume` names, if any, into the prepared objects; return the run's state.
-        `check_position` refuses a data position this run cannot continue from, before anything is loaded."""
+    def restore(self) -> None:
+        """Load the checkpoint `resume` names, if any, into the prepared objects and the registered states; a
+        state refuses a saved value this run cannot continue from (a stream position) before anything is loaded."""
         folder = resume_point(self.accelerator, self.cfg, self.run_dir)
         if folder is None:
-            return self.state
-        self.state, rng_states = checkpoint_restore.restore(
-            self.accelerator, folder, self.trained, self.identity, check_position
-        )
+            return
+        rng_states = checkpoint_restore.restore(self.accelerator, folder, self.trained, self.identity, self.states)
         if self.accelerator.is_main_process:
-            print(f"resuming from {folder} at step {self.state.step}", flush=True)
+            print(f"resuming from {folder} at step {self.progress.step}", flush=True)
         if rng_states:
             self.resume_rng = functools.partial(apply_rng_states, rng_states)
-        return self.state
 
-    def after_step(
-        self,
-        stop: bool,
-        scores: dict[str, float] | None,
-        count_pending_items: Callable[[], float] | None = None,
-        data_position: Callable[[], Any] | None = None,
-    ) -> Path | None:
-        """Save the checkpoint of `state.step` if it is due; return its folder, or None.
+    def after_step(self, stop: bool, scores: dict[str, float] | None) -> Path | None:
+        """Save the checkpoint of the progress's step if it is due; return its folder, or None.
 
         Due: on a stop signal, at `max_steps`, every `save_every_steps`, and when `scores` (this step's
-        evaluation) hold a new best `keep_best_metric`. Before a save, `count_pending_items` brings `items_seen`
-        up to date and `data_position` gives a stream's position (both may be collectives, which a save, itself
+        evaluation) hold a new best `keep_best_metric`. Every process asks the registered states for theirs (the
+        items still on the device and a split stream's position are collectives, which a save, itself
         collective, can afford).
         """
-        step, cfg = self.state.step, self.cfg
+        step, cfg = self.progress.step, self.cfg
         new_best = self._note_best(scores)
         if step == 0:  # the baseline evaluation: nothing trained yet, nothing to save
             return None
         cadence = cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0
         if not (stop or new_best or cadence or step == cfg.max_steps):
             return None
-        if count_pending_items is not None:
-            self.state.items_seen += count_pending_items()
-        if data_position is not None:
-            self.state.data_position = data_position()
+        recorded = saved_states(self.states)
         average_running_stats(self.accelerator, self.trained.model)  # the saved statistics are those evaluated
-        best = self.state.best_checkpoint
+        best = self.best.best_checkpoint
         keep = files.checkpoints_dir(self.run_dir) / best if best else None
         return checkpoint.save(
             self.accelerator,
             self.run_dir,
-            self.state,
+            recorded,
             self.trained,
             self.identity,
             writer=self.writer,
@@ -124,16 +133,17 @@ class Checkpointer:
 
     def _note_best(self, scores: dict[str, float] | None) -> bool:
         """Record a new best `keep_best_metric` among `scores`; whether there was one (never at step 0)."""
-        name, state = self.cfg.keep_best_metric, self.state
+        name, best = self.cfg.keep_best_metric, self.best
         if not name or scores is None:
             return False
-        value, best = metric_of("keep_best_metric", name, scores), state.best_metric
+        value = metric_of("keep_best_metric", name, scores)
         better = math.isfinite(value) and (  # NaN or inf is never the best: the evaluator says so when it happens
-            best is None or (value < best if self.cfg.keep_best_mode == "min" else value > best)
+            best.best_metric is None
+            or (value < best.best_metric if self.cfg.keep_best_mode == "min" else value > best.best_metric)
         )
-        if state.step == 0 or not better:
+        if self.progress.step == 0 or not better:
             return False
-        state.best_metric, state.best_checkpoint = value, files.step_folder_name(state.step)
+        best.best_metric, best.best_checkpoint = value, files.step_folder_name(self.progress.step)
         return True
 
 

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import json
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ from accel_trainer.checkpoint.save import (
 )
 from accel_trainer.checkpoint.small_files import TRAINER
 from accel_trainer.checkpoint.tokenizer import check_tokenizer
-from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.checkpoint.train_state import Stateful
 from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.data.rng import rng_file_name
 from accel_trainer.parallel.sharding import is_sharded
@@ -57,13 +57,14 @@ def restore(
     folder: Path,
     trained: Trained,
     identity: RunIdentity,
-    check_position: Callable[[Any], None] | None = None,
-) -> tuple[TrainState, dict[str, Any] | None]:
-    """Load a verified checkpoint into the prepared objects; `check_position` refuses its data position, if this
-    run's data cannot continue from it, before anything is loaded or said.
+    states: tuple[Stateful, ...] = (),
+) -> dict[str, Any] | None:
+    """Load a verified checkpoint into the prepared objects and the registered `states` (checkpoint/train_state.py),
+    in place; a state that cannot continue from its saved value (a data position this run's data cannot continue
+    from) refuses it as it loads, before the tensors are loaded or anything is said.
 
-    Returns its train state and this process's saved RNG states, which the caller applies at the moment that
-    matches the uninterrupted run (see engine/loop.py); None when the process count changed, after a warning.
+    Returns this process's saved RNG states, which the caller applies at the moment that matches the
+    uninterrupted run (see engine/loop.py); None when the process count changed, after a warning.
 
     Raises:
         CheckpointError: the checkpoint is incomplete or corrupt, or belongs to another recipe or model shape.
@@ -81,7 +82,7 @@ def restore(
     if problem[0]:
         raise CheckpointError(problem[0])
     with step_hooks_silenced(trained.optimizers.torch_optimizers()):
-        return _restore_checked(accelerator, folder, trained, identity, check_position)
+        return _restore_checked(accelerator, folder, trained, identity, states)
 
 
 def _check_named(folder: Path) -> None:
@@ -124,8 +125,8 @@ def _restore_checked(
     folder: Path,
     trained: Trained,
     identity: RunIdentity,
-    check_position: Callable[[Any], None] | None,
-) -> tuple[TrainState, dict[str, Any] | None]:
+    states: tuple[Stateful, ...],
+) -> dict[str, Any] | None:
     """`restore` once the folder is verified: load it if it fits this run, else a CheckpointError."""
     model_state: Any
     model_state, optimizer_state = get_state_dict(trained.model, trained.optimizers.torch_optimizers())
@@ -142,11 +143,9 @@ def _restore_checked(
         )
         check_frozen(folder, recorded, trained.frozen)
         check_tokenizer(folder, recorded, trained.tokenizer)
-        state = TrainState.from_dict(recorded)
-        if check_position is not None:
-            check_position(state.data_position)
-        rng_states = _load(accelerator, folder, recorded, trained, model_state, optimizer_state)
-        return state, rng_states
+        for state in states:
+            state.load_state_dict(recorded)
+        return _load(accelerator, folder, recorded, trained, model_state, optimizer_state)
     except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as error:
         raise CheckpointError(f"checkpoint {folder} cannot be loaded: {type(error).__name__}: {error}") from None
 

@@ -48,7 +48,6 @@ from accel_trainer.checkpoint import files, state_files
 from accel_trainer.checkpoint.files import CheckpointError
 from accel_trainer.checkpoint.pipeline_state import merge_optimizer_skeletons
 from accel_trainer.checkpoint.small_files import small_files
-from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.checkpoint.writer import BackgroundWriter
 from accel_trainer.data.rng import capture_rng_states, rng_file_name
@@ -64,20 +63,21 @@ EMA = "ema.safetensors"
 def save(
     accelerator: Accelerator,
     run_dir: Path,
-    state: TrainState,
+    recorded: dict[str, Any],
     trained: Trained,
     identity: RunIdentity,
     *,
     writer: BackgroundWriter | None = None,
     after_publish: Callable[[], None] | None = None,
 ) -> Path:
-    """Write and publish the checkpoint of `state.step` (every process takes part); returns its folder.
+    """Write and publish the checkpoint of step `recorded["step"]` (every process takes part), `recorded` being
+    the run's registered states (checkpoint/train_state.py); returns its folder.
 
-    With a `writer`, the tensors are snapshot in host memory (the main process's full state, or every
-    process's shards through DCP's async save) and written in the background; the main process then publishes
-    and runs `after_publish` (retention) there too, so training continues during the write.
+        With a `writer`, the tensors are snapshot in host memory (the main process's full state, or every
+        process's shards through DCP's async save) and written in the background; the main process then publishes
+        and runs `after_publish` (retention) there too, so training continues during the write.
     """
-    step, sharded = state.step, is_sharded(accelerator, trained.model)
+    step, sharded = recorded["step"], is_sharded(accelerator, trained.model)
     temporary = files.temporary_folder(run_dir, step)
     if accelerator.is_main_process:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -85,7 +85,7 @@ def save(
     heavy_writes: list[Callable[[], None]] = []  # what the main process still has to write (in the background)
     if problem is None:
         states = get_state_dict(trained.model, trained.optimizers.torch_optimizers())  # a collective when sharded
-        write = functools.partial(_write_files, accelerator, temporary, state, trained, identity, writer, sharded)
+        write = functools.partial(_write_files, accelerator, temporary, recorded, trained, identity, writer, sharded)
         problem = _agree(accelerator, _attempt(lambda: heavy_writes.extend(write(*states))))
 
     def finish() -> None:
@@ -110,7 +110,7 @@ def save(
 def _write_files(
     accelerator: Accelerator,
     temporary: Path,
-    state: TrainState,
+    recorded: dict[str, Any],
     trained: Trained,
     identity: RunIdentity,
     writer: BackgroundWriter | None,
@@ -138,7 +138,10 @@ def _write_files(
     if not accelerator.is_main_process:
         rng()
         return heavy_writes
-    small: list[Callable[[], None]] = [rng, *small_files(accelerator, temporary, state, trained, identity, model_state)]
+    small: list[Callable[[], None]] = [
+        rng,
+        *small_files(accelerator, temporary, recorded, trained, identity, model_state),
+    ]
     if writer is None:
         for write in small:
             write()

@@ -19,7 +19,6 @@ from accel_trainer.checkpoint import state_files
 from accel_trainer.checkpoint.checks import FORMAT, TRAIN_STATE, config_hash
 from accel_trainer.checkpoint.frozen import RECORD_KEY
 from accel_trainer.checkpoint.tokenizer import RECORD_KEY as TOKENIZER_KEY
-from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.config.layout import layout_to_dict
 from accel_trainer.config.train_config import config_to_dict, config_to_yaml
@@ -30,7 +29,7 @@ TRAINER = "trainer.safetensors"
 def small_files(
     accelerator: Accelerator,
     temporary: Path,
-    state: TrainState,
+    saved_states: dict[str, Any],
     trained: Trained,
     identity: RunIdentity,
     model_state: dict[str, Any],
@@ -41,7 +40,7 @@ def small_files(
     trainer = copy.deepcopy({**trained.optimizers.scheduler_states(), "scaler": scaler})
     recorded = {
         "format": FORMAT,
-        **state.to_dict(),
+        **saved_states,
         "recipe": identity.recipe_name,
         "recipe_file": identity.recipe_file,
         "config_hash": config_hash(identity.cfg),

@@ -11,7 +11,7 @@ saved a newer checkpoint, its newest complete checkpoint. The recipe, step and c
 checkpoint's train_state.json and config.yaml), key=value overrides on top. The weights are read whole (a sharded
 checkpoint through export's reader, as `accel-trainer export` does) and loaded into the recipe's freshly built model
 before the layout splits, shards or compiles it, so every layout evaluates with the code that evaluates during
-training (`prepare_run`, `evaluate_run`). Nothing is written to the run folder. An EMA's weights are not evaluated
+training (`prepare_run`, `Evaluator.scores`). Nothing is written to the run folder. An EMA's weights are not evaluated
 here: the model's are.
 """
 
@@ -49,7 +49,6 @@ from accel_trainer.checkpoint.trained import RunIdentity
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.config.train_config import resolve_settings
 from accel_trainer.contract.pretrained import quiet_progress_bars
-from accel_trainer.engine.evaluator import evaluate_run
 from accel_trainer.engine.preparation import prepare_run
 from accel_trainer.errors import RecipeError, UserError
 from accel_trainer.observe.flops import model_on_meta
@@ -153,10 +152,10 @@ def evaluate_saved(source: str | Path, **overrides: Any) -> dict[str, float]:
         recipe = recipe_cls(cfg)
         recipe.build_model = _loading(recipe, saved)  # type: ignore[method-assign]
         run = prepare_run(recipe, RunIdentity(saved.recipe_name, cfg, layout), accelerator, Path(scratch))
-        if run.data.eval_set is None:
+        if not run.evaluator.has_eval:
             raise UserError(f"recipe {saved.recipe_name} builds no eval set (build_datasets): nothing to evaluate")
         started = time.perf_counter()
-        scores = evaluate_run(run)
+        scores = run.evaluator.scores()
         seconds = time.perf_counter() - started
     if accelerator.is_main_process:
         print(f"evaluated {saved.folder} ({saved.recipe_name}, step {saved.step}) on {accelerator.num_processes}"

@@ -1,7 +1,8 @@
 """A run's data, owned in one place: its sets, loaders or stream, batch plan and data ranks.
 
-The loop asks it for the training micro-batches from a resume point (`micro_batches`), for this process's eval
-batches (`eval_batches`) and, before a save, for the stream position a checkpoint carries (`stream_position`).
+The loop asks it for the training micro-batches from a resume point (`micro_batches`) and for this process's eval
+batches (`eval_batches`); the checkpointer, with which it is registered, for the stream position a checkpoint
+carries (`state_dict`), and gives it back on resume (`load_state_dict`).
 A map-style set's position is derived from the step; a stream's is the (epoch, examples read) it reached.
 """
 
@@ -42,16 +43,25 @@ class RunData:
     stream_split: str = "off"  # a sharded stream split over the processes (data/stream_split.py), or read whole
     prefetch_gate: PrefetchGate = field(default_factory=PrefetchGate)  # held shut while evaluating
     _stream: TrainStream | SplitStream | None = field(default=None, init=False)  # the stream, once reading began
+    _position: list[int] | dict[str, Any] | None = field(default=None, init=False)  # a stream's, from a checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position a checkpoint carries (registered with the checkpointer): a stream's, None for a
+        map-style set, whose position follows from the step."""
+        return {"data_position": self.stream_position()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """A checkpoint's data position, refused in one line if this run cannot continue from it."""
+        position = saved.get("data_position")
+        self.check_position(position)
+        self._position = position
 
     def micro_batches(
-        self,
-        start_step: int,
-        position: list[int] | dict[str, Any] | None,
-        accelerator: Accelerator,
-        resume_rng: Callable[[], None] | None,
+        self, start_step: int, accelerator: Accelerator, resume_rng: Callable[[], None] | None
     ) -> Iterator[tuple[int, Any]]:
-        """This process's training micro-batches after `start_step` optimizer steps (a stream: from its saved
-        `position`), with the RNG states restored in time."""
+        """This process's training micro-batches after `start_step` optimizer steps (a stream: from the position
+        its checkpoint saved), with the RNG states restored in time."""
+        position = self._position
         if self.splits():
             rank = self.ranks.rank
             total, warn = _total_over_ranks(accelerator, self.ranks), _warn_on_main(accelerator)

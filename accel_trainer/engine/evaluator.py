@@ -1,30 +1,35 @@
-"""Evaluation: the means of a recipe's per-sample eval metrics over the whole eval set, on any layout."""
+"""Evaluation: the means of a recipe's per-sample eval metrics over the whole eval set, on any layout.
+
+The `Evaluator` owns the run's evaluations and their cadence (`due(step)`): the sanity check before the first
+step, the baseline before any training, and one every eval_every_steps and at the end, each logged by the
+observer. `evaluate` is the whole-set mean itself, which `accel-trainer evaluate` uses too.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, send_to_device
 
+from accel_trainer.checkpoint.checkpointer import Checkpointer
 from accel_trainer.config.train_config import TrainConfig, evaluates_after
 from accel_trainer.contract.batch_rows import batch_size, first_rows
 from accel_trainer.contract.eval_outputs import metric_sums
 from accel_trainer.data.rng import rng_untouched
+from accel_trainer.data.run_data import RunData
 from accel_trainer.errors import RecipeError, UserError, recipe_site
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
+from accel_trainer.optim.ema import WeightAverage
 from accel_trainer.parallel.batchnorm import average_running_stats
-from accel_trainer.parallel.pipeline.stages import Pipeline
-from accel_trainer.recipe import Recipe
 
-if TYPE_CHECKING:
-    from accel_trainer.engine.preparation import Run
+EvalMetrics = Callable[[torch.nn.Module, Any], Any]  # a recipe's eval_metrics, or a pipeline's
 
 
 def describe_nonfinite(cfg: TrainConfig, scores: dict[str, float], step: int) -> str:
@@ -43,10 +48,10 @@ def describe_nonfinite(cfg: TrainConfig, scores: dict[str, float], step: int) ->
 
 
 def evaluate(
-    accelerator: Accelerator, recipe: Recipe | Pipeline, model: torch.nn.Module, batches: Any, padded: bool
+    accelerator: Accelerator, eval_metrics: EvalMetrics, model: torch.nn.Module, batches: Any, padded: bool
 ) -> dict[str, float]:
-    """The recipe's eval metrics over the whole eval set, each sample counted once (on a pipeline layout,
-    `recipe` is the pipeline, which runs the recipe's eval_metrics on its last stage).
+    """The recipe's eval metrics over the whole eval set, each sample counted once (`eval_metrics`: the recipe's,
+    or on a pipeline layout the pipeline's, which runs the recipe's on its last stage).
 
     Each metric is a mean over the samples, or over its items for a (sums, num_items) pair (eval_outputs.py).
     The recipe sees only real rows: a `padded` loader's last batch, which accelerate evens out across the
@@ -63,7 +68,7 @@ def evaluate(
         for batch in batches:
             size = batch_size(batch)
             rows = _rows_counted(accelerator, size) if padded else size
-            output = recipe.eval_metrics(model, first_rows(batch, rows) if 0 < rows < size else batch)
+            output = eval_metrics(model, first_rows(batch, rows) if 0 < rows < size else batch)
             if rows == 0:
                 continue
             for name, (total, weight) in metric_sums(output, rows, accelerator.device).items():
@@ -95,37 +100,87 @@ def _ratio(total: float, weight: float) -> float:
     return total / weight if weight else float("nan")
 
 
-def evaluate_run(run: Run) -> dict[str, float]:
-    """The run's eval metrics (`eval/<name>`) and, with evaluate_ema, its EMA weights' (`eval_ema/<name>`); the
-    random streams are left as they were, so training does not depend on when it evaluates."""
-    with rng_untouched():
-        scores = evaluate(run.accelerator, run.evaluator, run.model, *run.data.eval_batches())
-        if run.cfg.evaluate_ema and run.ema is not None:
-            with run.ema.swapped_in():
-                averaged = evaluate(run.accelerator, run.evaluator, run.model, *run.data.eval_batches())
-            scores.update({"eval_ema/" + name.removeprefix("eval/"): value for name, value in averaged.items()})
-    return scores
+class Evaluator:
+    """The run's evaluations: built once by preparation with what they need, asked by the loop when one is due."""
 
+    def __init__(
+        self,
+        *,
+        accelerator: Accelerator,
+        eval_metrics: EvalMetrics,
+        model: torch.nn.Module,
+        data: RunData,
+        cfg: TrainConfig,
+        checkpointer: Checkpointer,
+        ema: WeightAverage | None = None,
+    ) -> None:
+        self.accelerator, self.eval_metrics, self.model, self.data = accelerator, eval_metrics, model, data
+        self.cfg, self.checkpointer, self.ema = cfg, checkpointer, ema
 
-def sanity_check(run: Run) -> None:
-    """The recipe's eval metrics on the eval set's first micro-batch, before the first step (`sanity_eval`): an eval
-    set with no example, a collate or a metric that fails, or a metric the loop cannot read is a one-line error now,
-    not after the training. Every process runs the same batch (a sharded forward is collective); the random streams
-    and the model's mode are left as they were, so the training does not change.
+    @property
+    def has_eval(self) -> bool:
+        return self.data.eval_set is not None
 
-    Raises:
-        RecipeError: naming what failed (the exception and where, for a recipe's bug).
-    """
-    if not run.cfg.sanity_eval or run.data.eval_set is None:
-        return
-    note_where("the sanity check of eval_metrics before step", run.checkpointer.state.step + 1)
-    examples = run.data.first_eval_examples()
-    if not examples:
-        raise RecipeError("the eval set holds no example: give it some (or build_datasets may return None as eval)")
-    with _said_in_one_line("collate fails on the first eval examples"):
-        batch = send_to_device(run.data.collate(examples), run.accelerator.device)
-    with _said_in_one_line("eval_metrics fails on the first eval batch"), rng_untouched():
-        evaluate(run.accelerator, run.evaluator, run.model, [batch], padded=False)
+    def baseline_due(self, step: int) -> bool:
+        """Whether the run evaluates before training (step 0), as it does when it evaluates during training."""
+        return self.has_eval and self.cfg.eval_every_steps > 0 and step == 0
+
+    def due(self, step: int) -> bool:
+        """Whether an evaluation follows `step`: every eval_every_steps, and at the end."""
+        return self.has_eval and evaluates_after(self.cfg, step)
+
+    def scores(self) -> dict[str, float]:
+        """The run's eval metrics (`eval/<name>`) and, with evaluate_ema, its EMA weights' (`eval_ema/<name>`); the
+        random streams are left as they were, so training does not depend on when it evaluates."""
+        with rng_untouched():
+            scores = evaluate(self.accelerator, self.eval_metrics, self.model, *self.data.eval_batches())
+            if self.cfg.evaluate_ema and self.ema is not None:
+                with self.ema.swapped_in():
+                    averaged = evaluate(self.accelerator, self.eval_metrics, self.model, *self.data.eval_batches())
+                scores.update({"eval_ema/" + name.removeprefix("eval/"): value for name, value in averaged.items()})
+        return scores
+
+    def evaluate(self, step: int, observer: Observer) -> dict[str, float]:
+        """The evaluation after `step` (0: the baseline before any training), logged.
+
+        Raises:
+            UserError: an eval_metrics error (raised on every process), after saving the training up to `step`.
+        """
+        if step == 0:
+            started = time.perf_counter()
+            scores = self.scores()
+        else:
+            note_where("the evaluation after step", step)
+            with self.data.prefetch_gate.paused():  # evaluation may share the training set's objects, forks workers
+                started = time.perf_counter()
+                try:
+                    scores = self.scores()
+                except UserError as error:  # keep the training first
+                    folder = self.checkpointer.after_step(stop=True, scores=None)
+                    error.args = (f"{error} (the training up to step {step} is saved in {folder})",)
+                    raise
+        observer.evaluation(step, scores, time.perf_counter() - started, describe_nonfinite(self.cfg, scores, step))
+        return scores
+
+    def sanity_check(self, step: int) -> None:
+        """The recipe's eval metrics on the eval set's first micro-batch, before step `step` (`sanity_eval`): an eval
+        set with no example, a collate or a metric that fails, or a metric the loop cannot read is a one-line error
+        now, not after the training. Every process runs the same batch (a sharded forward is collective); the random
+        streams and the model's mode are left as they were, so the training does not change.
+
+        Raises:
+            RecipeError: naming what failed (the exception and where, for a recipe's bug).
+        """
+        if not self.cfg.sanity_eval or not self.has_eval:
+            return
+        note_where("the sanity check of eval_metrics before step", step)
+        examples = self.data.first_eval_examples()
+        if not examples:
+            raise RecipeError("the eval set holds no example: give it some (or build_datasets may return None as eval)")
+        with _said_in_one_line("collate fails on the first eval examples"):
+            batch = send_to_device(self.data.collate(examples), self.accelerator.device)
+        with _said_in_one_line("eval_metrics fails on the first eval batch"), rng_untouched():
+            evaluate(self.accelerator, self.eval_metrics, self.model, [batch], padded=False)
 
 
 @contextlib.contextmanager
@@ -141,34 +196,3 @@ def _said_in_one_line(what: str) -> Iterator[None]:
             f"{what}, before training: {type(error).__name__}: {error}{f' ({site})' if site else ''}; fix it, or"
             " skip this check with sanity_eval=false"
         ) from None
-
-
-def evaluate_baseline(run: Run, observer: Observer) -> None:
-    """The evaluation before any training (step 0), with evaluations during the run: logged, and it checks
-    keep_best_metric's name (the checkpointer saves nothing at step 0)."""
-    started = time.perf_counter()
-    scores = evaluate_run(run)
-    observer.evaluation(0, scores, time.perf_counter() - started, describe_nonfinite(run.cfg, scores, 0))
-    run.checkpointer.after_step(stop=False, scores=scores)
-
-
-def evaluate_after(run: Run, observer: Observer, step: int) -> dict[str, float] | None:
-    """The evaluation of `step` when one is due (every eval_every_steps, and at the end), logged; else None.
-
-    Raises:
-        UserError: an eval_metrics error (raised on every process), after saving the training up to `step`.
-    """
-    if run.data.eval_set is None or not evaluates_after(run.cfg, step):
-        return None
-    note_where("the evaluation after step", step)
-    with run.data.prefetch_gate.paused():  # evaluation may share the training set's objects, and forks its workers
-        started = time.perf_counter()
-        try:
-            scores = evaluate_run(run)
-        except UserError as error:  # keep the training first
-            folder = run.checkpointer.after_step(True, None, observer.pending_items())
-            error.args = (f"{error} (the training up to step {step} is saved in {folder})",)
-            raise
-    observer.evaluation(step, scores, time.perf_counter() - started, describe_nonfinite(run.cfg, scores, step))
-    run.checkpointer.state.metrics.update(scores)
-    return scores

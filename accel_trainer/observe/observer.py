@@ -8,7 +8,6 @@ plain values, never the run, so observation sits below the loop and the prepared
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ from accel_trainer.observe.metrics import MetricsLog
 from accel_trainer.observe.profiling import StepProfiler
 from accel_trainer.observe.report import write_report_or_warn
 from accel_trainer.observe.trackers import Trackers
-from accel_trainer.observe.window import Speed, Window, log_record
+from accel_trainer.observe.window import ItemsSeen, Speed, Window, log_record
 from accel_trainer.parallel.compiling import CompileWatch
 
 
@@ -44,9 +43,12 @@ class Observer:
         speed: Speed,
         compiled: bool,
         count_flops: Callable[[Any], tuple[float, str]],
+        items: ItemsSeen,
+        nonfinite_steps: Callable[[], int],
     ) -> None:
         self.accelerator, self.cfg, self.run_dir, self.state = accelerator, cfg, run_dir, state
         self.speed, self.count_flops = speed, count_flops
+        self.items, self.nonfinite_steps = items, nonfinite_steps
         main = accelerator.is_main_process
         trackers = None
         if main and cfg.trackers:
@@ -66,7 +68,7 @@ class Observer:
         )
         self.compile_watch = CompileWatch(enabled=compiled, warn=main)
         self.profiler = StepProfiler(accelerator, run_dir, parse_steps(cfg.profile_steps))
-        self.window = Window.empty(accelerator.device)
+        self.window = self._new_window()
         self.first_batch: Any = None  # the shapes of the first micro-batch (meta tensors), for counting FLOPs
 
     def close(self) -> None:
@@ -121,21 +123,22 @@ class Observer:
         record, new_items = log_record(
             self.accelerator, self.cfg, self.window, state.step, state.epoch, figures, self.speed
         )
-        state.items_seen += new_items
+        self.items.seen += new_items
         record.update(
             skipped_steps=state.skipped_steps,
-            nonfinite_steps=state.nonfinite_steps,
+            nonfinite_steps=self.nonfinite_steps(),
             samples_seen=state.samples_seen,
-            items_seen=state.items_seen,
+            items_seen=self.items.seen,
             **self.compile_watch.record(state.step),
         )
         self.log.write(record)
         state.metrics.update(record)
-        self.window = Window.empty(self.accelerator.device)
+        self.window = self._new_window()
 
-    def pending_items(self) -> Callable[[], float]:
-        """What a save adds to items_seen from the window not yet recorded (a collective: on every process)."""
-        return functools.partial(self.window.bank_items, self.accelerator)
+    def _new_window(self) -> Window:
+        """An empty window, whose items a save counts until it is logged (`ItemsSeen`)."""
+        self.items.window = Window.empty(self.accelerator.device)
+        return self.items.window
 
     # -- evaluations, saves, events --------------------------------------------------------------------------
     def evaluation(self, step: int, scores: dict[str, float], seconds: float, nonfinite_line: str) -> None:
@@ -143,10 +146,12 @@ class Observer:
         time is not training time."""
         self.window.excluded_s += seconds
         if step == 0:
-            self.window = Window.empty(self.accelerator.device)
+            self.window = self._new_window()
         self.log.write({"step": step, **scores, "eval/seconds": seconds, "samples_seen": self.state.samples_seen})
         self.log.note(nonfinite_line)
         self.events.write("eval", step=step, seconds=seconds)
+        if step > 0:  # the baseline is not a result of the training
+            self.state.metrics.update(scores)
 
     def timed(self, work: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
         """`work(*args, **kwargs)` and the seconds it took, which the throughput window leaves out."""

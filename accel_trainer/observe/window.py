@@ -70,6 +70,26 @@ class Window:
         return new
 
 
+class ItemsSeen:
+    """`items_seen`: the loss items (tokens for a token loss, samples otherwise) of the steps taken, over all
+    processes (a step skipped as non-finite is not counted). The observer adds each window when it logs it; the
+    checkpointer, with which this is registered, saves it with the open window's items counted too (a collective,
+    as the save is), so a checkpoint between two records holds its own step's count."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+        self.seen = 0.0
+        self.window: Window | None = None  # the observer's open window
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.window is not None:
+            self.seen += self.window.bank_items(self.accelerator)
+        return {"items_seen": self.seen}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.seen = saved.get("items_seen", 0.0)
+
+
 @dataclass
 class Speed:
     """What turns samples per second into FLOPs and MFU; set once FLOPs per sample are counted."""

@@ -18,13 +18,14 @@ checked.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from torch.nn.modules.batchnorm import _NormBase
 
-from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.checkpoint.train_state import SavedFields
 from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.contract.losses import LossOutput
 from accel_trainer.errors import UserError
@@ -34,13 +35,24 @@ class NonfiniteSteps(UserError):
     """The loss or gradient norm stayed non-finite for max_nonfinite_in_a_row steps."""
 
 
+@dataclass
+class NonfiniteCounts(SavedFields):
+    """The guard's counts, saved in each checkpoint and logged."""
+
+    nonfinite_steps: int = 0
+    """Steps skipped because their loss or gradient norm was NaN or Inf."""
+    nonfinite_in_a_row: int = 0
+    """The latest of those in a row, up to this step (0: this step was finite)."""
+
+
 class NonfiniteGuard:
     """Decides, alike on every process, whether a step's loss and gradients are finite enough to take it (made
-    only with skip_nonfinite_steps)."""
+    only with skip_nonfinite_steps); owns its counts, which the checkpointer saves and restores (`state_dict`)."""
 
     def __init__(self, cfg: TrainConfig, accelerator: Accelerator, model: torch.nn.Module) -> None:
         self.max_in_a_row = cfg.max_nonfinite_in_a_row
         self.accelerator = accelerator
+        self.counts = NonfiniteCounts()
         self.checks_gradients = accelerator.scaler is None  # fp16: inf gradients are the scaler's to skip
         # Running statistics move in every training forward pass, taken step or not: kept to put them back.
         self.statistics = [
@@ -51,12 +63,10 @@ class NonfiniteGuard:
         ]
         self.good_statistics = [buffer.clone() for buffer in self.statistics]
 
-    def step_is_finite(
-        self, state: TrainState, outputs: list[LossOutput], grad_norm: torch.Tensor | None, count: bool = True
-    ) -> bool:
+    def step_is_finite(self, outputs: list[LossOutput], grad_norm: torch.Tensor | None, count: bool = True) -> bool:
         """Whether to take this step: its losses and gradient norm are finite on every process. Counts a step that
-        is not in `state` (nonfinite_steps, and nonfinite_in_a_row, which a resume continues); with `count`
-        false (one phase of an alternating step) the caller counts the whole step afterwards (`count`)."""
+        is not (nonfinite_steps, and nonfinite_in_a_row, which a resume continues); with `count` false (one phase
+        of an alternating step) the caller counts the whole step afterwards (`count`)."""
         # One sum is finite exactly when all its terms are (NaN and Inf propagate): a few small ops a step.
         total = outputs[0].loss.detach().float()
         for output in outputs[1:]:
@@ -70,31 +80,36 @@ class NonfiniteGuard:
             kept, moved = self.good_statistics, self.statistics
             torch._foreach_copy_(*((kept, moved) if finite else (moved, kept)))
         if count:
-            self.count(state, finite)
+            self.count(finite)
         return finite
 
-    def count(self, state: TrainState, finite: bool) -> None:
-        """Count a step, finite or not, in `state`."""
+    def count(self, finite: bool) -> None:
+        """Count a step, finite or not."""
         if finite:
-            state.nonfinite_in_a_row = 0
+            self.counts.nonfinite_in_a_row = 0
         else:
-            state.nonfinite_steps += 1
-            state.nonfinite_in_a_row += 1
+            self.counts.nonfinite_steps += 1
+            self.counts.nonfinite_in_a_row += 1
 
-    def resume(self, state: TrainState) -> None:
-        """A resumed run continues a streak cut short by a preemption; one that the guard itself stopped starts a
-        new allowance (rerunning it is the user's decision to go on)."""
-        if self.gives_up(state):
-            state.nonfinite_in_a_row = 0
+    def state_dict(self) -> dict[str, Any]:
+        return self.counts.state_dict()
 
-    def gives_up(self, state: TrainState) -> bool:
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """The saved counts. A resumed run continues a streak cut short by a preemption; one that the guard itself
+        stopped starts a new allowance (rerunning it is the user's decision to go on)."""
+        self.counts.load_state_dict(saved)
+        if self.gives_up():
+            self.counts.nonfinite_in_a_row = 0
+
+    def gives_up(self) -> bool:
         """max_nonfinite_in_a_row steps in a row were not finite: the run saves and stops."""
-        return state.nonfinite_in_a_row >= self.max_in_a_row
+        return self.counts.nonfinite_in_a_row >= self.max_in_a_row
 
-    def error(self, state: TrainState, checkpoint: Any) -> NonfiniteSteps:
-        """The one line the run stops with."""
-        count, first = state.nonfinite_in_a_row, state.step - state.nonfinite_in_a_row + 1
-        steps = f"step {state.step}" if count == 1 else f"steps {first}-{state.step}"
+    def error(self, step: int, checkpoint: Any) -> NonfiniteSteps:
+        """The one line the run stops with after `step`."""
+        count = self.counts.nonfinite_in_a_row
+        first = step - count + 1
+        steps = f"step {step}" if count == 1 else f"steps {first}-{step}"
         return NonfiniteSteps(
             f"the loss or gradient norm was NaN or Inf in {steps} ({count} in a row; max_nonfinite_in_a_row="
             f"{self.max_in_a_row}); checkpoint {checkpoint} holds the weights of step {first - 1}, the last finite"

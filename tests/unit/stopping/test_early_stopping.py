@@ -11,19 +11,14 @@ import pytest
 
 import accel_trainer as at
 from accel_trainer import ConfigError
-from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.config.train_config import TrainConfig
-from accel_trainer.stopping.early import check_early_stop, should_stop_early
+from accel_trainer.stopping.early import EarlyStopping, check_early_stop
 from conftest import read_metrics, train_and_dump
 
 
 def run_rule(values, **settings) -> list[str]:
-    cfg, state = TrainConfig(early_stop_metric="eval/loss", **settings), TrainState()
-    lines = []
-    for step, value in enumerate(values, start=1):
-        state.step = step
-        lines.append(should_stop_early(cfg, state, {"eval/loss": value}))
-    return lines
+    cfg, early = TrainConfig(early_stop_metric="eval/loss", **settings), EarlyStopping()
+    return [early.after_evaluation(cfg, step, {"eval/loss": value}) for step, value in enumerate(values, start=1)]
 
 
 def test_it_stops_after_patience_evaluations_without_improvement():
