@@ -25,7 +25,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 LENGTHS = (128, 1024)
-FORMS = ("4-D mask", "positions alone")
+FORMS = ("bool mask", "positions alone")  # hf_causal_lm.Packing forms: a 4-D mask, or the positions alone
 
 
 def packed_windows(length: int, rows: int = 8, seed: int = 0) -> list[dict[str, list[int]]]:
@@ -61,7 +61,7 @@ def one_configuration(length: int, form: str) -> dict[str, float]:
     assert hf_causal_lm.packs_by_positions(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = gpt.collate_packed(packed_windows(length))
-    inputs = hf_causal_lm.model_inputs(batch, padding_free=form == "positions alone")
+    inputs = hf_causal_lm.model_inputs(batch, hf_causal_lm.Packing(form))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times, losses = [], []
     for _ in range(13):

@@ -10,8 +10,10 @@ padded at the end of each sequence); the model is `GPT2LMHeadModel`. What is spe
   exact under accumulation on any layout. With `own_loss=true` it returns the model's own `out.loss` from
   `labels`, which the loop makes exact too by passing the step's token count as `num_items_in_batch`, as the
   HF Trainer does (accel_trainer/hf_loss.py).
-- `pack_sequences=true` gives the model each token's position in its paragraph and a causal mask within each
-  paragraph (`model_inputs`), so packed paragraphs never attend to each other, as in the GPT recipe.
+- `pack_sequences=true` gives the model each token's position in its paragraph and keeps attention within each
+  paragraph (`model_inputs`), so packed paragraphs never attend to each other, as in the GPT recipe: by the
+  positions alone, or with a 4-D mask in the form the model's attention takes, the first form that a probe of the
+  model finds exact when it is built (`Packing`, `measured_packing`).
 - `wrap_classes = (GPT2Block,)`: FSDP shards each decoder block as a unit; `activation_checkpointing=true`
   uses the model's own `gradient_checkpointing_enable()` with `use_cache=False`.
 - `final/` is a `save_pretrained` folder, so `from_pretrained(<run>/final)` loads the trained model, and
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,25 @@ import accel_trainer as at
 
 ByteGPT = at.get_recipe("gpt")
 PAD_ID, VOCAB_SIZE, IGNORE_INDEX = 256, 257, -100  # as in recipes/gpt.py
+
+
+POSITIONS, BOOL_MASK, ADDITIVE_MASK, UNPACKABLE = "positions alone", "bool mask", "additive mask", "unpackable"
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How packed batches reach a model (`model_inputs`): each token's position in its own sequence, and
+    - POSITIONS: nothing else; transformers' `create_causal_mask` finds where each sequence starts, where the
+      model's code passes it the positions (OPT, BioGPT, XGLM and MPT do not: their sequences attend to each other);
+    - BOOL_MASK: a 4-D causal mask within each sequence, True where a token may attend: SDPA's form, passed on as is;
+    - ADDITIVE_MASK: the same mask as 0 where a token may attend and the lowest value of `dtype` elsewhere: eager
+      and flex attention add a 4-D mask to their scores, so a bool one masks nothing there;
+    - UNPACKABLE: no form keeps the model's sequences apart (Bloom: its ALiBi reads a 2-D mask); packed batches
+      are refused, naming `model`."""
+
+    form: str = POSITIONS
+    dtype: torch.dtype = torch.float32
+    model: str = ""
 
 
 @dataclass
@@ -70,12 +90,20 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
         )  # fmt: skip
         return self.packed_by_positions(transformers.GPT2LMHeadModel(config))
 
-    padding_free = True
-    """Packed batches reach the model as positions alone (`model_inputs`); set by `packed_by_positions`."""
+    packing: Packing = Packing()
+    """How packed batches reach the model (`model_inputs`); set by `packed_by_positions`."""
+    packing_measured = False
 
     def packed_by_positions(self, model: Any) -> Any:
-        """`model`, this recipe's packed batches given to it by positions alone where it supports that."""
-        self.padding_free = packs_by_positions(model)
+        """`model`, with the form in which this recipe's packed batches reach it, measured on it (`measured_packing`).
+        A copy whose weights are not here keeps the form measured on the real model (the FLOP count's meta copy,
+        built after the first step), else takes the form assumed for its architecture (`assumed_packing`:
+        `estimate`'s fake model, FSDP's other processes under RAM-efficient loading)."""
+        measured = measured_packing(model)
+        if measured is not None:
+            self.packing, self.packing_measured = measured, True
+        elif not self.packing_measured:
+            self.packing = assumed_packing(model)
         return model
 
     def build_tokenizer(self, cfg: Any) -> Any:
@@ -86,10 +114,8 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Padding is only at the end of a sequence, so causal attention never lets a real token see it.
         if self.cfg.own_loss:
-            return model(**model_inputs(batch, self.padding_free), labels=batch["labels"]).loss
-        return at.token_cross_entropy(
-            model(**model_inputs(batch, self.padding_free)).logits, batch["targets"], IGNORE_INDEX
-        )
+            return model(**model_inputs(batch, self.packing), labels=batch["labels"]).loss
+        return at.token_cross_entropy(model(**model_inputs(batch, self.packing)).logits, batch["targets"], IGNORE_INDEX)
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """The GPT's batch; with own_loss also transformers' `labels`: the inputs, IGNORE_INDEX at padding (the
@@ -105,7 +131,7 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
         return batch
 
     def eval_metrics(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        logits = model(**model_inputs(batch, self.padding_free)).logits.float()
+        logits = model(**model_inputs(batch, self.packing)).logits.float()
         targets = batch["targets"]
         # The vocabulary as the last, contiguous dimension: log-softmax over a strided one (logits.transpose(1, 2))
         # is less exact, 1e-4 off in the mean loss of a 135M model (tests/test_real_models.py compares with TRL).
@@ -156,38 +182,136 @@ def quiet_padding_advice() -> None:
         logger.addFilter(_RightPaddingAdvice())
 
 
-def model_inputs(batch: dict[str, torch.Tensor], padding_free: bool = True) -> dict[str, Any]:
+def model_inputs(batch: dict[str, torch.Tensor], packing: Packing = Packing()) -> dict[str, Any]:
     """What the model reads of a batch. A packed one (pack_sequences=true, sft_chat) also gives each token its
-    position in its own paragraph or conversation, which keeps attention within it:
-    - `padding_free` (a model built on transformers' masking utilities: `packs_by_positions`): the positions alone,
-      as transformers' flattening collator gives them; the model finds where each sequence starts (a position that
-      does not follow the one before) and masks within each, with no mask of ours: the form SDPA and
-      flash-attention's varlen kernels take. `use_cache=False`: with a cache, transformers skips that search and a
-      sequence attends to the ones before it (canary: tests/test_hf.py);
-    - otherwise a causal mask within each paragraph (4-D, True where a token may attend), built here."""
+    position in its own paragraph or conversation, and keeps attention within it in the form `packing` names:
+    - the positions alone, as transformers' flattening collator gives them: the model finds where each sequence
+      starts (a position that does not follow the one before) and masks within each, with no mask of ours: the
+      form SDPA and flash-attention's varlen kernels take. `use_cache=False`: with a cache, transformers skips that
+      search and a sequence attends to the ones before it (canary: tests/test_hf.py);
+    - otherwise a causal mask within each paragraph (4-D), built here (`document_mask`)."""
     if "documents" not in batch:
         return {"input_ids": batch["input_ids"]}
-    if padding_free and not batch["positions"].is_meta:  # the FLOP count's meta copy: the search reads values
+    if packing.form == UNPACKABLE:
+        raise at.RecipeError(
+            f"{packing.model} keeps packed sequences apart neither by their positions nor with a 4-D attention mask"
+            " (measured when it was built): train it on unpacked batches (pack_sequences=false; sft_chat always packs)"
+        )
+    searched = packing.form == POSITIONS and not batch["positions"].is_meta  # the search reads values: not on meta
+    if searched:  # (the FLOP count's meta copy)
         return {"input_ids": batch["input_ids"], "position_ids": batch["positions"], "use_cache": False}
-    documents = batch["documents"]
-    length = documents.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
-    same_paragraph = documents[:, :, None] == documents[:, None, :]
     return {
         "input_ids": batch["input_ids"],
         "position_ids": batch["positions"],
-        "attention_mask": (same_paragraph & causal)[:, None],
+        "attention_mask": document_mask(batch["documents"], packing),
     }
 
 
+def document_mask(documents: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """The (batch, 1, L, L) causal mask within each document: True where a token may attend, or, for
+    ADDITIVE_MASK, 0 there and the lowest value of the model's dtype elsewhere (transformers' own eager mask)."""
+    length = documents.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
+    allowed = ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
+    if packing.form != ADDITIVE_MASK:
+        return allowed
+    blocked = torch.zeros(allowed.shape, dtype=packing.dtype, device=documents.device)
+    return blocked.masked_fill(~allowed, torch.finfo(packing.dtype).min)
+
+
+PROBE_IDS, PROBE_FIRST = (5, 9, 3, 7, 11, 4, 8, 6, 2), 4
+"""`measured_packing`'s row: a sequence of 4 tokens, then one of 5."""
+
+
+def measured_packing(model: torch.nn.Module) -> Packing | None:
+    """The first form (POSITIONS, BOOL_MASK, ADDITIVE_MASK) in which `model` reads a row of two packed sequences
+    as it reads the second alone (`_reads_apart`), measured on the model with its own weights: a few forwards and
+    backwards of 9 tokens in eval mode, its modes and the random state left as they were. UNPACKABLE when forms
+    run and none is exact. None when nothing can be measured here: weights on the meta device or fake (the FLOP
+    count's copy, `estimate`, FSDP's other processes under RAM-efficient loading), a model without transformers'
+    `get_input_embeddings`, or one that runs in no form here (flash-attention on the CPU)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import is_fake
+
+    parameters = list(model.parameters())
+    if not parameters or not hasattr(model, "get_input_embeddings") or detect_fake_mode() is not None:
+        return None
+    if any(parameter.is_meta or is_fake(parameter) for parameter in parameters):
+        return None
+    parameter = parameters[0]
+    dtype, ran = getattr(model, "dtype", parameter.dtype), False
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+            batch = _probe_batch(model, parameter.device)
+            with torch.no_grad():
+                alone = model(input_ids=batch["input_ids"][:, PROBE_FIRST:], use_cache=False).logits
+            for form in (POSITIONS, BOOL_MASK, ADDITIVE_MASK):
+                try:
+                    apart = _reads_apart(model, batch, Packing(form, dtype), alone)
+                except Exception:  # noqa: BLE001 - a form the model's code does not take (Bloom: a 4-D mask)
+                    continue
+                ran = True
+                if apart:
+                    return Packing(form, dtype)
+    except Exception:  # noqa: BLE001 - the model does not run here at all
+        return None
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    return Packing(UNPACKABLE, dtype, type(model).__name__) if ran else None
+
+
+def _probe_batch(model: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    vocabulary = model.get_input_embeddings().weight.shape[0]
+    lengths = (PROBE_FIRST, len(PROBE_IDS) - PROBE_FIRST)
+    return {
+        "input_ids": torch.tensor([PROBE_IDS], device=device) % vocabulary,
+        "positions": torch.cat([torch.arange(n, device=device) for n in lengths])[None],
+        "documents": torch.cat([torch.full((n,), i, device=device) for i, n in enumerate(lengths)])[None],
+    }
+
+
+def _reads_apart(model: Any, batch: dict[str, torch.Tensor], packing: Packing, alone: torch.Tensor) -> bool:
+    """Whether the packed row's second sequence, given in the form `packing`, reads nothing of the first: the
+    gradient of its logits with respect to the first's input embeddings is exactly zero (attention of probability
+    0 passes none back, in any dtype, where a leak, however small, gives some), and its logits are those of the
+    sequence alone, to rounding (a model that numbered its positions itself would differ)."""
+    inputs = model_inputs(batch, packing)
+    embeddings = model.get_input_embeddings()(inputs.pop("input_ids")).detach().requires_grad_()
+    second = model(inputs_embeds=embeddings, **{**inputs, "use_cache": False}).logits[:, PROBE_FIRST:].float()
+    (gradient,) = torch.autograd.grad(second.square().sum(), embeddings)
+    tolerance = 1e-4 if alone.dtype in (torch.float32, torch.float64) else 3e-2  # of the largest logit
+    error = (second.detach() - alone.float()).abs().max()
+    return not bool(gradient[:, :PROBE_FIRST].any()) and bool(error <= tolerance * alone.float().abs().max())
+
+
+POSITIONS_VERIFIED = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox"})
+UNPACKABLE_VERIFIED = frozenset({"bloom"})
+"""The `model_type`s whose tiny random models `measured_packing` finds to take the positions alone (with SDPA and
+eager attention), and to take no form: what `assumed_packing` assumes of a model it cannot measure
+(tests/test_packed_positions.py measures each)."""
+
+
+def assumed_packing(model: torch.nn.Module) -> Packing:
+    """The form for a model whose weights are not here (`measured_packing` is None): the positions alone for an
+    architecture measured to take them (POSITIONS_VERIFIED), none for one measured to take none, else the 4-D
+    mask in its attention's form: bool for SDPA and a model of other code than transformers, additive otherwise."""
+    config = getattr(model, "config", None)
+    model_type, dtype = getattr(config, "model_type", None), getattr(model, "dtype", torch.float32)
+    if model_type in POSITIONS_VERIFIED:
+        return Packing(POSITIONS, dtype)
+    if model_type in UNPACKABLE_VERIFIED:
+        return Packing(UNPACKABLE, dtype, type(model).__name__)
+    additive = config is not None and getattr(config, "_attn_implementation", None) not in ("sdpa", None)
+    return Packing(ADDITIVE_MASK if additive else BOOL_MASK, dtype)
+
+
 def packs_by_positions(model: torch.nn.Module) -> bool:
-    """Whether a transformers model keeps packed sequences apart by their positions alone: its modeling module
-    builds its masks with transformers' `create_causal_mask` (masking_utils), which finds them (every model of
-    transformers 5 that was checked: Llama, Qwen2, GPT-2); a model of other code gets the 4-D mask."""
-    for klass in type(model).__mro__:
-        if klass.__module__.startswith("transformers.models."):
-            return hasattr(sys.modules[klass.__module__], "create_causal_mask")
-    return False
+    """Whether packed sequences reach `model` by their positions alone: measured on it, else assumed."""
+    measured = measured_packing(model)
+    return (assumed_packing(model) if measured is None else measured).form == POSITIONS
 
 
 def byte_tokenizer() -> Any:

@@ -129,7 +129,7 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
         return batch
 
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        logits = model(**model_inputs(batch, self.padding_free)).logits
+        logits = model(**model_inputs(batch, self.packing)).logits
         return at.token_cross_entropy(logits, batch["targets"], IGNORE_INDEX)
 
     def write_artifacts(self, model: Any, eval_dataset: Any, run_dir: Path) -> None:

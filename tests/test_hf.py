@@ -114,11 +114,11 @@ def test_labels_other_than_the_batchs_are_refused_and_a_batch_without_labels_is_
         at.train("hf_own_loss_no_labels", output_dir=str(tmp_path / "none"), own_loss=True, **options)
 
 
-@pytest.mark.parametrize("padding_free", [True, False], ids=["positions alone", "4-D mask"])
-def test_a_packed_window_reads_each_paragraph_as_if_it_were_alone(padding_free):
+@pytest.mark.parametrize("form", ["positions alone", "bool mask"])
+def test_a_packed_window_reads_each_paragraph_as_if_it_were_alone(form):
     """pack_sequences=true: positions restart and attention stays within each paragraph of a window, as in the
     GPT recipe: transformers' GPT-2 gets the positions alone (use_cache=False: it finds the paragraphs itself), or
-    positions and a 4-D mask (a model not built on transformers' masking utilities)."""
+    positions and a 4-D mask (a model that does not take the positions alone: tests/test_packed_positions.py)."""
     import sys
 
     import accel_trainer as at
@@ -126,11 +126,12 @@ def test_a_packed_window_reads_each_paragraph_as_if_it_were_alone(padding_free):
     recipe_cls = at.get_recipe("hf_causal_lm")
     recipe = recipe_cls(recipe_cls.Config(n_layer=2, n_head=2, d_model=32, block_size=16, pack_sequences=True))
     model = recipe.build_model(recipe.cfg).eval()
-    assert recipe.padding_free  # GPT-2 of transformers 5 builds its masks with create_causal_mask
+    module = sys.modules[recipe_cls.__module__]
+    assert recipe.packing.form == module.POSITIONS  # measured when built: transformers 5's GPT-2 takes positions
     first, second = list(b"def f():"), list(b"x = 12;\n\n")  # 8 + 9 bytes: a window of block_size + 1
     batch = recipe.collate([{"input_ids": first + second, "documents": [0] * 8 + [1] * 9}])
-    inputs = sys.modules[recipe_cls.__module__].model_inputs(batch, padding_free)
-    assert ("attention_mask" in inputs) is not padding_free
+    inputs = module.model_inputs(batch, module.Packing(form))
+    assert ("attention_mask" in inputs) is (form != module.POSITIONS)
     with torch.no_grad():
         packed = model(**inputs).logits
         alone = [model(input_ids=torch.tensor([ids])).logits for ids in (first, second[:-1])]
@@ -138,16 +139,19 @@ def test_a_packed_window_reads_each_paragraph_as_if_it_were_alone(padding_free):
     torch.testing.assert_close(packed[:, 8:], alone[1], rtol=1e-5, atol=1e-5)
 
 
-def test_a_model_of_other_code_than_transformers_masking_utilities_gets_the_4d_mask():
+def test_a_model_of_other_code_than_transformers_gets_the_4d_mask():
+    """A Llama is measured to keep packed sequences apart by positions alone; a model that is not transformers'
+    cannot be measured (no `get_input_embeddings`), nor is its architecture known: it gets the bool 4-D mask."""
     import sys
 
     import accel_trainer as at
 
-    packs_by_positions = sys.modules[at.get_recipe("hf_causal_lm").__module__].packs_by_positions
+    hf_causal_lm = sys.modules[at.get_recipe("hf_causal_lm").__module__]
     config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     llama = transformers.LlamaForCausalLM(config)
-    assert packs_by_positions(llama) and not packs_by_positions(torch.nn.Linear(2, 2))
+    assert hf_causal_lm.packs_by_positions(llama) and not hf_causal_lm.packs_by_positions(torch.nn.Linear(2, 2))
+    assert hf_causal_lm.assumed_packing(torch.nn.Linear(2, 2)).form == hf_causal_lm.BOOL_MASK
 
 
 def test_canary_transformers_lets_packed_sequences_attend_to_each_other_given_position_ids_and_a_cache():
