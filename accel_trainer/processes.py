@@ -16,7 +16,9 @@ stop handlers first thing (stopping/signals.py), replacing the launcher's handle
 copy into an error; the run saves, and the caller gets `Preempted` back. The launcher kills workers that
 have not ended TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds after a signal (30 by default): 120 here, unless set,
 so that a stop's last step and save fit. A second Ctrl-C (after preemption.REPEAT_WINDOW_S) quits at once:
-the caller gets KeyboardInterrupt.
+the caller gets KeyboardInterrupt. A caller killed outright (SIGKILL, the OOM killer) leaves no worker running:
+torch forks each with PR_SET_PDEATHSIG=SIGINT, so they stop as on a Ctrl-C, save and exit (unlike torchrun's
+workers, which outlive a killed agent: tests/processes/test_launch_cleanup.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ test modules use live here, and no test module imports another.
 
 Multi-process tests start real workers through the real launchers (accelerate launch, torchrun) with a free
 port per launch, one thread per worker, a short collective timeout and a hard timeout around the launch, so
-a hang fails the test instead of the suite.
+a hang fails the test instead of the suite. Every process a test starts (each subprocess.Popen, subprocess.run
+included) is tagged, and ends with the pytest process that started it, even one killed by SIGKILL, grandchildren
+in sessions of their own included (tests/launches.py); a launch killed on a timeout is killed whole.
 
 Timeouts, chosen for a busy 2-core machine (a launch that takes 10 s alone took up to 40 s at a load of 6):
 - LAUNCH_TIMEOUT_S (300 s): the hard limit of one launcher run, about 10x the slowest launch seen under load;
@@ -39,7 +41,6 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,12 +48,15 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+import launches
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from accel_trainer.parallel.layout_file import LAYOUT_VARIABLE
 from accel_trainer.processes import free_port
+
+launches.install()
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -221,13 +225,10 @@ class LayoutLaunches:
         return self.launches[key]
 
     def _end(self, key: tuple[str, int]) -> None:
-        """End a launch: its launcher and its workers (torch's launcher starts them in sessions of their own)."""
+        """End a launch: its launcher and its workers, which torch's launcher starts in sessions of their own
+        (`kill` ends a whole launch: tests/launches.py)."""
         launch = self.launches.pop(key)
-        for pid_file in launch["folder"].glob("pid_rank*"):
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        if launch["process"].poll() is None:
-            os.killpg(launch["process"].pid, signal.SIGKILL)
+        launch["process"].kill()
         launch["process"].wait()
 
     def end_all(self) -> None:
