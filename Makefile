@@ -21,7 +21,7 @@ NODE_FLAGS = --machine_rank $(NODE_RANK) --main_process_ip $(MAIN_ADDR) --main_p
 
 .PHONY: install train train-cpu-ddp train-cpu-fsdp train-gpu train-4gpu train-8gpu train-4gpu-fsdp train-8gpu-fsdp \
 	train-4gpu-powersgd train-2node train-2node-cpu train-cpu-tp train-cpu-fsdp-tp train-cpu-hsdp train-8gpu-fsdp-tp \
-	train-2node-hsdp train-cpu-pp train-cpu-pp-fsdp train-8gpu-pp-fsdp train-8gpu-fsdp-cp test test-slow bench lint clean
+	train-2node-hsdp train-cpu-pp train-cpu-pp-fsdp train-8gpu-pp-fsdp train-8gpu-fsdp-cp test test-slow bench lint docs clean
 
 install: $(VENV)/.installed
 
@@ -120,6 +120,10 @@ lint: install
 	$(BIN)/ruff check accel_trainer recipes tests benchmarks
 	$(BIN)/ruff format --check accel_trainer recipes tests benchmarks
 	$(BIN)/mypy
+
+docs: install  ## the documentation site (mkdocs.yml, docs/) into site/; strict: a broken link or reference fails it
+	@# Not --quiet: it hides the warnings that strict mode counts, and a broken link would pass.
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
