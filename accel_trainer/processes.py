@@ -15,7 +15,7 @@ directly and again through the launcher, which forwards it a millisecond later. 
 stop handlers first thing (stopping/signals.py), replacing the launcher's handler it inherited, which turned the
 copy into an error; the run saves, and the caller gets `Preempted` back. The launcher kills workers that
 have not ended TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds after a signal (30 by default): 120 here, unless set,
-so that a stop's last step and save fit. A second Ctrl-C (after preemption.REPEAT_WINDOW_S) quits at once:
+so that a stop's last step and save fit. A second Ctrl-C (after signals.REPEAT_WINDOW_S) quits at once:
 the caller gets KeyboardInterrupt. A caller killed outright (SIGKILL, the OOM killer) leaves no worker running:
 torch forks each with PR_SET_PDEATHSIG=SIGINT, so they stop as on a Ctrl-C, save and exit (unlike torchrun's
 workers, which outlive a killed agent: tests/processes/test_launch_cleanup.py).
@@ -258,18 +258,17 @@ def _launcher_defaults() -> Iterator[None]:
 
 def _rebuildable() -> dict[tuple[str, str], type[Exception]]:
     from accel_trainer import errors
-    from accel_trainer.checkpoint import files as checkpoint_files
-    from accel_trainer.checkpoint import state_files
-    from accel_trainer.stopping import signals as preemption
+    from accel_trainer.checkpoint import files, state_files
+    from accel_trainer.stopping import signals
 
     classes: list[type[Exception]] = [
         errors.UserError,
         errors.ConfigError,
         errors.RecipeError,
         errors.LayoutError,
-        checkpoint_files.CheckpointError,
+        files.CheckpointError,
         state_files.StateFileError,
-        preemption.Preempted,
+        signals.Preempted,
     ]
     builtin = [getattr(builtins, name) for name in dir(builtins)]
     classes += [kind for kind in builtin if isinstance(kind, type) and issubclass(kind, Exception)]

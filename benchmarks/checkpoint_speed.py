@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from accel_trainer.checkpoint import save as checkpoint
+from accel_trainer.checkpoint import save
 from accel_trainer.checkpoint.restore import restore
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.checkpoint.trained import RunIdentity, Trained
@@ -67,15 +67,13 @@ def main() -> None:
         writer = BackgroundWriter()
         for step in (1, 2, 3):
             started = time.perf_counter()
-            folder = checkpoint.save(accelerator, run_dir, TrainState(step=step).state_dict(), trained, identity)
+            folder = save.save(accelerator, run_dir, TrainState(step=step).state_dict(), trained, identity)
             saves.append(time.perf_counter() - started)
             started = time.perf_counter()
             restore(accelerator, folder, trained, identity)
             loads.append(time.perf_counter() - started)
             started = time.perf_counter()
-            checkpoint.save(
-                accelerator, run_dir, TrainState(step=10 + step).state_dict(), trained, identity, writer=writer
-            )
+            save.save(accelerator, run_dir, TrainState(step=10 + step).state_dict(), trained, identity, writer=writer)
             blocked.append(time.perf_counter() - started)
             writer.wait()
         size = folder_megabytes(folder)

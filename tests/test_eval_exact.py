@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import accel_trainer as at
-from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint import files
 from accel_trainer.contract.eval_outputs import metric_sums
 from accel_trainer.errors import RecipeError
 from conftest import WORKERS, final_parameters, read_metrics, train_and_dump
@@ -158,8 +158,8 @@ def test_an_eval_metrics_error_after_training_keeps_the_training_in_a_checkpoint
             sanity_eval=False,  # which would refuse it before training (the next test)
         )
 
-    [saved] = checkpoint_files.complete_checkpoints(tmp_path)
-    assert checkpoint_files.recorded_step(saved) == 3
+    [saved] = files.complete_checkpoints(tmp_path)
+    assert files.recorded_step(saved) == 3
 
 
 def test_a_broken_eval_metric_is_one_line_before_training_and_sanity_eval_false_skips_the_check(tmp_path, monkeypatch):

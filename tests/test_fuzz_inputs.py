@@ -96,12 +96,12 @@ def test_export_of_random_folders_is_a_result_or_a_user_error(tmp_path_factory, 
 @FUZZ
 @given(st.dictionaries(CHECKPOINT_NAMES, CONTENTS, max_size=6))
 def test_a_random_folder_as_a_checkpoint_to_resume_is_refused_in_one_line(tmp_path_factory, files):
-    from accel_trainer.checkpoint import checks as checkpoint_checks
+    from accel_trainer.checkpoint import checks
     from accel_trainer.checkpoint import files as checkpoint_files
 
     folder = tmp_path_factory.mktemp("random")
     _fill(folder, files)
     with pytest.raises(CheckpointError) as refused:  # what restore() checks before it loads anything
         checkpoint_files.verify(folder)
-        checkpoint_checks.check_format(folder)
+        checks.check_format(folder)
     assert "\n" not in str(refused.value)

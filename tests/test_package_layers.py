@@ -109,3 +109,19 @@ def test_the_top_level_holds_only_the_face_and_the_contract():
     face = {"__init__", "__main__", "cli", "run", "processes", "errors"}
     contract = {"recipe", "registry"}
     assert top == face | contract
+
+
+def test_no_import_renames_a_module_of_the_package():
+    """A module is read under its own name (`from accel_trainer.checkpoint import files`, then `files.verify`),
+    never under an alias that brings back a name from before a move (`files as checkpoint_files`)."""
+    modules = {module_name(path) for path in PACKAGE.rglob("*.py")}
+    renamed = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("accel_trainer"):
+                renamed += [
+                    f"{module_name(path)}: {node.module}.{alias.name} as {alias.asname}"
+                    for alias in node.names
+                    if alias.asname and f"{node.module}.{alias.name}" in modules
+                ]
+    assert renamed == []

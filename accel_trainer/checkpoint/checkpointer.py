@@ -23,9 +23,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from accel_trainer.checkpoint import files
-from accel_trainer.checkpoint import restore as checkpoint_restore
-from accel_trainer.checkpoint import save as checkpoint
+from accel_trainer.checkpoint import files, restore, save
 from accel_trainer.checkpoint.train_state import SavedFields, Stateful, TrainState, saved_states
 from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.checkpoint.writer import BackgroundWriter
@@ -77,7 +75,7 @@ class Checkpointer:
         folder = resume_point(self.accelerator, self.cfg, self.run_dir)
         if folder is None:
             return
-        rng_states = checkpoint_restore.restore(self.accelerator, folder, self.trained, self.identity, self.states)
+        rng_states = restore.restore(self.accelerator, folder, self.trained, self.identity, self.states)
         if self.accelerator.is_main_process:
             print(f"resuming from {folder} at step {self.progress.step}", flush=True)
         if rng_states:
@@ -102,7 +100,7 @@ class Checkpointer:
         average_running_stats(self.accelerator, self.trained.model)  # the saved statistics are those evaluated
         best = self.best.best_checkpoint
         keep = files.checkpoints_dir(self.run_dir) / best if best else None
-        return checkpoint.save(
+        return save.save(
             self.accelerator,
             self.run_dir,
             recorded,

@@ -27,11 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from accel_trainer.checkpoint import checks as checkpoint_checks
-from accel_trainer.checkpoint import files as checkpoint_files
-from accel_trainer.checkpoint import frozen as checkpoint_frozen
-from accel_trainer.checkpoint import save as checkpoint
-from accel_trainer.checkpoint import state_files
+from accel_trainer.checkpoint import checks, files, frozen, save, state_files
 from accel_trainer.checkpoint.files import CheckpointError
 
 
@@ -42,7 +38,7 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
         CheckpointError: no complete checkpoint there, or it is incomplete or corrupt.
     """
     folder = checkpoint_folder(Path(source))
-    checkpoint_files.verify(folder)
+    files.verify(folder)
     target = Path(output) if output else folder.parent.parent / "export" / folder.name
     if holds_only_trainable_weights(folder):
         raise CheckpointError(
@@ -56,7 +52,7 @@ def export(source: str | Path, output: str | Path | None = None) -> Path:
         shutil.copyfile(folder / "config.yaml", target / "config.yaml")
     except (OSError, SafetensorError, ValueError, KeyError, RuntimeError) as error:
         raise CheckpointError(f"checkpoint {folder} cannot be exported: {type(error).__name__}: {error}") from None
-    checkpoint_files.follow_umask(target / "model.safetensors", target / "config.yaml")
+    files.follow_umask(target / "model.safetensors", target / "config.yaml")
     return target
 
 
@@ -64,17 +60,17 @@ def holds_only_trainable_weights(folder: Path) -> bool:
     """Whether a checkpoint leaves its frozen weights out (checkpoint/frozen.py); False for an unreadable record,
     whose export then fails with the reason."""
     try:
-        recorded = json.loads((folder / checkpoint_checks.TRAIN_STATE).read_text())
+        recorded = json.loads((folder / checks.TRAIN_STATE).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(recorded, dict) and checkpoint_frozen.RECORD_KEY in recorded
+    return isinstance(recorded, dict) and frozen.RECORD_KEY in recorded
 
 
 def consolidated_weights(folder: Path) -> dict[str, torch.Tensor]:
     """A checkpoint's model weights, whole (a sharded one's shards read in this process), under every name of a
     tied tensor, as final/ holds them."""
     weights = _model_state(folder)
-    for names in json.loads((folder / checkpoint_checks.TRAIN_STATE).read_text()).get("tied_parameters", []):
+    for names in json.loads((folder / checks.TRAIN_STATE).read_text()).get("tied_parameters", []):
         held = [weights[name] for name in names if name in weights]
         for name in names if held else []:
             weights.setdefault(name, held[0])
@@ -82,10 +78,10 @@ def consolidated_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_folder(source: Path) -> Path:
-    if (source / checkpoint_checks.TRAIN_STATE).is_file() or (source / checkpoint_files.MANIFEST).is_file():
+    if (source / checks.TRAIN_STATE).is_file() or (source / files.MANIFEST).is_file():
         return source
-    if checkpoint_files.checkpoints_dir(source).is_dir():
-        found = checkpoint_files.newest_valid_checkpoint(source)
+    if files.checkpoints_dir(source).is_dir():
+        found = files.newest_valid_checkpoint(source)
         if found is not None:
             return found
         raise CheckpointError(f"run folder {source} has no complete checkpoint to export")
@@ -93,7 +89,7 @@ def checkpoint_folder(source: Path) -> Path:
 
 
 def _model_state(folder: Path) -> dict[str, torch.Tensor]:
-    sharded = folder / checkpoint.SHARDED
+    sharded = folder / save.SHARDED
     if not sharded.is_dir():
         return load_file(str(folder / "model.safetensors"))
     if not any(sharded.glob("*.safetensors")):
@@ -105,9 +101,9 @@ def _model_state(folder: Path) -> dict[str, torch.Tensor]:
     model = {
         name: torch.empty(entry.size, dtype=entry.properties.dtype)
         for name, entry in reader.read_metadata().state_dict_metadata.items()
-        if name.startswith(checkpoint.MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+        if name.startswith(save.MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
     }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(model, storage_reader=reader, no_dist=True)
-    return {name[len(checkpoint.MODEL_PREFIX) :]: tensor for name, tensor in model.items()}
+    return {name[len(save.MODEL_PREFIX) :]: tensor for name, tensor in model.items()}

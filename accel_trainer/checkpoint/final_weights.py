@@ -21,8 +21,7 @@ from accelerate.utils import gather_object
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from accel_trainer.checkpoint import files as checkpoint_files
-from accel_trainer.checkpoint import state_files
+from accel_trainer.checkpoint import files, state_files
 from accel_trainer.checkpoint.tokenizer import save_tokenizer
 from accel_trainer.config.train_config import TrainConfig, config_to_yaml
 from accel_trainer.contract.pretrained import base_source
@@ -68,7 +67,7 @@ def save_final(
         exported = write_model_folder(exported, final_dir)
         save_tokenizer(recipe.tokenizer, final_dir)
         (final_dir / "config.yaml").write_text(config_to_yaml(cfg))
-        checkpoint_files.follow_umask(*(path for path in final_dir.rglob("*") if path.is_file()))
+        files.follow_umask(*(path for path in final_dir.rglob("*") if path.is_file()))
         if not ema:
             recipe.write_artifacts(exported.eval(), eval_set, run_dir)
     accelerator.wait_for_everyone()

@@ -25,7 +25,7 @@ import shutil
 import time
 from pathlib import Path
 
-from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint import files
 from accel_trainer.config.fields import declared_defaults
 from accel_trainer.config.train_config import TrainConfig, config_to_dict
 from accel_trainer.errors import UserError
@@ -136,7 +136,7 @@ def _hold(marker: Path) -> int | None:
 
 def _say_if_starting_over(folder: Path, cfg: TrainConfig) -> None:
     """One line when a run asked to resume finds an earlier run's files but no complete checkpoint to resume."""
-    if cfg.resume == "auto" and holds_a_run(folder) and not checkpoint_files.complete_checkpoints(folder):
+    if cfg.resume == "auto" and holds_a_run(folder) and not files.complete_checkpoints(folder):
         print(f"accel-trainer: no complete checkpoint in {folder}: starting at step 0", flush=True)
 
 

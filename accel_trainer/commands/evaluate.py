@@ -31,8 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from accel_trainer.checkpoint import checks as checkpoint_checks
-from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint import checks, files
 from accel_trainer.checkpoint.export import (
     checkpoint_folder,
     consolidated_weights,
@@ -76,7 +75,7 @@ class SavedWeights:
     tokenizer: str | None = None  # the fingerprint of the tokenizer the weights were trained with, if recorded
 
     def load(self) -> dict[str, torch.Tensor]:
-        if (self.folder / checkpoint_checks.TRAIN_STATE).is_file():
+        if (self.folder / checks.TRAIN_STATE).is_file():
             return consolidated_weights(self.folder)
         return load_file(str(self.folder / "model.safetensors"))
 
@@ -87,27 +86,27 @@ def saved_weights(source: Path) -> SavedWeights:
     Raises:
         CheckpointError: `source` is neither, or holds no complete checkpoint to read the recipe and step from.
     """
-    if (source / checkpoint_checks.TRAIN_STATE).is_file():
-        checkpoint_files.verify(source)
+    if (source / checks.TRAIN_STATE).is_file():
+        files.verify(source)
         return _from_checkpoint(source, source)
     if not source.exists():
         raise CheckpointError(f"{source} does not exist; name a run folder or a checkpoint folder")
-    if not checkpoint_files.checkpoints_dir(source).is_dir():
+    if not files.checkpoints_dir(source).is_dir():
         if (source / "config.yaml").is_file():
             raise CheckpointError(f"run folder {source} holds no weights: it stopped before its first checkpoint")
         raise CheckpointError(f"{source} is neither a run folder nor a checkpoint folder; name one of them")
-    newest = checkpoint_files.newest_valid_checkpoint(source)
+    newest = files.newest_valid_checkpoint(source)
     if newest is None:
         raise CheckpointError(f"run folder {source} has no complete checkpoint, so its recipe and step are unknown")
     final = source / "final"
     weights = final / "model.safetensors"  # the run's last word, unless a resume saved a newer checkpoint since
-    fresh = weights.is_file() and weights.stat().st_mtime >= (newest / checkpoint_checks.TRAIN_STATE).stat().st_mtime
+    fresh = weights.is_file() and weights.stat().st_mtime >= (newest / checks.TRAIN_STATE).stat().st_mtime
     merged = (final / "adapter").is_dir()  # final/ holds the adapter merged into its base: not the recipe's model
     return _from_checkpoint(newest, final if fresh and not merged else newest)
 
 
 def _from_checkpoint(checkpoint: Path, weights: Path) -> SavedWeights:
-    state = json.loads((checkpoint / checkpoint_checks.TRAIN_STATE).read_text())
+    state = json.loads((checkpoint / checks.TRAIN_STATE).read_text())
     frozen = state.get(FROZEN_RECORD) if weights == checkpoint else None
     return SavedWeights(
         weights, state["recipe"], state["step"], weights / "config.yaml", state.get("recipe_file"), frozen,

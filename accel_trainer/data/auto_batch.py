@@ -27,7 +27,7 @@ from accelerate.utils import find_executable_batch_size, gather_object, send_to_
 
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.contract.losses import read_loss_output
-from accel_trainer.data import loaders as data
+from accel_trainer.data import loaders
 from accel_trainer.data.batching import halved_micro_batch, per_process_batch
 from accel_trainer.data.rng import apply_rng_states, capture_rng_states
 from accel_trainer.errors import ConfigError
@@ -71,7 +71,7 @@ def choose_micro_batch_size(
         ConfigError: not even one sample fits.
     """
     per_process = per_process_batch(global_batch_size, ranks.size)
-    examples = data.first_examples(train_set, per_process)
+    examples = loaders.first_examples(train_set, per_process)
     size = per_process
 
     def next_size() -> int:

@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from accel_trainer.config.train_config import TrainConfig
-from accel_trainer.data import loaders as data
+from accel_trainer.data import loaders
 from accel_trainer.data.batching import BatchPlan
 from accel_trainer.data.prefetch import Pass, PrefetchGate, check_prefetching, prefetched
 from accel_trainer.data.stream_split import SplitStream, gathered, position_for, splits
@@ -65,16 +65,18 @@ class RunData:
         if self.splits():
             rank = self.ranks.rank
             total, warn = _total_over_ranks(accelerator, self.ranks), _warn_on_main(accelerator)
-            split = SplitStream(self.train_set, data.as_torch, self.collate, self.plan, rank, total, warn, self._ahead)
+            split = SplitStream(
+                self.train_set, loaders.as_torch, self.collate, self.plan, rank, total, warn, self._ahead
+            )
             self._stream = split
             return split.micro_batches(position_for(position, rank, self.ranks.size), resume_rng)
         if self.train_loader is None:
             start = whole_position(position)
-            stream = TrainStream(data.as_torch(self.train_set), self.collate, self.plan, self.ranks.rank, start,
+            stream = TrainStream(loaders.as_torch(self.train_set), self.collate, self.plan, self.ranks.rank, start,
                                  self._ahead)  # fmt: skip
             self._stream = stream
             return stream.micro_batches(resume_rng)
-        return data.micro_batches(
+        return loaders.micro_batches(
             self.train_loader,
             self.plan,
             self.steps_per_epoch or 0,
@@ -115,7 +117,7 @@ class RunData:
     def describe(self, recipe: Recipe) -> str:
         """How the training micro-batches are built, for the run's header."""
         if self.train_loader is not None:
-            return data.describe_path(self.train_loader, recipe)
+            return loaders.describe_path(self.train_loader, recipe)
         when = (
             f"ahead on a thread, {self._steps_ahead()} step(s) at most" if self.num_prefetch_batches else "in the step"
         )
@@ -135,14 +137,14 @@ class RunData:
     def first_eval_examples(self) -> list[Any]:
         """The eval set's first micro-batch of examples, the same on every process (the sanity check before
         training)."""
-        return data.first_examples(self.eval_set, self.plan.micro_batch_size)
+        return loaders.first_examples(self.eval_set, self.plan.micro_batch_size)
 
     def eval_batches(self) -> tuple[Any, bool]:
         """This process's eval micro-batches, and whether they still hold the loader's padding duplicates."""
         if self.eval_loader is not None:
             return self.eval_loader, True
         batches = eval_batches(
-            data.as_torch(self.eval_set), self.collate, self.plan.micro_batch_size, self.ranks.rank, self.ranks.size
+            loaders.as_torch(self.eval_set), self.collate, self.plan.micro_batch_size, self.ranks.rank, self.ranks.size
         )
         return batches, False
 
@@ -159,21 +161,21 @@ def build_loaders(
     """The training and eval loaders (before `accelerator.prepare`); None for a stream, which data/streams.py
     reads instead, and None for eval on tensor- or context-parallel ranks (`RunData.eval_batches`)."""
     workers = cfg.num_dataloader_workers
-    if workers and data.is_stream(train_set) and accelerator.is_main_process:
+    if workers and loaders.is_stream(train_set) and accelerator.is_main_process:
         warnings.warn(
             "accel-trainer: num_dataloader_workers has no effect on a stream: it is read in the training"
             " process (data/streams.py)",
             stacklevel=3,
         )
     options = dict(num_workers=workers, cache_gb=cfg.data_cache_gb, pin_memory=accelerator.device.type == "cuda")
-    train_loader = None if data.is_stream(train_set) else data.train_loader(recipe, train_set, plan, **options)
+    train_loader = None if loaders.is_stream(train_set) else loaders.train_loader(recipe, train_set, plan, **options)
     if cfg.num_prefetch_batches:
         check_prefetching(
-            recipe, data.as_torch(train_set), train_loader, plan.micro_batch_size, warn=accelerator.is_main_process
+            recipe, loaders.as_torch(train_set), train_loader, plan.micro_batch_size, warn=accelerator.is_main_process
         )
     eval_loader = None  # tensor-parallel ranks share batches: their eval goes the disjoint way (RunData.eval_batches)
-    if eval_set is not None and not data.is_stream(eval_set) and ranks.replicas == ranks.context_parallel == 1:
-        eval_loader = data.eval_loader(recipe, eval_set, plan, **options)
+    if eval_set is not None and not loaders.is_stream(eval_set) and ranks.replicas == ranks.context_parallel == 1:
+        eval_loader = loaders.eval_loader(recipe, eval_set, plan, **options)
     return train_loader, eval_loader
 
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.contract.losses import read_loss_output
-from accel_trainer.data import loaders as data
+from accel_trainer.data import loaders
 from accel_trainer.errors import ConfigError
 from accel_trainer.estimate.fake_world import ddp_bucket_bytes
 from accel_trainer.optim.optimizers import read_optimizers
@@ -57,7 +57,7 @@ class RankMemory:
 
 
 def first_examples(recipe: Recipe, cfg: Any) -> list[Any]:
-    """The examples of a process's first training micro-batch, from the recipe's own data.
+    """The examples of a process's first training micro-batch, from the recipe's own loaders.
 
     Raises:
         ConfigError: micro_batch_size=auto (it is found by trying, on the devices themselves).
@@ -66,8 +66,8 @@ def first_examples(recipe: Recipe, cfg: Any) -> list[Any]:
         raise ConfigError("micro_batch_size=auto is found on the devices themselves: estimate a number (16, 32, ...)")
     recipe.tokenizer = recipe.build_tokenizer(cfg)
     train_set, _ = recipe.build_datasets(cfg)
-    data.check_dataset(train_set, "training")
-    return data.first_examples(train_set, cfg.micro_batch_size)
+    loaders.check_dataset(train_set, "training")
+    return loaders.first_examples(train_set, cfg.micro_batch_size)
 
 
 def rank_memory(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import accel_trainer as at
-from accel_trainer.data import loaders as data
+from accel_trainer.data import loaders
 from conftest import (
     RESUME_STEPS,
     SAVE_ALL,
@@ -50,8 +50,10 @@ def test_one_process_resume_is_bitwise_identical(one_process_full_run, stop_step
 
 def test_negative_control_resume_without_the_data_position_differs(one_process_full_run, tmp_path, monkeypatch):
     full_dir, overrides = one_process_full_run
-    original = data.micro_batches
-    monkeypatch.setattr(data, "micro_batches", lambda *args, **kwargs: original(*args, **{**kwargs, "start_step": 0}))
+    original = loaders.micro_batches
+    monkeypatch.setattr(
+        loaders, "micro_batches", lambda *args, **kwargs: original(*args, **{**kwargs, "start_step": 0})
+    )
 
     at.train("vae", output_dir=str(tmp_path), resume=str(checkpoint(full_dir, 13)), show_progress_bar=False,
              **as_kwargs(overrides))  # fmt: skip
@@ -112,7 +114,7 @@ def test_a_signal_during_evaluation_stops_at_that_step_with_a_checkpoint(tmp_pat
     import os
     import signal
 
-    from accel_trainer.checkpoint import files as checkpoint_files
+    from accel_trainer.checkpoint import files
     from accel_trainer.stopping.signals import Preempted
 
     class SignalledDuringSecondEval(at.get_recipe("vae")):
@@ -129,15 +131,14 @@ def test_a_signal_during_evaluation_stops_at_that_step_with_a_checkpoint(tmp_pat
         at.train("vae_signalled", max_steps=20, eval_every_steps=6, output_dir=str(tmp_path), show_progress_bar=False)
 
     assert (stopped.value.signal_name, stopped.value.step) == ("SIGUSR1", 6)
-    [saved] = checkpoint_files.complete_checkpoints(tmp_path)
-    assert checkpoint_files.recorded_step(saved) == 6
+    [saved] = files.complete_checkpoints(tmp_path)
+    assert files.recorded_step(saved) == 6
 
 
 def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
     from safetensors.torch import load_file
 
-    from accel_trainer.checkpoint import files as checkpoint_files
-    from accel_trainer.checkpoint import state_files
+    from accel_trainer.checkpoint import files, state_files
 
     settings = dict(max_steps=12, save_every_steps=4, keep_last=0, log_every_steps=0, eval_every_steps=0,
                     show_progress_bar=False, report=False)  # fmt: skip
@@ -147,7 +148,7 @@ def test_async_saves_write_the_same_checkpoints_as_synchronous_saves(tmp_path):
 
     for step in (4, 8, 12):
         sync, background = checkpoint(tmp_path / "sync", step), checkpoint(tmp_path / "async", step)
-        checkpoint_files.verify(background)
+        files.verify(background)
         a, b = load_file(str(sync / "model.safetensors")), load_file(str(background / "model.safetensors"))
         assert all(torch.equal(a[name], b[name]) for name in a)
         a, b = state_files.load(sync / "optimizer.safetensors"), state_files.load(background / "optimizer.safetensors")
@@ -171,16 +172,16 @@ def events(run_dir, name: str) -> list[dict]:
 
 @pytest.mark.multiprocess
 def test_async_saves_on_two_processes_publish_verified_checkpoints_and_resume(tmp_path):
-    from accel_trainer.checkpoint import files as checkpoint_files
+    from accel_trainer.checkpoint import files
 
     run = ["max_steps=10", "save_every_steps=3", "keep_last=2", "async_save=true", "log_every_steps=1",
            "eval_every_steps=0", "sample_latent=false"]  # fmt: skip
     train_and_dump("cpu_ddp", tmp_path, "vae", *run, world_size=2)
 
-    kept = checkpoint_files.complete_checkpoints(tmp_path)
-    assert [checkpoint_files.recorded_step(p) for p in kept] == [9, 10]
+    kept = files.complete_checkpoints(tmp_path)
+    assert [files.recorded_step(p) for p in kept] == [9, 10]
     for folder in kept:
-        checkpoint_files.verify(folder)
+        files.verify(folder)
     records = train_and_dump("cpu_ddp", tmp_path, "vae", *run, "max_steps=12", world_size=2)  # resume=auto
     assert [r["step"] for r in records if "loss" in r][-2:] == [11, 12]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint import files
 from conftest import (
     ACCELERATE_LAUNCH,
     REPO,
@@ -74,7 +74,7 @@ def test_a_save_that_fails_midway_stops_the_run_and_loses_nothing(layout, tmp_pa
     assert any("newest complete checkpoint is step_00000004" in line for line in errors)
     assert len(errors) == (1 if layout == "cpu" else 2)  # one line per process
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".tmp")]
-    checkpoint_files.verify(tmp_path / "checkpoints" / "step_00000004")
+    files.verify(tmp_path / "checkpoints" / "step_00000004")
 
     train_and_dump(layout, tmp_path, "vae", *RUN, "max_steps=8", world_size=world_size)  # with room on the disk
 
@@ -95,7 +95,7 @@ def test_a_checkpoints_folder_that_became_read_only_stops_the_run_in_one_line_an
     assert "Read-only file system" in errors[0] or "Permission denied" in errors[0]
     assert "newest complete checkpoint is step_00000004" in errors[0]
     assert not [p for p in checkpoints.iterdir() if p.name.startswith(".tmp")]
-    checkpoint_files.verify(checkpoints / "step_00000004")
+    files.verify(checkpoints / "step_00000004")
 
     train_and_dump("cpu", tmp_path, "vae", *RUN, "max_steps=8", world_size=1)  # once the folder is writable again
 

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint import files
 from conftest import (
     ACCELERATE_LAUNCH,
     BIN,
@@ -42,7 +42,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable
         cwd=REPO, env=dump_env(tmp_path, 1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
-    second_save = checkpoint_files.temporary_folder(tmp_path, 10)
+    second_save = files.temporary_folder(tmp_path, 10)
     try:
         wait_for(lambda: (second_save / "model.safetensors").exists())
         os.killpg(worker.pid, signal.SIGKILL)
@@ -50,9 +50,9 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable
         worker.wait(timeout=60)
     assert not (second_save.parent / "step_00000010").exists()  # killed before it was published
 
-    newest = checkpoint_files.newest_valid_checkpoint(tmp_path)
+    newest = files.newest_valid_checkpoint(tmp_path)
     assert newest is not None and newest.name == "step_00000005"
-    checkpoint_files.verify(newest)
+    files.verify(newest)
     records = train_and_dump("cpu", tmp_path, "vae_heavy", *run, "max_steps=7", world_size=1)  # resume=auto
     assert [r["step"] for r in records if "loss" in r][-2:] == [6, 7]
     assert not second_save.exists()  # the interrupted save was cleaned up

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint import files
 from conftest import (
     ACCELERATE_LAUNCH,
     BIN,
@@ -176,4 +176,4 @@ def test_the_workers_of_at_train_end_when_its_caller_is_killed(tmp_path):
         print(f"at.train's caller killed: its {len(workers)} workers gone in {seconds:.2f} s")
     finally:
         caller.kill()
-    assert checkpoint_files.complete_checkpoints(run_dir), (tmp_path / "caller.log").read_text()  # stopped, saved
+    assert files.complete_checkpoints(run_dir), (tmp_path / "caller.log").read_text()  # stopped, saved

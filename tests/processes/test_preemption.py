@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint import files
 from accel_trainer.stopping.signals import EXIT_PREEMPTED
 from conftest import (
     ACCELERATE_LAUNCH,
@@ -112,11 +112,11 @@ def test_a_signal_to_every_process_of_a_two_process_launch_saves_once_at_one_agr
 
     stopped_at = stopped_step(output, signal_name)
     assert "lost another process" not in output and "KeyboardInterrupt" not in output, output
-    saved = checkpoint_files.complete_checkpoints(run_dir)
-    assert checkpoint_files.recorded_step(saved[-1]) == stopped_at
-    checkpoint_files.verify(saved[-1])
+    saved = files.complete_checkpoints(run_dir)
+    assert files.recorded_step(saved[-1]) == stopped_at
+    files.verify(saved[-1])
     if phase == "save":  # the step-10 save was under way; the loop stops after it or after one more step
-        assert [checkpoint_files.recorded_step(folder) for folder in saved] in ([10], [10, 11]), output
+        assert [files.recorded_step(folder) for folder in saved] in ([10], [10, 11]), output
     else:
         assert len(saved) == 1, output
         assert stopped_at == {"setup": 1, "evaluation": 10}.get(phase, stopped_at), output
@@ -140,9 +140,9 @@ def test_the_second_copy_of_a_signal_within_a_moment_is_not_a_second_press_the_r
         run.kill()
 
     assert run.returncode == EXIT_PREEMPTED, output
-    [saved] = checkpoint_files.complete_checkpoints(run_dir)
-    assert checkpoint_files.recorded_step(saved) == stopped_step(output, signal_name)
-    checkpoint_files.verify(saved)
+    [saved] = files.complete_checkpoints(run_dir)
+    assert files.recorded_step(saved) == stopped_step(output, signal_name)
+    files.verify(saved)
 
 
 def test_a_second_ctrl_c_after_the_window_quits_at_once_and_leaves_the_last_checkpoint_intact(tmp_path):
@@ -161,6 +161,6 @@ def test_a_second_ctrl_c_after_the_window_quits_at_once_and_leaves_the_last_chec
     # at once: not after the 18.5 s left of the save (exiting alone took 12 s once, at a load of 8)
     assert time.monotonic() - second < 15, output
     assert run.returncode not in (0, EXIT_PREEMPTED), output
-    [saved] = checkpoint_files.complete_checkpoints(run_dir)  # the step-10 checkpoint, and no other
-    assert checkpoint_files.recorded_step(saved) == 10
-    checkpoint_files.verify(saved)
+    [saved] = files.complete_checkpoints(run_dir)  # the step-10 checkpoint, and no other
+    assert files.recorded_step(saved) == 10
+    files.verify(saved)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint import files
 from accel_trainer.stopping.signals import EXIT_PREEMPTED
 from conftest import (
     BIN,
@@ -92,9 +92,9 @@ def test_ctrl_c_in_a_terminal_saves_once_and_the_same_command_continues_exactly(
     assert "caller got Preempted: stopped by SIGINT after step" in text and "lost another process" not in text, text
     assert "with the launcher's error chained: False" in text, text  # its traceback would be 40 lines of torch
     stopped_at = int(text.split("after step ")[1].split(";")[0])
-    [saved] = checkpoint_files.complete_checkpoints(run_dir)
-    assert checkpoint_files.recorded_step(saved) == stopped_at
-    checkpoint_files.verify(saved)
+    [saved] = files.complete_checkpoints(run_dir)
+    assert files.recorded_step(saved) == stopped_at
+    files.verify(saved)
 
     for folder in (run_dir, tmp_path / "uninterrupted"):  # the same command (resume=auto), and a reference run
         subprocess.run([str(BIN / "python"), str(WORKERS / "signalled_run.py"), "--notebook", "2", "mlp_slow",
@@ -122,6 +122,6 @@ def test_a_second_ctrl_c_in_a_terminal_quits_at_once_and_leaves_the_last_checkpo
     text = output.read_text()
     assert status not in (0, EXIT_PREEMPTED) and "KeyboardInterrupt" in text, text
     assert quit_s < 10, text
-    [saved] = checkpoint_files.complete_checkpoints(run_dir)  # the step-10 checkpoint, and no other
-    assert checkpoint_files.recorded_step(saved) == 10
-    checkpoint_files.verify(saved)
+    [saved] = files.complete_checkpoints(run_dir)  # the step-10 checkpoint, and no other
+    assert files.recorded_step(saved) == 10
+    files.verify(saved)

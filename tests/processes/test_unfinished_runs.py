@@ -15,8 +15,7 @@ import subprocess
 import pytest
 
 import accel_trainer as at
-from accel_trainer.checkpoint import files as checkpoint_files
-from accel_trainer.checkpoint import run_folder
+from accel_trainer.checkpoint import files, run_folder
 from accel_trainer.config.train_config import resolve_config
 from accel_trainer.errors import ConfigError
 from conftest import (
@@ -73,7 +72,7 @@ def test_the_same_command_started_while_it_still_runs_gets_a_folder_of_its_own(t
 def test_a_run_asked_to_resume_a_folder_without_a_complete_checkpoint_says_it_starts_at_step_0(tmp_path, capsys):
     settings = dict(output_dir=str(tmp_path), max_steps=2, eval_every_steps=0, show_progress_bar=False, report=False)
     at.train("mlp", **settings)
-    shutil.rmtree(checkpoint_files.checkpoints_dir(tmp_path))  # as if killed before its first save
+    shutil.rmtree(files.checkpoints_dir(tmp_path))  # as if killed before its first save
     capsys.readouterr()
 
     at.train("mlp", **settings)

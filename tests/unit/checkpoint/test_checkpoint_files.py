@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_trainer.checkpoint import files as checkpoint_files
+from accel_trainer.checkpoint import files
 from accel_trainer.checkpoint.files import (
     LATEST,
     MANIFEST,
@@ -111,8 +111,8 @@ def test_publish_writes_the_manifest_only_after_every_other_file_is_durable(tmp_
 
         return record
 
-    monkeypatch.setattr(checkpoint_files, "_fsync_file", recording("fsync", checkpoint_files._fsync_file))
-    monkeypatch.setattr(checkpoint_files, "_write_durably", recording("write", checkpoint_files._write_durably))
+    monkeypatch.setattr(files, "_fsync_file", recording("fsync", files._fsync_file))
+    monkeypatch.setattr(files, "_write_durably", recording("write", files._write_durably))
 
     publish(temporary)
 

@@ -16,7 +16,7 @@ import torch
 
 import accel_trainer as at
 from accel_trainer.config.train_config import resolve_config
-from accel_trainer.data import loaders as data
+from accel_trainer.data import loaders
 from accel_trainer.observe.flops import flops_per_sample, table_peak_tflops
 from conftest import read_metrics
 
@@ -28,7 +28,7 @@ def first_micro_batch(name: str, **overrides):
     recipe_cls = at.get_recipe(name)
     cfg = resolve_config(recipe_cls.Config, overrides=overrides)
     recipe = recipe_cls(cfg)
-    train_set = data.as_torch(recipe.build_datasets(cfg)[0])
+    train_set = loaders.as_torch(recipe.build_datasets(cfg)[0])
     return recipe, cfg, recipe.collate([train_set[i] for i in range(cfg.micro_batch_size)])
 
 
