@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from accel_trainer.errors import ConfigError, LayoutError, RecipeError, UserError
     from accel_trainer.recipe import Recipe
     from accel_trainer.registry import add_recipe, get_recipe, register_recipe, registered_recipes
-    from accel_trainer.run import TrainResult, main, train
     from accel_trainer.stopping.signals import Preempted
+    from accel_trainer.training import TrainResult, main, train
 
 # Each public name (`__all__`, spelled out below for the linters) and the module that defines it.
 _HOMES = {
@@ -45,7 +45,7 @@ _HOMES = {
     "Recipe": "recipe",
     "RecipeError": "errors",
     "TrainConfig": "config.train_config",
-    "TrainResult": "run",
+    "TrainResult": "training",
     "UserError": "errors",
     "add_recipe": "registry",
     "base_context": "contract.pretrained",
@@ -56,12 +56,12 @@ _HOMES = {
     "get_recipe": "registry",
     "load_base_model": "contract.pretrained",
     "load_base_tokenizer": "contract.pretrained",
-    "main": "run",
+    "main": "training",
     "read_data": "data.sources",
     "register_recipe": "registry",
     "registered_recipes": "registry",
     "token_cross_entropy": "contract.losses",
-    "train": "run",
+    "train": "training",
 }
 
 __all__ = [

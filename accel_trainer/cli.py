@@ -105,15 +105,15 @@ def _main(arguments: list[str]) -> None:
         return
     if arguments[:1] == ["train"]:
         known = parser.parse_args(arguments[:2])
-        from accel_trainer.run import main as run_recipe
+        from accel_trainer.training import main as train_main
 
-        run_recipe(known.recipe, arguments[2:], program=["-m", "accel_trainer", "train", known.recipe])
+        train_main(known.recipe, arguments[2:], program=["-m", "accel_trainer", "train", known.recipe])
         return
     words, launcher_options = _split_at_double_dash(arguments) if arguments[:1] == ["doctor"] else (arguments, [])
     known = parser.parse_args(words)
     known.launcher_options = launcher_options
     try:
-        _run_command(known)
+        _dispatch(known)
     except UserError as error:
         print(f"accel-trainer: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -126,7 +126,7 @@ def _split_at_double_dash(arguments: list[str]) -> tuple[list[str], list[str]]:
     return arguments[: arguments.index("--")], arguments[arguments.index("--") + 1 :]
 
 
-def _run_command(known: argparse.Namespace) -> None:
+def _dispatch(known: argparse.Namespace) -> None:
     """Run a command other than `train`, importing only what it needs."""
     if known.command == "list":
         print("recipes (accel-trainer train NAME key=value ...; accel-trainer cp NAME my_NAME.py to edit one):")
@@ -197,7 +197,7 @@ def _print_layouts() -> None:
 class _TrainHelp(argparse.Action):
     """`accel-trainer train --help`: which recipes there are, and how to see one's config keys.
 
-    The keys differ per recipe, so they are `accel-trainer train RECIPE --help`'s to print (run.py); argparse's
+    The keys differ per recipe, so they are `accel-trainer train RECIPE --help`'s to print (training.py); argparse's
     own help of the `train` command only said that it takes a `recipe`.
     """
 

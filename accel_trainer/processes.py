@@ -185,7 +185,7 @@ def _is_signal(error: BaseException, signum: int) -> bool:
     return type(error).__name__ == "SignalException" and getattr(error, "sigval", None) == signum
 
 
-def run_layout(
+def launch_on_layout(
     line: CommandLine,
     program: list[str],
     *,

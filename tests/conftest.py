@@ -271,7 +271,7 @@ def export_checkpoint(source: Path, output: Path) -> None:
 
 
 def exit_status(entry_point, *arguments) -> int:
-    """Run a command's entry point (`run.main`, `cli.main`) in this process as its own process would run it: its
+    """Run a command's entry point (`training.main`, `cli.main`) in this process as its own process would run it: its
     exit status, 0 when it returned. What it printed is the test's to read (capsys)."""
     try:
         entry_point(*arguments)

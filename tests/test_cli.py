@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from accel_trainer import ConfigError, cli, run
+from accel_trainer import ConfigError, cli, training
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.registry import describe, get_recipe, registered_recipes
 from conftest import WORKERS
@@ -39,7 +39,7 @@ def test_list_prints_each_recipe_with_its_one_line_description(capsys):
 
 
 def test_a_recipes_help_prints_every_config_field_with_its_docstring(capsys):
-    run.main("vae", ["--help"])
+    training.main("vae", ["--help"])
     out = capsys.readouterr().out
     assert out.startswith(f"vae: {describe(get_recipe('vae'))}")
     assert "key=value" in out
@@ -95,7 +95,7 @@ def test_train_help_through_the_accel_trainer_command_is_the_recipes_help(capsys
 )
 def test_a_user_error_exits_2_with_one_line_on_stderr(capsys, recipe, arguments, expected):
     with pytest.raises(SystemExit) as caught:
-        run.main(recipe, arguments)
+        training.main(recipe, arguments)
     assert caught.value.code == 2
     assert expected in one_line_error(capsys)
 
@@ -121,7 +121,7 @@ def test_layout_is_not_a_config_value_and_the_words_after_a_double_dash_are_its_
 def test_print_config_prints_yaml_that_config_reads_back_and_trains_nothing(capsys, tmp_path):
     command = ["--max-steps", "7", f"--output_dir={tmp_path / 'run'}", "mixed_precision=bf16", "--print-config"]
     with pytest.raises(SystemExit) as caught:
-        run.main("vae", command)
+        training.main("vae", command)
 
     printed = capsys.readouterr().out
     assert caught.value.code == 0
@@ -132,7 +132,7 @@ def test_print_config_prints_yaml_that_config_reads_back_and_trains_nothing(caps
     assert not (tmp_path / "run").exists()  # nothing trained, no folder made
     (tmp_path / "printed.yaml").write_text(printed)
     with pytest.raises(SystemExit):
-        run.main("vae", ["--config", str(tmp_path / "printed.yaml"), "--print-config"])
+        training.main("vae", ["--config", str(tmp_path / "printed.yaml"), "--print-config"])
     assert yaml.safe_load(capsys.readouterr().out) == values
 
 
@@ -141,7 +141,7 @@ def test_the_command_gives_the_callers_signal_handlers_back_however_it_ends(argu
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
 
     with contextlib.suppress(SystemExit):
-        run.main("vae", arguments)
+        training.main("vae", arguments)
 
     assert {sig: signal.getsignal(sig) for sig in before} == before  # else a later run inherits a stale signal
 
@@ -150,7 +150,7 @@ def test_an_unwritable_output_dir_exits_2_with_one_line_on_stderr(capsys, tmp_pa
     (tmp_path / "a_file").write_text("not a folder")
 
     with pytest.raises(SystemExit) as caught:
-        run.main("vae", [f"output_dir={tmp_path / 'a_file' / 'run'}", "max_steps=1"])
+        training.main("vae", [f"output_dir={tmp_path / 'a_file' / 'run'}", "max_steps=1"])
 
     assert caught.value.code == 2
     assert f"cannot write the run folder {tmp_path / 'a_file' / 'run'}: Not a directory" in one_line_error(capsys)
@@ -165,7 +165,7 @@ def test_warmup_beyond_max_steps_is_warned_about(tmp_path):
 
 def test_a_missing_config_file_exits_2_with_one_line_on_stderr(capsys, tmp_path):
     with pytest.raises(SystemExit) as caught:
-        run.main("vae", ["--config", str(tmp_path / "missing.yaml")])
+        training.main("vae", ["--config", str(tmp_path / "missing.yaml")])
     assert caught.value.code == 2
     assert "does not exist" in one_line_error(capsys)
 

@@ -11,6 +11,7 @@ import is still a dependency.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 
 from conftest import REPO
@@ -30,7 +31,7 @@ LAYERS = [  # bottom first; a unit is a top-level module or a whole package
     {"stopping"},
     {"engine"},
     {"processes"},
-    {"run", "commands"},
+    {"training", "commands"},
     {"doctor", "estimate"},
     {"cli"},
     {"__main__", "__init__"},
@@ -106,7 +107,7 @@ def test_the_configuration_is_a_leaf_over_the_errors():
 
 def test_the_top_level_holds_only_the_face_and_the_contract():
     top = {path.stem for path in PACKAGE.glob("*.py")}
-    face = {"__init__", "__main__", "cli", "run", "processes", "errors"}
+    face = {"__init__", "__main__", "cli", "training", "processes", "errors"}
     contract = {"recipe", "registry"}
     assert top == face | contract
 
@@ -125,3 +126,27 @@ def test_no_import_renames_a_module_of_the_package():
                     if alias.asname and f"{node.module}.{alias.name}" in modules
                 ]
     assert renamed == []
+
+
+def test_each_package_names_its_owner_or_entry_point_and_they_exist():
+    """A newcomer opening a package's __init__.py learns where to start reading: an `Owner:` or `Entry point(s):`
+    line, whose backticked `module.Name`s are defined in that package."""
+    missing = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        if init.parent == PACKAGE:
+            continue
+        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+        named = re.findall(r"(?:Owner|Entry points?)(?: \([^)]*\))?: (.*?)(?:\n\n|$)", docstring, re.S)
+        if not named:
+            missing.append(f"{init.parent.name}: no Owner: or Entry point: line")
+        for module, name in re.findall(r"`([a-z_]+)\.([A-Za-z_]+)`", " ".join(named)):
+            if name == "py":  # a file named beside them
+                continue
+            source = init.parent / f"{module}.py"
+            defined = source.is_file() and any(
+                isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == name
+                for node in ast.parse(source.read_text()).body
+            )
+            if not defined:
+                missing.append(f"{init.parent.name}: {module}.{name}")
+    assert missing == []

@@ -13,7 +13,7 @@
 - Either way, a run asked to resume a folder that holds a run but no complete checkpoint says so in one line
   (`no complete checkpoint in X: starting at step 0`) instead of starting over silently.
 
-Only the main process decides (these functions touch the file system); run.py shares the answer.
+Only the main process decides (these functions touch the file system); training.py shares the answer.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The one-file commands of `accel-trainer` beside `train`: `evaluate` (the recipe's evaluation of saved
 weights, and `export`), `sample` (what a trained language model writes) and `new` (a recipe file from the
-template). cli.py dispatches to each module's entry function. The doctor and the estimate are packages of their
-own (doctor/, estimate/).
+template). The doctor and the estimate are packages of their own (doctor/, estimate/).
+
+Entry points (cli.py dispatches to them): `evaluate.main`, `evaluate.export_run`, `sample.sample`,
+`new.write_new_recipe`.
 """

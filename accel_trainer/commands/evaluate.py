@@ -54,7 +54,7 @@ from accel_trainer.observe.flops import model_on_meta
 from accel_trainer.observe.metrics import console_line
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file
 from accel_trainer.parallel.layout_file import layout_environment
-from accel_trainer.processes import end_launched_worker, run_layout
+from accel_trainer.processes import end_launched_worker, launch_on_layout
 from accel_trainer.recipe import Recipe
 from accel_trainer.registry import get_recipe, recipe_name_of
 
@@ -233,7 +233,7 @@ def main(arguments: list[str]) -> None:
         line = parse_command_line(arguments[1:])
         if line.config_file or line.print_config:
             raise UserError("evaluate takes key=value overrides only: the config is the one saved with the weights")
-        answered = run_layout(line, ["-m", "accel_trainer", "evaluate", arguments[0], *line.own_words])
+        answered = launch_on_layout(line, ["-m", "accel_trainer", "evaluate", arguments[0], *line.own_words])
         if isinstance(answered, int):
             status = answered
         else:

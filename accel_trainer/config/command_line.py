@@ -50,7 +50,7 @@ def parse_command_line(words: list[str]) -> CommandLine:
             line.launcher_options = list(remaining)
             break
         if word in ("--help", "-h"):
-            continue  # answered before the words are read (run.py), so that a command gone wrong still gets help
+            continue  # answered before the words are read (training.py), so that a command gone wrong still gets help
         if word == "--print-config":
             line.print_config = True
         elif word.startswith("--"):

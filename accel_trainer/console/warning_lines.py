@@ -1,7 +1,7 @@
 """accel-trainer's own warnings print as their one-line message, without Python's file, line and source line.
 
 Every warning accel-trainer issues begins with "accel-trainer:" and says what to change. Python's default
-format puts `.../accel_trainer/run.py:69: UserWarning: ` before it and the `warnings.warn(...)` source line
+format puts `.../accel_trainer/training.py:69: UserWarning: ` before it and the `warnings.warn(...)` source line
 after it, which tell a user of the library nothing. Each entry point (`at.train`, a recipe's `main`, the
 `accel-trainer` command) installs this format; it wraps the format that was there and changes only messages
 with that prefix, so a user's own warnings, and those of torch or accelerate, print as before. The category

@@ -1,1 +1,4 @@
-"""`accel-trainer doctor`: is this machine ready to run a layout? A command, the workers it launches, verdicts."""
+"""`accel-trainer doctor`: is this machine ready to run a layout? A command, the workers it launches, verdicts.
+
+Entry point: `command.doctor`.
+"""

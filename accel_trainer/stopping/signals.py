@@ -7,7 +7,7 @@ evaluation; the loop then saves and raises `Preempted`, and the command-line ent
 `EXIT_PREEMPTED` (75, EX_TEMPFAIL: "try again later"; the same command with `resume=auto` continues).
 The flags are combined over a CPU (gloo) side group so that checking costs no device synchronisation.
 
-The handlers are installed before anything else a run does (`catch_stop_signals`, from run.main, the
+The handlers are installed before anything else a run does (`catch_stop_signals`, from training.main, the
 workers of processes.py and `at.train`), so a signal during the set-up (the rendezvous, loading data,
 restoring a checkpoint) is kept for the first step boundary instead of killing one process mid-rendezvous.
 A signal often comes twice: a scheduler signals every process and the launcher (torchrun, accelerate

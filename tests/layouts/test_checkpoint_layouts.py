@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_trainer import run
+from accel_trainer import training
 from conftest import (
     BIN,
     REPO,
@@ -90,7 +90,7 @@ def test_export_of_a_sharded_checkpoint_equals_the_runs_consolidated_weights(fsd
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(fsdp_run, tmp_path, capsys):
-    status = exit_status(run.main, "vae", ["latent_dim=4", f"resume={checkpoint(fsdp_run, 10)}",
+    status = exit_status(training.main, "vae", ["latent_dim=4", f"resume={checkpoint(fsdp_run, 10)}",
                                            f"output_dir={tmp_path}", "show_progress_bar=false"])  # fmt: skip
 
     message = "parameter 'decoder.0.weight' has shape [256, 8] in the checkpoint and [256, 4] here"
@@ -113,7 +113,7 @@ def test_naming_a_corrupt_checkpoint_explicitly_is_a_one_line_error(fsdp_run, tm
     shard = next((broken / "distributed").glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-10])
 
-    status = exit_status(run.main, "vae", [f"resume={broken}", f"output_dir={tmp_path / 'run'}",
+    status = exit_status(training.main, "vae", [f"resume={broken}", f"output_dir={tmp_path / 'run'}",
                                            "show_progress_bar=false"])  # fmt: skip
 
     assert_one_line_error(status, capsys.readouterr().err, "truncated or altered")

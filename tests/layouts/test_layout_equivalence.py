@@ -32,7 +32,7 @@ VAE = [
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)  # docs/accelerate-traps.md: not bitwise, summation order differs by layout
 
 
-def run_layout(layout: str, out, recipe: str, overrides: list[str]) -> list[dict]:
+def launch_on_layout(layout: str, out, recipe: str, overrides: list[str]) -> list[dict]:
     return train_and_dump(layout, out, recipe, *overrides, world_size=1 if layout == "cpu" else 2)
 
 
@@ -90,7 +90,7 @@ ACCUMULATE = "micro_batch_size=4"  # accumulation 4 on 1 process, 2 on 2 process
 @pytest.fixture(scope="module")
 def gpt_reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt_big_batch")
-    run_layout("cpu", out, "gpt", [*GPT, ONE_BIG_BATCH])
+    launch_on_layout("cpu", out, "gpt", [*GPT, ONE_BIG_BATCH])
     return out
 
 
@@ -98,7 +98,7 @@ def gpt_reference(tmp_path_factory):
 # against one process accumulating two micro-batches).
 @pytest.mark.parametrize("layout", ["cpu", "cpu_ddp", "cpu_fsdp"])
 def test_token_loss_gradient_equals_one_big_batch_on_every_layout(layout, gpt_reference, tmp_path):
-    run_layout(layout, tmp_path, "gpt", [*GPT, ACCUMULATE])
+    launch_on_layout(layout, tmp_path, "gpt", [*GPT, ACCUMULATE])
 
     expected, actual = final_parameters(gpt_reference), final_parameters(tmp_path)
     print(f"gpt: max |one big batch - {layout} with accumulation| = {max_difference(expected, actual):.3g}")
@@ -109,7 +109,7 @@ def test_token_loss_gradient_equals_one_big_batch_on_every_layout(layout, gpt_re
 
 
 def test_naive_per_micro_batch_mean_fails_the_same_comparison(gpt_reference, tmp_path):
-    run_layout("cpu", tmp_path, "gpt_naive", [*GPT, ACCUMULATE])
+    launch_on_layout("cpu", tmp_path, "gpt_naive", [*GPT, ACCUMULATE])
 
     expected, actual = final_parameters(gpt_reference), final_parameters(tmp_path)
     print(f"gpt naive: max |one big batch - accumulated micro-batch means| = {max_difference(expected, actual):.3g}")
@@ -120,7 +120,7 @@ def test_naive_per_micro_batch_mean_fails_the_same_comparison(gpt_reference, tmp
 
 @pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
 def test_activation_checkpointing_trains_identically_under_ddp_and_fsdp(layout, gpt_reference, tmp_path):
-    run_layout(layout, tmp_path, "gpt", [*GPT, ACCUMULATE, "activation_checkpointing=true"])
+    launch_on_layout(layout, tmp_path, "gpt", [*GPT, ACCUMULATE, "activation_checkpointing=true"])
 
     expected, actual = final_parameters(gpt_reference), final_parameters(tmp_path)
     print(f"gpt: max |one big batch - {layout} + activation checkpointing| = {max_difference(expected, actual):.3g}")

@@ -64,7 +64,7 @@ def main() -> None:
     }
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(held))
     accelerator.wait_for_everyone()
-    os._exit(0)  # as the framework's workers end (run.py): a gloo group's teardown at exit may hang
+    os._exit(0)  # as the framework's workers end (training.py): a gloo group's teardown at exit may hang
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ checksums stop corruption, not tampering. These tests play that writer: they pla
 would create a file, re-sign the manifest, and show that `resume=` refuses the checkpoint with one line and
 `export` reads only safetensors, while the planted file is never created. A control shows each payload is
 live: `torch.load(..., weights_only=False)` of it does create the file. The commands run in the test's process
-(`run.main`, `cli.main`: the entry points of a recipe script and of `accel-trainer`), which would run a payload
+(`training.main`, `cli.main`: the entry points of a recipe script and of `accel-trainer`), which would run a payload
 just as a process of their own would; tests/test_cli.py shows that a command's one-line error is the same there.
 """
 
@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 import accel_trainer as at
-from accel_trainer import cli, run
+from accel_trainer import cli, training
 from accel_trainer.checkpoint import state_files
 from accel_trainer.checkpoint.files import MANIFEST
 from conftest import assert_one_line_error, exit_status, reset_accelerate_state
@@ -62,7 +62,7 @@ def resign_manifest(folder: Path) -> None:
 def resume_status(checkpoint: Path, tmp_path: Path) -> int:
     """`python recipes/vae.py resume=CHECKPOINT max_steps=6 output_dir=...`, in this process."""
     overrides = [f"resume={checkpoint}", "max_steps=6", f"output_dir={tmp_path / 'resumed'}", "show_progress_bar=false"]
-    return exit_status(run.main, "vae", overrides)
+    return exit_status(training.main, "vae", overrides)
 
 
 def export_status(checkpoint: Path, output: Path) -> int:

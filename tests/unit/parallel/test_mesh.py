@@ -34,7 +34,7 @@ from conftest import launcher_sizes, one_process_mesh
      ("cpu_pp_fsdp", 2), ("2node_cpu", 2)],
 )  # fmt: skip
 def test_the_launching_process_knows_each_layout_s_data_parallel_ranks_before_any_starts(layout, data_parallel):
-    """What the run's batch plan divides by, checked once before the layout's processes start (run.py): the
+    """What the run's batch plan divides by, checked once before the layout's processes start (training.py): the
     figures the processes themselves find (test_model_parallel.py, test_pipeline.py)."""
     spec = read_layout(layout)
     _, settings = settings_on_layout(at.TrainConfig, spec, None, {})

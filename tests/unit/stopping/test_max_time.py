@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from accel_trainer import ConfigError, run
+from accel_trainer import ConfigError, training
 from accel_trainer.config.fields import parse_duration
 from accel_trainer.stopping.signals import EXIT_PREEMPTED
 from conftest import REPO, accelerate_launch, exit_status
@@ -42,12 +42,12 @@ def test_a_spent_budget_saves_exits_75_and_the_same_command_continues(tmp_path, 
     """`python recipes/mlp.py ... max_time=2s` twice, through the script's entry point in this process (the budget
     counts from the run's start, not the process's)."""
     overrides = [*(str(word) for word in MLP[1:]), "max_time=2s", f"output_dir={tmp_path}", "report=false"]
-    first = exit_status(run.main, "mlp", overrides)
+    first = exit_status(training.main, "mlp", overrides)
     first_output = capsys.readouterr()
     assert first == EXIT_PREEMPTED
     stopped = stopped_at(first_output.out + first_output.err, "2s")
     assert (tmp_path / "checkpoints" / f"step_{stopped:08d}").is_dir()
-    second = exit_status(run.main, "mlp", overrides)  # the next job of a chain
+    second = exit_status(training.main, "mlp", overrides)  # the next job of a chain
     second_output = capsys.readouterr()
     assert second == EXIT_PREEMPTED and stopped_at(second_output.out + second_output.err, "2s") > stopped
     assert f"resuming from {tmp_path / 'checkpoints' / f'step_{stopped:08d}'} at step {stopped}" in second_output.out

@@ -48,7 +48,7 @@ from accel_trainer.parallel.accelerator import (
 )
 from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launched_world_size
 from accel_trainer.parallel.layout_file import Layout, check_launched_layout, layout_environment, read_layout
-from accel_trainer.processes import end_launched_worker, launch_processes, run_layout
+from accel_trainer.processes import end_launched_worker, launch_on_layout, launch_processes
 from accel_trainer.registry import describe, get_recipe, recipe_name_of
 from accel_trainer.stopping.signals import EXIT_PREEMPTED, Preempted, stop_signals_caught
 
@@ -193,7 +193,7 @@ def _command_status(recipe_name: str, arguments: list[str], program: list[str]) 
             return None
         line = parse_command_line(arguments)
         checked = functools.partial(_config_checked, recipe_name, line)
-        answered = run_layout(line, [*program, *line.own_words], start=not line.print_config, check=checked)
+        answered = launch_on_layout(line, [*program, *line.own_words], start=not line.print_config, check=checked)
         if isinstance(answered, int):
             return answered
         with layout_environment(answered) if answered else contextlib.nullcontext():  # else the launcher's layout
