@@ -21,7 +21,7 @@ import torch
 
 import accel_trainer as at
 from accel_trainer.data.prefetch import CHECKED_FETCHES, PrefetchGate, _from_thread, prefetched
-from accel_trainer.engine.preparation import Run
+from accel_trainer.engine.run import Run
 from conftest import WORKERS, assert_bitwise, final_parameters, read_metrics, train_and_dump
 
 at.registry.discover_recipes([WORKERS / "recipes"])
