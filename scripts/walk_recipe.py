@@ -4,12 +4,12 @@ Structure v4's measure of the engine's shape: a profile hook sees every call of 
 whose frame holds the recipe (a local, or a local's attribute: `run.recipe`, `self.recipe`) during a 1-process
 VAE run of 2 steps with an evaluation, and every call such a frame makes into the package (the reader steps into
 each callee). Each function counts once, at its first call, as a reader reads it once. The files those calls
-enter, in order (consecutive calls in one file read
-as one visit), give:
+enter, in order (consecutive calls in one file read as one visit), give:
   - returns: visits to a file read earlier in the walk (the reader goes back);
   - observer: visits to observe/observer.py;
   - files: the distinct files the walk reads.
-Run from the checkout: `OMP_NUM_THREADS=1 .venv/bin/python scripts/walk_recipe.py`.
+Run from the checkout: `OMP_NUM_THREADS=1 .venv/bin/python scripts/walk_recipe.py` (-v: the files in order; -f:
+each function entered and its caller). Structure v3's tree (3622447): 79 returns, 11 observer visits; v4: 45, 3.
 """
 
 from __future__ import annotations
