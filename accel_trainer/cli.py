@@ -140,6 +140,7 @@ def _dispatch(known: argparse.Namespace) -> None:
             f"train it with: accel-trainer train {written[0]} (or python {written[0]})"
             if written[0].suffix == ".py"
             else f"launch with: accelerate launch --config_file {written[0]} -m accel_trainer train RECIPE"
+            f" layout={written[0]}"
         )
         print(f"copied {known.name} to {', '.join(map(str, written))}; {how}")
     elif known.command == "new":
@@ -189,7 +190,10 @@ def _print_layouts() -> None:
 
     shipped = layouts()
     width = max((len(name) for name in shipped), default=0)
-    print(f"\nlayouts (accelerate launch --config_file {layouts_folder()}/NAME.yaml -m accel_trainer train RECIPE):")
+    print(
+        f"\nlayouts (accel-trainer train RECIPE layout=NAME, or accelerate launch --config_file"
+        f" {layouts_folder()}/NAME.yaml -m accel_trainer train RECIPE layout=NAME):"
+    )
     for name, path in shipped.items():
         print(f"  {name:<{width}}  {describe_layout(path)}")
 

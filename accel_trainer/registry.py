@@ -75,7 +75,8 @@ def get_recipe(name: str) -> type[Recipe]:
 
 
 def recipe_name_of(name_or_file: str) -> str:
-    """A recipe's name, or the name of the one recipe a `.py` file registers (`train ./my_gpt.py`), which imports it.
+    """A recipe's name, or the name of the one recipe a `.py` file registers (`train ./my_gpt.py`), which imports it
+    (the modules beside the file import too).
 
     Raises:
         RecipeError: the file does not exist, or registers no recipe or several.
@@ -85,6 +86,8 @@ def recipe_name_of(name_or_file: str) -> str:
     path = Path(name_or_file).resolve()
     if not path.is_file():
         raise RecipeError(f"recipe file {name_or_file} does not exist")
+    if str(path.parent) not in sys.path:  # its own modules beside it import, as under `python file.py`; appended,
+        sys.path.append(str(path.parent))  # so a file named like an installed module never shadows it
     _import_file(path)
     names = [name for name, cls in _recipes.items() if _defined_in(cls, path)]
     if len(names) != 1:

@@ -262,6 +262,27 @@ def test_a_recipe_file_that_fails_to_import_is_a_recipe_error_naming_the_file(tm
     assert str(path) in str(caught.value)
 
 
+def test_a_recipe_file_named_by_path_imports_the_modules_beside_it_as_python_would(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    helper = f"helpers_{tmp_path.name}"  # a name of this test's own: a module once imported stays in sys.modules
+    (tmp_path / f"{helper}.py").write_text("HIDDEN = 7\n")
+    recipe = write_module(
+        tmp_path,
+        "sibling_demo",
+        f"""
+        import accel_trainer as at
+        from {helper} import HIDDEN
+
+        @at.register_recipe("sibling_demo")
+        class SiblingDemo(at.Recipe):
+            hidden = HIDDEN
+    """,
+    )
+    assert registry.recipe_name_of(str(recipe)) == "sibling_demo"
+    assert registry.get_recipe("sibling_demo").hidden == 7
+    assert sys.path[-1] == str(tmp_path)  # appended: a file named like an installed module never shadows it
+
+
 def folder_of(recipe_cls: type) -> Path | None:
     """The folder of the file a recipe is defined in; None for one with no file (a notebook cell another test
     registered in this process)."""
