@@ -42,20 +42,29 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable
         cwd=REPO, env=dump_env(tmp_path, 1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
-    second_save = files.temporary_folder(tmp_path, 10)
-    try:
-        wait_for(lambda: (second_save / "model.safetensors").exists())
+    killed_at: list[int] = []  # the step of a save caught between writing its weights and publishing them
+
+    def caught_mid_save() -> bool:
+        assert worker.poll() is None, f"the training ended (exit {worker.returncode}) before a save was caught"
+        killed_at.extend(
+            s for s in range(10, 1000, 5) if (files.temporary_folder(tmp_path, s) / "model.safetensors").exists()
+        )
+        return bool(killed_at)
+
+    try:  # any save after the first: under load the poll may miss one save's window, never all of them
+        wait_for(caught_mid_save, timeout_s=LAUNCH_TIMEOUT_S)
         os.killpg(worker.pid, signal.SIGKILL)
     finally:
         worker.wait(timeout=60)
-    assert not (second_save.parent / "step_00000010").exists()  # killed before it was published
+    step = killed_at[0]
+    assert not files.final_folder(tmp_path, step).exists()  # killed before it was published
 
     newest = files.newest_valid_checkpoint(tmp_path)
-    assert newest is not None and newest.name == "step_00000005"
+    assert newest is not None and newest.name == files.step_folder_name(step - 5)
     files.verify(newest)
-    records = train_and_dump("cpu", tmp_path, "vae_heavy", *run, "max_steps=7", world_size=1)  # resume=auto
-    assert [r["step"] for r in records if "loss" in r][-2:] == [6, 7]
-    assert not second_save.exists()  # the interrupted save was cleaned up
+    resumed = train_and_dump("cpu", tmp_path, "vae_heavy", *run, f"max_steps={step - 3}", world_size=1)  # resume=auto
+    assert [r["step"] for r in resumed if "loss" in r][-2:] == [step - 4, step - 3]
+    assert not files.temporary_folder(tmp_path, step).exists()  # the interrupted save was cleaned up
 
 
 def test_a_worker_that_dies_is_restarted_elastically_and_ends_like_an_uninterrupted_run(tmp_path):
