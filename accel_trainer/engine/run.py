@@ -22,7 +22,7 @@ from accel_trainer.engine.evaluator import Evaluator
 from accel_trainer.engine.stepper import Stepper
 from accel_trainer.observe.flops import flops_per_sample
 from accel_trainer.observe.header import header, parameters_held, write_run_info
-from accel_trainer.observe.metrics import drop_records_after, format_metric
+from accel_trainer.observe.metrics import console_line, drop_records_after
 from accel_trainer.observe.observer import Observer
 from accel_trainer.observe.window import ItemsSeen, Speed
 from accel_trainer.parallel.accelerator import settings_note
@@ -106,7 +106,7 @@ class Run:
         """Say that a resumed run has nothing left to train; write its final weights if they are missing."""
         progress, max_steps = self.progress, self.cfg.max_steps
         if self.accelerator.is_main_process:
-            summary = " | ".join(format_metric(key, value) for key, value in progress.metrics.items())
+            summary = console_line({key: value for key, value in progress.metrics.items() if key != "eta_s"})
             reached = "stopped early at" if self.early.stopped_early else "already reached"
             print(
                 f"{self.run_dir} {reached} step {progress.step} of max_steps={max_steps}: nothing to train;"
