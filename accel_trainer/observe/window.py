@@ -82,7 +82,7 @@ class ItemsSeen:
         self.window: Window | None = None  # the observer's open window
 
     def state_dict(self) -> dict[str, Any]:
-        if self.window is not None:
+        if self.window is not None and self.window.num_steps:  # a window just logged holds nothing: no collective
             self.seen += self.window.bank_items(self.accelerator)
         return {"items_seen": self.seen}
 
