@@ -200,7 +200,11 @@ def launch_layout(layout: Layout, program: list[str]) -> int:
     options_before = os.environ.get(OPTIONS_VARIABLE)
     os.environ[OPTIONS_VARIABLE] = json.dumps(layout.options)  # the workers read the layout as launched
     try:
-        launch_command(args)
+        with warnings.catch_warnings():
+            # On one machine a busy main_process_port (another layout started at once) makes accelerate find a
+            # free one itself and say so in five lines: the run is what was asked, so the notice is not passed on.
+            warnings.filterwarnings("ignore", message=r"Port `\d+` is already in use", category=UserWarning)
+            launch_command(args)
     except ChildFailedError as failed:
         status = failed.get_first_failure()[1].exitcode
         return status if status and status > 0 else 1  # a negative status: killed by a signal

@@ -42,14 +42,18 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable
         cwd=REPO, env=dump_env(tmp_path, 1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
-    killed_at: list[int] = []  # the step of a save caught between writing its weights and publishing them
+    killed_at: list[int] = []  # the step of a save stopped between writing its weights and publishing them
 
     def caught_mid_save() -> bool:
         assert worker.poll() is None, f"the training ended (exit {worker.returncode}) before a save was caught"
-        killed_at.extend(
-            s for s in range(10, 1000, 5) if (files.temporary_folder(tmp_path, s) / "model.safetensors").exists()
-        )
-        return bool(killed_at)
+        for step in range(10, 1000, 5):
+            if (files.temporary_folder(tmp_path, step) / "model.safetensors").exists():
+                os.killpg(worker.pid, signal.SIGSTOP)  # frozen where it is: did it publish in between?
+                if files.temporary_folder(tmp_path, step).exists() and not files.final_folder(tmp_path, step).exists():
+                    killed_at.append(step)
+                    return True
+                os.killpg(worker.pid, signal.SIGCONT)  # it had: catch a later save
+        return False
 
     try:  # any save after the first: under load the poll may miss one save's window, never all of them
         wait_for(caught_mid_save, timeout_s=LAUNCH_TIMEOUT_S)
