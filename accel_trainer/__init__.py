@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     from accel_trainer.config.layout import LayoutSettings
     from accel_trainer.config.train_config import TrainConfig
     from accel_trainer.contract.losses import token_cross_entropy
+    from accel_trainer.contract.preference import completion_logps, preference_loss, preference_terms
     from accel_trainer.contract.pretrained import base_context, check_base, load_base_model, load_base_tokenizer
+    from accel_trainer.contract.reference import PolicyAndReference, policy_and_reference
     from accel_trainer.data.sources import check_data, check_data_spec, read_data
     from accel_trainer.errors import ConfigError, LayoutError, RecipeError, UserError
     from accel_trainer.recipe import Recipe
@@ -41,6 +43,7 @@ _HOMES = {
     "ConfigError": "errors",
     "LayoutError": "errors",
     "LayoutSettings": "config.layout",
+    "PolicyAndReference": "contract.reference",
     "Preempted": "stopping.signals",
     "Recipe": "recipe",
     "RecipeError": "errors",
@@ -51,12 +54,16 @@ _HOMES = {
     "base_context": "contract.pretrained",
     "check_base": "contract.pretrained",
     "check_data": "data.sources",
+    "completion_logps": "contract.preference",
     "check_data_spec": "data.sources",
     "evaluate_saved": "commands.evaluate",
     "get_recipe": "registry",
     "load_base_model": "contract.pretrained",
     "load_base_tokenizer": "contract.pretrained",
     "main": "training",
+    "policy_and_reference": "contract.reference",
+    "preference_loss": "contract.preference",
+    "preference_terms": "contract.preference",
     "read_data": "data.sources",
     "register_recipe": "registry",
     "registered_recipes": "registry",
@@ -68,6 +75,7 @@ __all__ = [
     "ConfigError",
     "LayoutError",
     "LayoutSettings",
+    "PolicyAndReference",
     "Preempted",
     "Recipe",
     "RecipeError",
@@ -78,12 +86,16 @@ __all__ = [
     "base_context",
     "check_base",
     "check_data",
+    "completion_logps",
     "check_data_spec",
     "evaluate_saved",
     "get_recipe",
     "load_base_model",
     "load_base_tokenizer",
     "main",
+    "policy_and_reference",
+    "preference_loss",
+    "preference_terms",
     "read_data",
     "register_recipe",
     "registered_recipes",

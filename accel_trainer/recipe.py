@@ -22,7 +22,8 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
     build_tokenizer(cfg)        -> optional; a transformers tokenizer, kept in `self.tokenizer` before the model
                                    and data are built, written into final/ and fingerprinted in checkpoints
 
-`self.cfg` holds the resolved config, so `compute_loss` can read recipe fields.
+`self.cfg` holds the resolved config, so `compute_loss` can read recipe fields; `self.data_fingerprints` what
+build_datasets built the sets from beyond the config (a cache's key), which checkpoints record and a resume checks.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class Recipe:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.tokenizer: Any = None  # build_tokenizer's, once the run has built it
+        self.data_fingerprints: dict[str, str] = {}
+        """What `build_datasets` built the sets from that the files of a run do not hold, by name (a cache of
+        precomputed values, by its key): checkpoints record it, and a resume that builds other sets is refused."""
 
     def build_tokenizer(self, cfg: Any) -> Any:
         """Return the tokenizer of the model's inputs (`AutoTokenizer.from_pretrained` of a local folder, or one

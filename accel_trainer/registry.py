@@ -60,7 +60,14 @@ def add_recipe(name: str, recipe_cls: type[Recipe]) -> None:
 
 
 def get_recipe(name: str) -> type[Recipe]:
-    """Look a recipe up by name, discovering folders and entry points if it is not registered yet."""
+    """Look a recipe up by name, discovering folders and entry points if it is not registered yet: first the file
+    of its name in the recipe folders, so a recipe file may build on another of its folder whatever their order
+    (dpo.py on hf_finetune.py, while the folder is being discovered)."""
+    if name not in _recipes:
+        for path in (folder / f"{name}.py" for folder in _default_folders()):
+            if path.is_file():
+                _import_file(path)
+                break
     if name not in _recipes:
         discover_recipes()
     if name not in _recipes:

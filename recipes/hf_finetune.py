@@ -113,31 +113,42 @@ class HFFinetune(HFCausalLM):  # type: ignore[valid-type,misc]
         return gpt_module.build_splits(cfg, encode=gpt_module.TokenizerEncoding(tokenizer))
 
     def build_model(self, cfg: FinetuneConfig) -> Any:
-        if not cfg.base:
-            raise at.ConfigError(self.needs_base)
-        from transformers.pytorch_utils import Conv1D
-
-        sys.modules[HFCausalLM.__module__].quiet_padding_advice()  # its batches, padded on the right
-        try:
-            model = at.load_base_model(cfg.base)
-        except OSError as error:
-            raise at.RecipeError(f"base={cfg.base} cannot be loaded: {str(error).splitlines()[0]}") from None
-        if getattr(model, "loss_type", "") is None:  # a base saved without one: transformers says so at each forward
-            model.loss_type = "ForCausalLM"
+        model = load_base(cfg, self.needs_base)
         context = at.base_context(model)
         if context and cfg.block_size > context:
             raise at.RecipeError(f"block_size={cfg.block_size} is longer than the base's context, {context}")
         self.packed_by_positions(model)
-        if cfg.lora_r == 0:
-            return model
-        peft = _peft()
-        lora = peft.LoraConfig(
-            r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules="all-linear",
-            fan_in_fan_out=any(isinstance(module, Conv1D) for module in model.modules()), task_type="CAUSAL_LM",
-        )  # fmt: skip
-        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return peft.get_peft_model(model, lora)
+        return with_lora(model, cfg)
+
+
+def load_base(cfg: PretrainedBase, needs_base: str) -> Any:
+    """The pretrained model of `cfg.base`, or a one-line error (`needs_base` without one)."""
+    if not cfg.base:
+        raise at.ConfigError(needs_base)
+    sys.modules[HFCausalLM.__module__].quiet_padding_advice()  # its batches, padded on the right
+    try:
+        model = at.load_base_model(cfg.base)
+    except OSError as error:
+        raise at.RecipeError(f"base={cfg.base} cannot be loaded: {str(error).splitlines()[0]}") from None
+    if getattr(model, "loss_type", "") is None:  # a base saved without one: transformers says so at each forward
+        model.loss_type = "ForCausalLM"
+    return model
+
+
+def with_lora(model: Any, cfg: PretrainedBase) -> Any:
+    """peft's LoRA of `model` on every linear layer but the output head (lora_r > 0), else `model` itself."""
+    if cfg.lora_r == 0:
+        return model
+    from transformers.pytorch_utils import Conv1D
+
+    peft = _peft()
+    lora = peft.LoraConfig(
+        r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules="all-linear",
+        fan_in_fan_out=any(isinstance(module, Conv1D) for module in model.modules()), task_type="CAUSAL_LM",
+    )  # fmt: skip
+    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(model, lora)
 
 
 def _peft() -> Any:
@@ -145,9 +156,7 @@ def _peft() -> Any:
     try:
         import peft
     except ImportError as error:
-        raise at.RecipeError(
-            "recipe hf_finetune with lora_r > 0 needs peft: pip install 'accel-trainer[peft]'"
-        ) from error
+        raise at.RecipeError("a LoRA fine-tune (lora_r > 0) needs peft: pip install 'accel-trainer[peft]'") from error
     return peft
 
 

@@ -25,6 +25,7 @@ from accel_trainer.checkpoint import files, state_files
 from accel_trainer.checkpoint.tokenizer import save_tokenizer
 from accel_trainer.config.train_config import TrainConfig, config_to_yaml
 from accel_trainer.contract.pretrained import base_source
+from accel_trainer.contract.reference import policy_of
 from accel_trainer.parallel.batchnorm import average_running_stats
 from accel_trainer.parallel.sharding import is_sharded, pipeline_size
 from accel_trainer.recipe import Recipe
@@ -78,11 +79,13 @@ def write_model_folder(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
 
     A transformers model: `save_pretrained` (model.safetensors, config.json), for `from_pretrained(folder)`. A peft
     model: its adapter in `folder/adapter` (`PeftModel.from_pretrained(base, folder / "adapter")`), and the base
-    with the adapter merged in `folder` itself, so the folder loads as a plain transformers model. Anything else:
+    with the adapter merged in `folder` itself, so the folder loads as a plain transformers model. A
+    `PolicyAndReference` (a preference tune): its policy alone, as the above. Anything else:
     `model.safetensors`. Every name of tied weights is written (as copies), so `load_state_dict` takes the file.
     """
     from safetensors.torch import save_file
 
+    model = policy_of(model)  # a preference tune's frozen reference is not the trained model
     if hasattr(model, "peft_config") and hasattr(model, "merge_and_unload"):
         with warnings.catch_warnings():
             if str(base_source(model)).endswith(".gguf"):  # peft looks for a config.json beside the base, in vain

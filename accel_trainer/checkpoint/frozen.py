@@ -13,7 +13,6 @@ same on every layout.
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from accelerate.state import PartialState
 from accelerate.utils import broadcast_object_list
 
 from accel_trainer.checkpoint.files import CheckpointError
-from accel_trainer.contract.pretrained import base_source
+from accel_trainer.contract.pretrained import base_source, weights_digest
 
 RECORD_KEY = "frozen"  # train_state.json's entry
 _TAKEN: weakref.WeakKeyDictionary[torch.nn.Module, FrozenWeights | None] = weakref.WeakKeyDictionary()
@@ -53,14 +52,8 @@ class FrozenWeights:
         frozen = {name: p for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         if not frozen:
             return None
-        digest = hashlib.sha256()
-        for name in sorted(frozen):
-            tensor = frozen[name].detach()
-            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-            if tensor.device.type != "meta":
-                digest.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
         numel = sum(p.numel() for p in dict((id(p), p) for p in frozen.values()).values())
-        return cls(frozenset(frozen), digest.hexdigest(), base_source(model), numel)
+        return cls(frozenset(frozen), weights_digest(frozen), base_source(model), numel)
 
     @classmethod
     def agreed(cls, model: torch.nn.Module) -> FrozenWeights | None:

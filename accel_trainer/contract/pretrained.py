@@ -8,6 +8,7 @@ process only)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,17 @@ def base_source(model: torch.nn.Module) -> str | None:
     if not name:
         return None
     return str(Path(name).resolve()) if Path(name).is_dir() else str(name)
+
+
+def weights_digest(named: dict[str, torch.Tensor]) -> str:
+    """A SHA-256 of the tensors' names, dtypes, shapes and contents (of their shapes alone on the meta device)."""
+    digest = hashlib.sha256()
+    for name in sorted(named):
+        tensor = named[name].detach()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        if tensor.device.type != "meta":
+            digest.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def quiet_progress_bars() -> None:

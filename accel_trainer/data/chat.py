@@ -89,8 +89,8 @@ def tokenize_conversation(tokenizer: Any, turns: list[dict[str, str]], trained_f
     for end, message in enumerate(turns):
         if message["role"] != "assistant" or end < trained_from:
             continue
-        prompt = _render(tokenizer, turns[:end], generation_prompt=True) if end else []
-        upto = _render(tokenizer, turns[: end + 1], generation_prompt=False)
+        prompt = render_ids(tokenizer, turns[:end], generation_prompt=True) if end else []
+        upto = render_ids(tokenizer, turns[: end + 1], generation_prompt=False)
         if upto[: len(ids)] != ids or upto[: len(prompt)] != prompt or len(prompt) < len(ids):
             raise ConfigError(
                 "the chat template renders a conversation's earlier turns differently once it goes on (it is no"
@@ -110,7 +110,7 @@ def tokenize_conversation(tokenizer: Any, turns: list[dict[str, str]], trained_f
             "a conversation has no assistant message to learn (role 'assistant'"
             f"{' in its completion' if trained_from else ''}): roles seen {sorted({m['role'] for m in turns})}"
         )
-    whole = _render(tokenizer, turns, generation_prompt=False)  # turns after the last reply are context only
+    whole = render_ids(tokenizer, turns, generation_prompt=False)  # turns after the last reply are context only
     return {"input_ids": whole, "assistant_masks": mask + [0] * (len(whole) - len(mask))}
 
 
@@ -127,6 +127,7 @@ def tokenize_row(row: dict[str, Any], index: int, tokenizer: Any, split: str) ->
         raise ConfigError(f"{split} conversation {index}: {error}") from None
 
 
-def _render(tokenizer: Any, turns: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+def render_ids(tokenizer: Any, turns: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    """The conversation's tokens in the tokenizer's chat template (its special tokens are the template's)."""
     text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -23,6 +23,7 @@ from accel_trainer.data.batching import BatchPlan
 from accel_trainer.data.prefetch import Pass, PrefetchGate, check_prefetching, prefetched
 from accel_trainer.data.stream_split import SplitStream, gathered, position_for, splits
 from accel_trainer.data.streams import TrainStream, eval_batches, whole_position
+from accel_trainer.errors import ConfigError
 from accel_trainer.parallel.mesh import DataRanks
 from accel_trainer.recipe import Recipe
 
@@ -42,16 +43,31 @@ class RunData:
     num_prefetch_batches: int = 0
     stream_split: str = "off"  # a sharded stream split over the processes (data/stream_split.py), or read whole
     prefetch_gate: PrefetchGate = field(default_factory=PrefetchGate)  # held shut while evaluating
+    fingerprints: dict[str, str] = field(default_factory=dict)  # the recipe's `data_fingerprints`
     _stream: TrainStream | SplitStream | None = field(default=None, init=False)  # the stream, once reading began
     _position: list[int] | dict[str, Any] | None = field(default=None, init=False)  # a stream's, from a checkpoint
 
     def state_dict(self) -> dict[str, Any]:
         """The data position a checkpoint carries (registered with the checkpointer): a stream's, None for a
-        map-style set, whose position follows from the step."""
-        return {"data_position": self.stream_position()}
+        map-style set, whose position follows from the step; and the recipe's data fingerprints, if any."""
+        fingerprints = {"data_fingerprints": dict(self.fingerprints)} if self.fingerprints else {}
+        return {"data_position": self.stream_position(), **fingerprints}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """A checkpoint's data position, refused in one line if this run cannot continue from it."""
+        """A checkpoint's data position, refused in one line if this run cannot continue from it, as are data
+        fingerprints that differ from this run's (a recipe's cache of precomputed values built from other inputs).
+
+        Raises:
+            ConfigError: the position or the fingerprints do not fit this run.
+        """
+        for name, recorded in saved.get("data_fingerprints", {}).items():
+            if self.fingerprints.get(name) != recorded:
+                here = self.fingerprints.get(name)
+                raise ConfigError(
+                    f"the checkpoint's data were built with {name} {recorded[:12]}, this run's with"
+                    f" {here[:12] if here else 'none'}: resume with the settings, base and data it was trained"
+                    " on, or start a new run"
+                )
         position = saved.get("data_position")
         self.check_position(position)
         self._position = position

@@ -67,6 +67,7 @@ def prepared_for_layout(
         steps_per_epoch=None if train_loader is None else plan.steps_per_epoch(len(train_set)),
         num_prefetch_batches=cfg.num_prefetch_batches,
         stream_split=cfg.stream_split,
+        fingerprints=dict(recipe.data_fingerprints),
     )
     return model, optimizers, pipeline, run_data
 

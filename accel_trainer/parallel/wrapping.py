@@ -67,7 +67,8 @@ def prepare_blocks(
         return
     if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
-        model.config.use_cache = False  # type: ignore[union-attr]
+        if hasattr(model, "config"):  # a PolicyAndReference turns its policy's cache off itself
+            model.config.use_cache = False  # type: ignore[union-attr]
         return
     if not classes:
         if is_main_process:
