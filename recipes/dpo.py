@@ -180,7 +180,7 @@ class DPO(at.Recipe):
         """Each pair's loss and TRL's metrics (at.preference_terms), from the policy's and the reference's
         log-probabilities of its completions."""
         cfg, ids, mask = self.cfg, batch["input_ids"], batch["completion_mask"]
-        inputs = {"input_ids": ids, "use_cache": False}  # padded on the right: causal attention never sees it
+        inputs = {"input_ids": ids, "attention_mask": batch["attention_mask"], "use_cache": False}
         reference = None
         if cfg.loss == "simpo" or "ref_chosen_logps" in batch:
             logits = model(**inputs).logits

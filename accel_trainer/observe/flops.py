@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, init_empty_weights
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -106,12 +107,24 @@ def to_meta(batch: Any) -> Any:
 def _count_on_meta(recipe: Recipe, cfg: TrainConfig, batch: Any, phases: tuple[str | None, ...]) -> int:
     model = model_on_meta(recipe, cfg)
     model.train()
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, _MetaScalarsAreOne():
         for phase in phases:  # a step of alternating optimizers is a forward and backward per phase
             extra = {} if phase is None else {"phase": phase}
             output = read_loss_output(recipe.compute_loss(model, to_meta(batch), **extra))
             output.loss.backward()
     return counter.get_total_flops()
+
+
+class _MetaScalarsAreOne(TorchDispatchMode):
+    """A value read off a meta tensor (`.item()`, `bool(mask.all())`) is 1, or True, where torch refuses it:
+    transformers reads such values to choose a path (whether a padding mask holds padding, whether position ids
+    are packed), and a count needs the shapes alone (the path chosen then is the one without padding)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+        return func(*args, **(kwargs or {}))
 
 
 def model_on_meta(recipe: Recipe, cfg: TrainConfig) -> torch.nn.Module:
@@ -127,11 +140,11 @@ def model_on_meta(recipe: Recipe, cfg: TrainConfig) -> torch.nn.Module:
             raise
         with weights_unread(), init_empty_weights(include_buffers=False):  # the base's file: its header alone
             model = recipe.build_model(cfg)
-    config = getattr(model, "config", None)
     # transformers reads token values to warn about padding (`.item()`, which meta tensors refuse): this copy
-    # only counts, so it forgets its pad token
-    if config is not None and getattr(config, "pad_token_id", None) is not None:
-        config.pad_token_id = None
+    # only counts, so it forgets its pad token, in every model it holds (a policy and its reference, say)
+    for config in {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}.values():
+        if getattr(config, "pad_token_id", None) is not None:
+            config.pad_token_id = None
     return model
 
 
