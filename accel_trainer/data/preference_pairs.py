@@ -8,10 +8,10 @@ A row is `prompt`, `chosen`, `rejected`:
   appended to each completion that lacks it.
 Without `prompt`, the prompt is what `chosen` and `rejected` begin with alike (TRL's `extract_prompt`).
 The completion's tokens are those after the longest common prefix of the prompt's tokens and the prompt+completion's
-(a template may render the prompt alone differently). A micro-batch of pairs is one batch of 2n sequences, every
-pair's chosen then every pair's rejected, so a pair is never split; each sequence is cut to `max_length` tokens
-(keeping its start, or its end) and padded on the right. A pair whose prompt alone fills `max_length` (keeping the
-start) has nothing left to learn from: it is dropped, and a line counts such pairs.
+(a template may render the prompt alone differently). A micro-batch holds pairs, each one sample, so a pair is
+never split; a forward reads it as 2n sequences, every pair's chosen then every pair's rejected. Each sequence is
+cut to `max_length` tokens (keeping its start, or its end) and padded on the right. A pair whose prompt alone fills
+`max_length` (keeping the start) has nothing left to learn from: it is dropped, and a line counts such pairs.
 """
 
 from __future__ import annotations
@@ -101,9 +101,10 @@ def tokenized_pairs(rows: datasets.Dataset, tokenizer: Any, split: str, max_leng
 def collate_pairs(
     examples: list[dict[str, Any]], pad_id: int, max_length: int | None, keep: Literal["start", "end"] = "start"
 ) -> dict[str, torch.Tensor]:
-    """A micro-batch of n pairs as 2n sequences, [chosen of each; rejected of each]: `input_ids` (prompt and
-    completion, cut to `max_length` and padded with `pad_id` on the right), `attention_mask`, `completion_mask`
-    (1 on the completion's tokens), and the reference columns where the pairs carry them."""
+    """A micro-batch of n pairs: `input_ids` (prompt and completion, cut to `max_length` and padded with `pad_id`
+    on the right), `attention_mask` and `completion_mask` (1 on the completion's tokens), each of shape
+    (n, 2, length), a pair's chosen then its rejected (a pair is one sample: the framework never cuts it), and the
+    reference columns where the pairs carry them. `sequences` lays them out as the model reads them."""
     sequences, masks = [], []
     for completion in ("chosen_ids", "rejected_ids"):
         for example in examples:
@@ -113,16 +114,23 @@ def collate_pairs(
     if max_length is not None:
         cut = slice(None, max_length) if keep == "start" else slice(-max_length, None)
         sequences, masks = [ids[cut] for ids in sequences], [mask[cut] for mask in masks]
-    width = max(len(ids) for ids in sequences)
-    batch = {
-        "input_ids": torch.tensor([ids + [pad_id] * (width - len(ids)) for ids in sequences]),
-        "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in sequences]),
-        "completion_mask": torch.tensor([mask + [0] * (width - len(mask)) for mask in masks]),
+    width, pairs = max(len(ids) for ids in sequences), len(examples)
+    padded = {
+        "input_ids": [ids + [pad_id] * (width - len(ids)) for ids in sequences],
+        "attention_mask": [[1] * len(ids) + [0] * (width - len(ids)) for ids in sequences],
+        "completion_mask": [mask + [0] * (width - len(mask)) for mask in masks],
     }
+    batch = {key: torch.tensor(rows).view(2, pairs, width).transpose(0, 1) for key, rows in padded.items()}
     for column in REFERENCE_COLUMNS:
         if column in examples[0]:
             batch[column] = torch.tensor([float(example[column]) for example in examples])
     return batch
+
+
+def sequences(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A batch of n pairs as the 2n sequences one forward reads, TRL's order: every pair's chosen, then every
+    pair's rejected (so `logps.chunk(2)` gives the chosen and the rejected ones)."""
+    return {key: batch[key].transpose(0, 1).flatten(0, 1) for key in ("input_ids", "attention_mask", "completion_mask")}
 
 
 def _ids(values: Any) -> list[int]:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from accel_trainer.contract.preference import completion_logps
 from accel_trainer.contract.pretrained import weights_digest
-from accel_trainer.data.preference_pairs import REFERENCE_COLUMNS
+from accel_trainer.data.preference_pairs import REFERENCE_COLUMNS, sequences
 
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
@@ -74,7 +74,8 @@ def reference_logps(
     with torch.no_grad():
         for start in range(0, len(pairs), batch_size):
             rows = pairs.select(range(start, min(start + batch_size, len(pairs))))
-            batch = {k: v.to(device) for k, v in collate([{c: row[c] for c in TOKEN_COLUMNS} for row in rows]).items()}
+            batch = sequences(collate([{c: row[c] for c in TOKEN_COLUMNS} for row in rows]))
+            batch = {k: v.to(device) for k, v in batch.items()}
             logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             logps = completion_logps(logits, batch["input_ids"], batch["completion_mask"]).float().cpu()
             chosen.append(logps[: len(rows)])
@@ -89,7 +90,7 @@ def cache_key(splits: dict[str, datasets.Dataset], reference: torch.nn.Module, b
     for name, pairs in sorted(splits.items()):
         digest.update(name.encode())
         for column in TOKEN_COLUMNS:
-            digest.update(json.dumps(pairs[column]).encode())
+            digest.update(json.dumps(list(pairs[column])).encode())
     return digest.hexdigest()
 
 
