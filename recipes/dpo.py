@@ -14,7 +14,7 @@ messages (through the base's chat template, or `chat_template=`), or plain text 
 to each completion); without `prompt`, what chosen and rejected begin with alike (accel_trainer/data/
 preference_pairs.py). `eval_data=` is the held-out set, else an eval_fraction of the pairs. Without data=, the
 demo: each question of sft_chat's demo, "What does <module>.<name> do?", with its docstring's first sentence
-chosen and another question's answer rejected; its held-out questions are those sft_chat's demo held out.
+chosen and that answer cut short rejected; its held-out questions are those sft_chat's demo held out.
 
 Loss (`loss=`): `dpo`, TRL's sigmoid DPO with `beta`, against a reference: the base itself, which is the adapter
 disabled under LoRA, a frozen copy of the base in full (`at.PolicyAndReference`: sharded like the policy, kept
@@ -22,14 +22,13 @@ out of checkpoints and fingerprinted), or, with `precompute_ref=true`, its log-p
 training and cached (accel_trainer/data/reference_logps.py). `simpo`: SimPO, reference-free, on the average
 log-probability per token with the margin `simpo_gamma`. Logged as TRL logs them: `loss`, `rewards/chosen`,
 `rewards/rejected`, `rewards/margins`, `rewards/accuracies`, `logps/chosen`, `logps/rejected`, exact means over
-each optimizer step's pairs. Evaluation adds `preference_accuracy`: the share of held-out pairs whose chosen
-completion the model finds more likely than the rejected one. `final/` is the tuned model (LoRA merged, and
+each optimizer step's pairs, and the same of the held-out pairs (`eval/rewards/accuracies`: the share whose chosen
+completion the tuned model prefers over the reference more than the rejected one). `final/` is the tuned model (LoRA merged, and
 `final/adapter/`) with the base's tokenizer; `answers.md` its answers to held-out prompts beside both completions.
 """
 
 from __future__ import annotations
 
-import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +53,7 @@ class DPOConfig(PretrainedBase, at.TrainConfig):  # type: ignore[valid-type,misc
     max_steps: int = 200
     global_batch_size: int = 16
     micro_batch_size: int = 8
-    lr: float = 5e-5
+    lr: float = 1e-3
     warmup_steps: int = 10
     log_every_steps: int = 10
     eval_every_steps: int = 50
@@ -173,8 +172,7 @@ class DPO(at.Recipe):
         }
 
     def eval_metrics(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        terms = self.pair_terms(model, batch)
-        return terms | {"preference_accuracy": (terms["logps/chosen"] > terms["logps/rejected"]).float()}
+        return self.pair_terms(model, batch)  # per pair: exact means over the held-out pairs
 
     def pair_terms(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each pair's loss and TRL's metrics (at.preference_terms), from the policy's and the reference's
@@ -202,7 +200,7 @@ class DPO(at.Recipe):
         if self.held_out_rows is None:
             return
         lines = ["# Answers to held-out prompts\n"]
-        for row in self.held_out_rows.map(preference_pairs.with_prompt):
+        for row in map(preference_pairs.with_prompt, self.held_out_rows):
             prompt = row["prompt"]
             answer = greedy_answer(model, self.tokenizer, prompt, self.cfg.max_answer_chars)
             question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
@@ -227,7 +225,7 @@ def pair_splits(cfg: DPOConfig) -> dict[str, datasets.Dataset]:
     """The pairs' rows, "train" and, unless none is held out, "test": eval_data=, else an eval_fraction of the rows
     (split_seed). Without data=, the demo's pairs."""
     if not cfg.data:
-        rows = datasets.Dataset.from_list(demo_pairs(cfg.max_source_bytes, cfg.max_answer_chars, cfg.split_seed))
+        rows = datasets.Dataset.from_list(demo_pairs(cfg.max_source_bytes, cfg.max_answer_chars))
     else:
         with gpt_module._quiet_datasets():
             rows = at.read_data(cfg.data, preference_pairs.FORMS, streaming=False, seed=cfg.seed)
@@ -239,18 +237,15 @@ def pair_splits(cfg: DPOConfig) -> dict[str, datasets.Dataset]:
     return dict(rows.train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed))
 
 
-def demo_pairs(max_source_bytes: int, max_answer_chars: int, seed: int) -> list[dict[str, Any]]:
+def demo_pairs(max_source_bytes: int, max_answer_chars: int) -> list[dict[str, Any]]:
     """sft_chat's demo questions, in its order (so that a split with its seed holds out the same ones), each with
-    its own answer chosen and another question's (drawn with `seed`) rejected."""
-    conversations = sft_module.stdlib_questions(max_source_bytes, max_answer_chars)
-    answers = [turns[1]["content"] for turns in conversations]
-    draw = random.Random(seed)
+    its whole answer chosen and the answer cut short (its first half of words, of characters for one word) and
+    ended, rejected: a preference for finished answers, which holds for questions never seen."""
     pairs = []
-    for i, (question, answer) in enumerate(conversations):
-        other = answers[(i + draw.randrange(1, len(answers))) % len(answers)]
-        while other == answer["content"]:  # another question with the same answer
-            other = answers[draw.randrange(len(answers))]
-        pairs.append({"prompt": [question], "chosen": [answer], "rejected": [{"role": "assistant", "content": other}]})
+    for question, answer in sft_module.stdlib_questions(max_source_bytes, max_answer_chars):
+        words = answer["content"].split()
+        cut = " ".join(words[: len(words) // 2]) if len(words) > 1 else answer["content"][: len(answer["content"]) // 2]
+        pairs.append({"prompt": [question], "chosen": [answer], "rejected": [{"role": "assistant", "content": cut}]})
     return pairs
 
 

@@ -11,6 +11,7 @@ packed conversations apart, to the same weights on one process and FSDP.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -400,3 +401,21 @@ def test_a_chat_runs_final_folder_answers_in_its_chat_template_and_its_report_ho
         (one / "no_template" / name).write_bytes((one / "final" / name).read_bytes())
     with pytest.raises(UserError, match="has no chat template"):
         sample(one / "no_template", ["What does abc.ABC do?"], chat=True)
+
+
+def test_dpo_after_the_chat_finetune_raises_the_held_out_preference_accuracy(chat_one_process, tmp_path):
+    """The demo's preference (recipes/dpo.py): each question's whole answer over the answer cut short. At this
+    test's scale (a base of 4 steps, 4 of SFT, 40 of full DPO) the held-out reward accuracy goes from 0 (the
+    policy is its reference) to at least 0.8 and the held-out DPO loss falls below log 2 (measured: 1.0, 0.693 ->
+    0.29); docs/preference.md gives the recipe's own scale."""
+    at.train("dpo", base=str(chat_one_process[4] / "final"), output_dir=str(tmp_path), lora_r=0, lr=2e-4,
+             max_steps=40, max_answer_chars=60, max_source_bytes=600_000, global_batch_size=8, eval_fraction=0.25,
+             eval_every_steps=40,
+             log_every_steps=10, show_progress_bar=False, report=False)  # fmt: skip
+    reset_accelerate_state()
+    evals = [record for record in read_metrics(tmp_path) if "eval/loss" in record]
+    assert [record["step"] for record in evals] == [0, 40]
+    assert evals[0]["eval/rewards/accuracies"] == 0.0 and evals[0]["eval/loss"] == pytest.approx(math.log(2))
+    assert evals[1]["eval/rewards/accuracies"] >= 0.8, evals[1]
+    assert evals[1]["eval/loss"] < 0.95 * math.log(2), evals[1]
+    assert "- rejected: " in (tmp_path / "answers.md").read_text()

@@ -300,7 +300,7 @@ def test_the_checkout_recipes_folder_is_discovered_with_one_recipe_per_file():
     assert len(from_folder) == len(recipe_files)
     # A new recipe must update this count: the test then proves the new file is really discovered.
     assert len(from_folder) == 9
-    assert from_folder == ["gan", "gpt", "hf_causal_lm", "hf_finetune", "mlp", "resnet", "sft_chat", "sketched", "vae"]
+    assert from_folder == ["dpo", "gan", "gpt", "hf_causal_lm", "hf_finetune", "mlp", "resnet", "sft_chat", "sketched", "vae"]
 
 
 def test_default_discovery_includes_the_checkout_recipes_folder():
