@@ -22,9 +22,10 @@ out of checkpoints and fingerprinted), or, with `precompute_ref=true`, its log-p
 training and cached (accel_trainer/data/reference_logps.py). `simpo`: SimPO, reference-free, on the average
 log-probability per token with the margin `simpo_gamma`. Logged as TRL logs them: `loss`, `rewards/chosen`,
 `rewards/rejected`, `rewards/margins`, `rewards/accuracies`, `logps/chosen`, `logps/rejected`, exact means over
-each optimizer step's pairs, and the same of the held-out pairs (`eval/rewards/accuracies`: the share whose chosen
-completion the tuned model prefers over the reference more than the rejected one). `final/` is the tuned model (LoRA merged, and
-`final/adapter/`) with the base's tokenizer; `answers.md` its answers to held-out prompts beside both completions.
+each optimizer step's pairs, and the same of the held-out pairs (`eval/rewards/accuracies`: the share whose
+chosen completion the tuned model prefers over the reference more than the rejected one). `final/` is the tuned
+model (LoRA merged, and `final/adapter/`) with the base's tokenizer; `answers.md` its answers to held-out prompts
+beside both completions.
 """
 
 from __future__ import annotations
