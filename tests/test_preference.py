@@ -161,35 +161,36 @@ SMALL = ["max_steps=4", "global_batch_size=8", "micro_batch_size=2", "warmup_ste
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 
 
+VARIANTS = {"lora": ["lora_r=4"], "full": ["lora_r=0"], "precomputed": ["lora_r=0", "precompute_ref=true"]}
+
+
 @pytest.fixture(scope="module")
 def one_process(tiny_base, chat_pairs, tmp_path_factory):
-    """DPO on the conversational pairs, LoRA (r=4) and in full, on one process (4 micro-batches a step)."""
+    """DPO on the conversational pairs on one process (4 micro-batches a step): LoRA (r=4), full (a frozen
+    reference copy), and full with precomputed reference log-probabilities."""
     runs = {}
-    for lora_r in (4, 0):
-        runs[lora_r] = tmp_path_factory.mktemp(f"dpo_r{lora_r}")
-        train_and_dump("cpu", runs[lora_r], "dpo", f"base={tiny_base}", f"data={chat_pairs}", f"lora_r={lora_r}",
-                       *SMALL, world_size=1)  # fmt: skip
+    for variant, overrides in VARIANTS.items():
+        runs[variant] = tmp_path_factory.mktemp(f"dpo_{variant}")
+        train_and_dump("cpu", runs[variant], "dpo", f"base={tiny_base}", f"data={chat_pairs}", *overrides, *SMALL,
+                       world_size=1)  # fmt: skip
     return runs
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
-@pytest.mark.parametrize("lora_r", [4, 0], ids=["lora", "full"])
+@pytest.mark.parametrize(
+    ("layout", "variant"),
+    [("cpu_ddp", "lora"), ("cpu_ddp", "full"), ("cpu_fsdp", "lora"), ("cpu_fsdp", "full"), ("cpu_fsdp", "precomputed")],
+)
 def test_dpo_trains_to_the_weights_and_metrics_of_one_process_on_ddp_and_fsdp(
-    layout,
-    lora_r,
-    tiny_base,
-    chat_pairs,
-    one_process,
-    tmp_path,
+    layout, variant, tiny_base, chat_pairs, one_process, tmp_path
 ):
-    records = train_and_dump(layout, tmp_path, "dpo", f"base={tiny_base}", f"data={chat_pairs}", f"lora_r={lora_r}",
+    records = train_and_dump(layout, tmp_path, "dpo", f"base={tiny_base}", f"data={chat_pairs}", *VARIANTS[variant],
                              *SMALL, world_size=2)  # fmt: skip
-    expected, actual = final_parameters(one_process[lora_r]), final_parameters(tmp_path)
+    expected, actual = final_parameters(one_process[variant]), final_parameters(tmp_path)
     assert expected.keys() == actual.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], **TOLERANCE)
-    alone = read_metrics(one_process[lora_r])
+    alone = read_metrics(one_process[variant])
     for mine, theirs in zip(records, alone, strict=True):
         for name in [*LOGGED, *(f"eval/{name}" for name in LOGGED)]:
             if name in theirs:
@@ -200,7 +201,7 @@ def test_a_full_dpo_keeps_its_reference_out_of_checkpoints_and_final(tiny_base, 
     """The frozen copy is fingerprinted, not saved; final/ is the policy alone, a plain transformers model."""
     from safetensors.torch import load_file
 
-    run = one_process[0]
+    run = one_process["full"]
     checkpoint = run / "checkpoints" / "step_00000002"
     state = json.loads((checkpoint / "train_state.json").read_text())
     assert state["frozen"]["parameters"] > 0
@@ -211,11 +212,11 @@ def test_a_full_dpo_keeps_its_reference_out_of_checkpoints_and_final(tiny_base, 
     assert (run / "answers.md").read_text().count("- chosen:") == 5
 
 
-@pytest.mark.parametrize("lora_r", [4, 0], ids=["lora", "full"])
-def test_dpo_resumes_bitwise(lora_r, tiny_base, chat_pairs, one_process, tmp_path):
-    settings = dict(item.split("=") for item in SMALL)
-    settings.update(base=str(tiny_base), data=str(chat_pairs), lora_r=str(lora_r))
-    run = one_process[lora_r]
+@pytest.mark.parametrize("variant", ["lora", "full"])
+def test_dpo_resumes_bitwise(variant, tiny_base, chat_pairs, one_process, tmp_path):
+    settings = dict(item.split("=") for item in [*SMALL, *VARIANTS[variant]])
+    settings.update(base=str(tiny_base), data=str(chat_pairs))
+    run = one_process[variant]
     resumed = dpo_run(tmp_path, resume=str(run / "checkpoints" / "step_00000002"), **settings)
     expected, actual = final_parameters(run), final_parameters(tmp_path)
     assert all(torch.equal(actual[name], expected[name]) for name in expected)

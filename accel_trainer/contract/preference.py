@@ -55,8 +55,11 @@ def preference_terms(
     `rewards/margins`, `rewards/accuracies`, `logps/chosen`, `logps/rejected` (tensors of shape (pairs,)).
 
     Args:
-        chosen, rejected: the policy's completion log-probabilities (sums for DPO, averages for SimPO).
-        ref_chosen, ref_rejected: the reference's, for DPO; SimPO takes none.
+        chosen: the policy's completion log-probabilities of the chosen completions (sums for DPO, averages for
+            SimPO), shape (pairs,).
+        rejected: the same of the rejected completions.
+        ref_chosen: the reference's of the chosen completions, for DPO; SimPO takes none.
+        ref_rejected: the reference's of the rejected completions.
         beta: DPO's β (TRL's default 0.1), SimPO's β.
         loss: "dpo" (sigmoid) or "simpo".
         simpo_gamma: SimPO's target margin γ (TRL's default 0.5).

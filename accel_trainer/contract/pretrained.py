@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ def base_source(model: torch.nn.Module) -> str | None:
     return str(Path(name).resolve()) if Path(name).is_dir() else str(name)
 
 
-def weights_digest(named: dict[str, torch.Tensor]) -> str:
+def weights_digest(named: Mapping[str, torch.Tensor]) -> str:
     """A SHA-256 of the tensors' names, dtypes, shapes and contents (of their shapes alone on the meta device)."""
     digest = hashlib.sha256()
     for name in sorted(named):
