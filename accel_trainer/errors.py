@@ -42,6 +42,8 @@ class EstimateCrashed(Exception):
 
 def describe_crash(error: BaseException) -> str:
     """The recipe's frames of a traceback, the exception, and one line naming the recipe method."""
+    if os.environ.get("ACCEL_TRAINER_FULL_TRACEBACK"):  # as the run's own crash (training.py), for estimate's ranks
+        return "".join(traceback.format_exception(error)).rstrip()
     every = traceback.extract_tb(error.__traceback__)
     ours = [_is_recipe_code(frame.filename) for frame in every]
     # Recipe code called by the framework (the loop calling compute_loss) is below a framework frame; a

@@ -264,3 +264,31 @@ def test_a_preference_mistake_is_one_line(overrides, message, tiny_base, text_pa
     rest = [o for o in overrides if not o.startswith("data=")]
     arguments = ["train", "dpo", f"base={tiny_base}", *data, *rest, f"output_dir={tmp_path}"]
     assert_one_line_error(exit_status(cli.main, arguments), capsys.readouterr().err, message)
+
+
+def test_canary_transformers_reads_a_mask_value_that_a_meta_tensor_refuses(tiny_base):
+    """transformers reads whether a padding mask holds padding (and whether positions are packed) as a value,
+    which a meta tensor refuses: the FLOP count's meta copy answers such reads with 1 (observe/flops.py
+    `_MetaScalarsAreOne`). Fails the day transformers reads no value there; the regression is below."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tiny_base))
+    model.config.pad_token_id = None
+    ids = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    with pytest.raises(RuntimeError, match=r"item\(\) cannot be called on meta tensors"):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+
+
+@pytest.mark.parametrize("variant", ["lora", "full"])
+def test_the_flops_of_a_dpo_step_are_counted_with_the_reference_forward(variant, tiny_base, text_pairs):
+    from accel_trainer.observe.flops import flops_per_sample
+
+    recipe_cls = at.get_recipe("dpo")
+    cfg = recipe_cls.Config(base=str(tiny_base), data=str(text_pairs), lora_r=4 if variant == "lora" else 0)
+    recipe = recipe_cls(cfg)
+    recipe.tokenizer = recipe.build_tokenizer(cfg)
+    recipe.build_model(cfg)  # its max_length
+    train, _ = recipe.build_datasets(cfg)
+    flops, source = flops_per_sample(recipe, cfg, recipe.collate([train[0], train[1]]), 1000)
+    assert source == "counted by FlopCounterMode, forward + backward" and flops > 0

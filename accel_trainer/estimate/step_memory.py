@@ -153,12 +153,33 @@ def _point_at(optimizer: torch.optim.Optimizer, model: torch.nn.Module, groups: 
         group["params"] = [prepared[name.removeprefix("module.")] for name in group_names]
 
 
+class _NoHook:
+    """The handle of a hook never installed."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 class _LocalTensorTracker(MemTracker):
     """torch's `MemTracker` for the totals alone. It counts the local tensors a DTensor op runs on rather than the
     DTensor op itself: tracking the DTensor op sent DTensor down its slow path, which fails on an unevenly
     sharded dimension (a vocabulary of 257 split over 2 tensor-parallel processes: a shape error on the
     second). Its per-module records refuse a module run twice in a step, as a pipeline's stage is (once per
     slice): those records are not kept."""
+
+    def _track_module_params_and_buffers(
+        self, module: torch.nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        """torch's, which hooks the gradient of every parameter, frozen ones too, where `register_hook` refuses
+        them (a preference tune's frozen reference copy): a frozen parameter's hooks count as installed. Canary:
+        tests/unit/estimate/test_step_memory.py."""
+        for parameter in module.parameters():
+            if not parameter.requires_grad and self._param_to_grad_hook_handles.get(parameter) is None:
+                self._param_to_grad_hook_handles[parameter] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)  # type: ignore[no-any-return]
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         with contextlib.suppress(NotImplementedError):  # "multiple iterative calls": the stage's next slice
