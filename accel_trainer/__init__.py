@@ -29,7 +29,13 @@ if TYPE_CHECKING:
     from accel_trainer.config.train_config import TrainConfig
     from accel_trainer.contract.losses import token_cross_entropy
     from accel_trainer.contract.preference import completion_logps, preference_loss, preference_terms
-    from accel_trainer.contract.pretrained import base_context, check_base, load_base_model, load_base_tokenizer
+    from accel_trainer.contract.pretrained import (
+        base_config_context,
+        base_context,
+        check_base,
+        load_base_model,
+        load_base_tokenizer,
+    )
     from accel_trainer.contract.reference import PolicyAndReference, policy_and_reference
     from accel_trainer.data.sources import check_data, check_data_spec, read_data
     from accel_trainer.errors import ConfigError, LayoutError, RecipeError, UserError
@@ -51,6 +57,7 @@ _HOMES = {
     "TrainResult": "training",
     "UserError": "errors",
     "add_recipe": "registry",
+    "base_config_context": "contract.pretrained",
     "base_context": "contract.pretrained",
     "check_base": "contract.pretrained",
     "check_data": "data.sources",
@@ -83,6 +90,7 @@ __all__ = [
     "TrainResult",
     "UserError",
     "add_recipe",
+    "base_config_context",
     "base_context",
     "check_base",
     "check_data",

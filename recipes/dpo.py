@@ -112,29 +112,27 @@ class DPO(at.Recipe):
     needs_base = "this recipe needs base=: a save_pretrained folder (an SFT run's final/), a cached hub id or a .gguf"
 
     def build_tokenizer(self, cfg: DPOConfig) -> Any:
-        """The base's own tokenizer, with the chosen chat template (else its own, if it has one)."""
+        """The base's own tokenizer, with the chosen chat template (else its own, if it has one); and the
+        sequences' max_length, from the base's context (built first, before the model and the data)."""
         if not cfg.base:
             raise at.ConfigError(self.needs_base)
         tokenizer = at.load_base_tokenizer(cfg.base)
         if cfg.chat_template or getattr(tokenizer, "chat_template", None):
             chat.resolve_template(tokenizer, cfg.chat_template)
+        self.max_length = resolved_max_length(cfg)
         return tokenizer
 
     def build_model(self, cfg: DPOConfig) -> Any:
-        """The base with dropout off, its context setting max_length; LoRA of it, or the policy with a frozen
-        reference copy (a full DPO without precomputed reference log-probabilities)."""
+        """The base with dropout off; LoRA of it, or the policy with a frozen reference copy (a full DPO without
+        precomputed reference log-probabilities)."""
         model = finetune_module.load_base(cfg, self.needs_base)
-        context = at.base_context(model)
-        self.max_length = cfg.max_length or min(TRL_MAX_LENGTH, context or TRL_MAX_LENGTH)
-        if context and self.max_length > context:
-            raise at.RecipeError(f"max_length={cfg.max_length} is longer than the base's context, {context}")
         if cfg.disable_dropout:
             disable_dropout(model)
         model = finetune_module.with_lora(model, cfg)
         needs_copy = cfg.lora_r == 0 and cfg.loss == "dpo" and not cfg.precompute_ref
         return at.PolicyAndReference(model) if needs_copy else model
 
-    max_length = TRL_MAX_LENGTH  # build_model's, from the base's context
+    max_length = TRL_MAX_LENGTH  # build_tokenizer's, from the base's context
 
     def build_datasets(self, cfg: DPOConfig) -> tuple[datasets.Dataset, datasets.Dataset | None]:
         tokenizer = self.tokenizer
@@ -212,6 +210,18 @@ class DPO(at.Recipe):
         (run_dir / "answers.md").write_text("\n".join(lines))
 
     held_out_rows: datasets.Dataset | None = None
+
+
+def resolved_max_length(cfg: DPOConfig) -> int:
+    """max_length, or TRL's 1024 where the base's context is no shorter; one line if it exceeds the context.
+
+    Raises:
+        RecipeError: max_length is longer than the base's context.
+    """
+    context = at.base_config_context(cfg.base)
+    if cfg.max_length and context and cfg.max_length > context:
+        raise at.RecipeError(f"max_length={cfg.max_length} is longer than the base's context, {context}: give less")
+    return cfg.max_length or min(TRL_MAX_LENGTH, context or TRL_MAX_LENGTH)
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

@@ -256,6 +256,7 @@ def test_precomputed_reference_log_probabilities_train_as_the_reference_does_cac
     [
         (["loss=simpo", "precompute_ref=true"], "SimPO has no reference"),
         (["beta=0"], "beta=0"),
+        (["max_length=600"], "max_length=600 is longer than the base's context, 512"),
         (["data=MISSING"], "MISSING"),
     ],
 )

@@ -138,7 +138,18 @@ def load_base_tokenizer(base: str) -> Any:
 
 def base_context(model: Any) -> int:
     """The longest sequence the model's positions allow (0: no limit known)."""
-    config = model.config
+    return config_context(model.config)
+
+
+def base_config_context(base: str) -> int:
+    """`base_context` of a checked base, read from its config alone (no weight is loaded)."""
+    from transformers import AutoConfig
+
+    folder, gguf_file = _files(base)
+    return config_context(AutoConfig.from_pretrained(folder, **({"gguf_file": gguf_file} if gguf_file else {})))
+
+
+def config_context(config: Any) -> int:
     return int(getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", 0) or 0)
 
 
