@@ -8,6 +8,7 @@ its DPOTrainer, on the same model, pairs and hyper-parameters, is the peer whose
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,30 @@ def test_a_pair_is_never_split_and_its_completion_alone_counts():
     assert logps.tolist() == pytest.approx([-torch.log(torch.tensor(11.0)).item() * n for n in (1, 2, 3, 1)])
 
 
+MESSAGES = [{"role": "user", "content": "Which colour does Ada like?"}]
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"prompt": "Which colour?", "chosen": " Red.", "rejected": None}, "its rejected is missing (null)"),
+        ({"prompt": "Which colour?", "chosen": "  ", "rejected": " Red."}, "its chosen completion is empty"),
+        ({"prompt": MESSAGES, "chosen": [{"role": "assistant", "content": "Red."}],
+          "rejected": [{"role": "assistant", "content": ""}]}, "its rejected completion is empty"),  # fmt: skip
+        ({"prompt": MESSAGES, "chosen": " Red.", "rejected": " Blue."}, None),  # a completion as text: a message
+        ({"prompt": "Which colour?", "chosen": [{"role": "assistant", "content": "Red."}], "rejected": " Blue."},
+         "its prompt is str and its completions list"),  # fmt: skip
+    ],
+)
+def test_a_pair_with_a_missing_or_empty_completion_is_one_line_naming_it(row, message, tiny_base):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_base)
+    if message is None:
+        assert preference_pairs.tokenize_pair(row, 3, tokenizer, "training")["chosen_ids"]
+        return
+    with pytest.raises(at.ConfigError, match=r"^training pair 3 \('.+'\): " + re.escape(message)):
+        preference_pairs.tokenize_pair(row, 3, tokenizer, "training")
+
+
 def test_simpo_needs_no_reference_and_is_its_papers_loss():
     chosen, rejected = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
     terms = at.preference_terms(chosen, rejected, beta=2.0, loss="simpo", simpo_gamma=0.5)
@@ -210,6 +235,10 @@ def test_a_full_dpo_keeps_its_reference_out_of_checkpoints_and_final(tiny_base, 
     model = transformers.AutoModelForCausalLM.from_pretrained(run / "final")
     assert type(model).__name__ == "LlamaForCausalLM"
     assert (run / "answers.md").read_text().count("- chosen:") == 5
+    scores = at.evaluate_saved(run)  # final/: the policy, against the base as its reference
+    reset_accelerate_state()
+    last = [record for record in read_metrics(run) if "eval/loss" in record][-1]
+    assert scores["eval/loss"] == pytest.approx(last["eval/loss"], abs=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["lora", "full"])
@@ -228,18 +257,21 @@ def test_precomputed_reference_log_probabilities_train_as_the_reference_does_cac
     text_pairs,
     tmp_path,
     monkeypatch,
+    capsys,
 ):
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     live = dpo_run(tmp_path / "live", base=str(tiny_base), data=str(text_pairs), **PEER)
     cached = dpo_run(tmp_path / "cached", base=str(tiny_base), data=str(text_pairs), precompute_ref=True, **PEER)
+    assert "the reference's log-probabilities of 8 pairs computed in" in capsys.readouterr().out
     for mine, theirs in zip(cached, live, strict=True):
         for name in LOGGED:
             assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
     (cache_file,) = (tmp_path / "cache" / "accel_trainer_reference_logps").glob("*.safetensors")
     settings = {**PEER, "max_steps": 4, "save_every_steps": 2}
     first = dpo_run(tmp_path / "first", base=str(tiny_base), data=str(text_pairs), precompute_ref=True, **settings)
+    assert "the reference's log-probabilities of 8 pairs read from" in capsys.readouterr().out  # the cache
     resumed = dpo_run(tmp_path / "resumed", base=str(tiny_base), data=str(text_pairs), precompute_ref=True,
                       resume=str(tmp_path / "first" / "checkpoints" / "step_00000002"), **settings)  # fmt: skip
     assert [r["loss"] for r in resumed] == [r["loss"] for r in first if r["step"] > 2]

@@ -48,6 +48,7 @@ from accel_trainer.checkpoint.trained import RunIdentity
 from accel_trainer.config.command_line import parse_command_line
 from accel_trainer.config.train_config import resolve_settings
 from accel_trainer.contract.pretrained import quiet_progress_bars
+from accel_trainer.contract.reference import policy_of
 from accel_trainer.engine.preparation import prepare_run
 from accel_trainer.errors import RecipeError, UserError
 from accel_trainer.observe.flops import model_on_meta
@@ -209,7 +210,8 @@ def _loading(recipe: Recipe, saved: SavedWeights) -> Any:
         if saved.frozen is not None and not on_meta:  # the checkpoint holds the trainable weights: these frozen ones
             check_frozen(saved.folder, {FROZEN_RECORD: saved.frozen}, frozen)
         try:
-            missing = model.load_state_dict(weights, strict=saved.frozen is None).missing_keys
+            target = model if any(name.startswith("policy.") for name in weights) else policy_of(model)
+            missing = target.load_state_dict(weights, strict=saved.frozen is None).missing_keys  # final/: the policy
             if frozen is not None and set(missing) - frozen.names:
                 raise RuntimeError(f"missing keys: {sorted(set(missing) - frozen.names)[:3]}")
         except RuntimeError as error:  # missing, unexpected or misshapen tensors: the first line names them

@@ -54,6 +54,7 @@ def tokenize_pair(row: dict[str, Any], index: int, tokenizer: Any, split: str) -
         ConfigError: a prompt and completions of different forms, or a completion of no tokens, naming the row.
     """
     prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+    _check_completions(row, f"{split} pair {index}")
     if isinstance(prompt, list):
         chosen, rejected = (_as_messages(completion) for completion in (chosen, rejected))
         prompt_ids = chat.render_ids(tokenizer, prompt, generation_prompt=True)
@@ -67,13 +68,13 @@ def tokenize_pair(row: dict[str, Any], index: int, tokenizer: Any, split: str) -
         chosen_all, rejected_all = (list(tokenizer(prompt + c)["input_ids"]) for c in (chosen, rejected))
     else:
         raise ConfigError(
-            f"{split} pair {index}: its prompt is {type(prompt).__name__} and its completions"
+            f"{split} pair {index} ({_excerpt(prompt)}): its prompt is {type(prompt).__name__} and its completions"
             f" {type(chosen).__name__}: give all three as text, or the prompt as a list of messages"
         )
     start = min(_common_prefix(prompt_ids, chosen_all), _common_prefix(prompt_ids, rejected_all))
     pair = {"prompt_ids": prompt_ids[:start], "chosen_ids": chosen_all[start:], "rejected_ids": rejected_all[start:]}
     if not pair["chosen_ids"] or not pair["rejected_ids"]:
-        raise ConfigError(f"{split} pair {index}: a completion has no tokens (chosen or rejected is empty)")
+        raise ConfigError(f"{split} pair {index} ({_excerpt(prompt)}): a completion has no tokens of its own")
     return pair
 
 
@@ -131,6 +132,32 @@ def sequences(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A batch of n pairs as the 2n sequences one forward reads, TRL's order: every pair's chosen, then every
     pair's rejected (so `logps.chunk(2)` gives the chosen and the rejected ones)."""
     return {key: batch[key].transpose(0, 1).flatten(0, 1) for key in ("input_ids", "attention_mask", "completion_mask")}
+
+
+def _check_completions(row: dict[str, Any], where: str) -> None:
+    """Refuse a pair with a missing (null) column, or a completion of no text: a data mistake, which TRL would
+    train as an end-of-sequence token alone.
+
+    Raises:
+        ConfigError: naming the pair (its number in its split, and its prompt's beginning) and the column.
+    """
+    for column in ("prompt", "chosen", "rejected"):
+        value = row[column]
+        if value is None:
+            raise ConfigError(f"{where} ({_excerpt(row['prompt'])}): its {column} is missing (null)")
+        if column != "prompt" and not _text(value).strip():
+            raise ConfigError(f"{where} ({_excerpt(row['prompt'])}): its {column} completion is empty")
+
+
+def _text(value: Any) -> str:
+    """The text of a completion: itself, or its messages' contents."""
+    return value if isinstance(value, str) else " ".join(str(message.get("content") or "") for message in value)
+
+
+def _excerpt(prompt: Any) -> str:
+    """The beginning of a prompt (of its last message), to find its row by."""
+    text = _text(prompt[-1:] if isinstance(prompt, list) else prompt or "").strip()
+    return repr(text[:40] + ("..." if len(text) > 40 else ""))
 
 
 def _ids(values: Any) -> list[int]:

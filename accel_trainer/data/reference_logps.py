@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,19 +44,22 @@ def with_reference_logps(
     (`batching` says how, for the key); `batch_size` pairs go through the reference at once."""
     key = cache_key(splits, reference, batching)
     path = cache_folder() / f"{key}.safetensors"
+    count, main = sum(len(pairs) for pairs in splits.values()), PartialState().is_main_process
     if path.exists():
-        values = load_file(str(path))
+        values, said = load_file(str(path)), f"read from {path}"
     else:
-        values = {}
+        started, values = time.perf_counter(), {}
         for name, pairs in splits.items():
-            values[f"{name}/chosen"], values[f"{name}/rejected"] = reference_logps(
-                pairs, reference, collate, batch_size
-            )
-        if PartialState().is_main_process:
+            chosen, rejected = reference_logps(pairs, reference, collate, batch_size)
+            values[f"{name}/chosen"], values[f"{name}/rejected"] = chosen, rejected
+        said = f"computed in {time.perf_counter() - started:.1f} s, cached in {path}"
+        if main:
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = path.with_suffix(f".{os.getpid()}.tmp")
             save_file(values, str(temporary), metadata={"pairs": json.dumps({n: len(s) for n, s in splits.items()})})
             os.replace(temporary, path)
+    if main:
+        print(f"accel-trainer: the reference's log-probabilities of {count} pairs {said}", flush=True)
     with_columns = {}
     for name, pairs in splits.items():
         chosen, rejected = values[f"{name}/chosen"].tolist(), values[f"{name}/rejected"].tolist()
