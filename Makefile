@@ -103,7 +103,7 @@ test: install  ## everything but the slow tier, on three pytest workers (tests/c
 test-slow: install  ## the slow tier: the tests that wait out a timeout
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
-bench: install  ## per-step overhead against a plain loop, checkpoint throughput, 1 -> 2 process scaling, split streams, background sharded saves, packed attention (docs/benchmarks.md)
+bench: install  ## per-step overhead against a plain loop, checkpoint throughput, 1 -> 2 process scaling, split streams, background sharded saves, packed attention, DPO against TRL (docs/benchmarks.md)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/checkpoint_speed.py
 	$(BIN)/python benchmarks/scaling.py
@@ -115,6 +115,7 @@ bench: install  ## per-step overhead against a plain loop, checkpoint throughput
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/sharded_save.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/packed_attention.py
 	$(BIN)/python benchmarks/gpt_mfu.py
+	$(BIN)/python benchmarks/dpo_vs_trl.py
 
 lint: install
 	$(BIN)/ruff check accel_trainer recipes tests benchmarks
