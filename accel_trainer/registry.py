@@ -59,17 +59,18 @@ def add_recipe(name: str, recipe_cls: type[Recipe]) -> None:
     _recipes[name] = recipe_cls
 
 
+_in_discovery: list[dict[str, Path]] = []
+"""The recipe files of the folders being discovered, by name (discover_recipes): a file may ask for another."""
+
+
 def get_recipe(name: str) -> type[Recipe]:
-    """Look a recipe up by name, discovering folders and entry points if it is not registered yet: first the file
-    of its name in the recipe folders, so a recipe file may build on another of its folder whatever their order
-    (dpo.py on hf_finetune.py, while the folder is being discovered)."""
-    if name not in _recipes:
-        for path in (folder / f"{name}.py" for folder in _default_folders()):
-            if path.is_file():
-                _import_file(path)
-                break
+    """Look a recipe up by name, discovering folders and entry points if it is not registered yet. While folders
+    are being discovered (a recipe file that builds on another, dpo.py on hf_finetune.py, imported first), the file
+    of that name among them, imported now."""
     if name not in _recipes:
         discover_recipes()
+    if name not in _recipes and _in_discovery and name in _in_discovery[-1]:
+        _import_file(_in_discovery[-1][name])
     if name not in _recipes:
         known = sorted(_recipes)
         hint = difflib.get_close_matches(name, known, n=1)
@@ -140,8 +141,12 @@ def discover_recipes(folders: list[Path] | None = None) -> None:
                 f"recipe files {other} and {path} have the same name: which one is meant is unclear, so neither"
                 " is guessed; rename one of them"
             )
-    for path in by_stem.values():
-        _import_file(path)
+    _in_discovery.append(by_stem)
+    try:
+        for path in by_stem.values():
+            _import_file(path)
+    finally:
+        _in_discovery.pop()
     _load_entry_points()
 
 

@@ -368,3 +368,13 @@ def test_an_entry_point_that_fails_to_load_is_a_recipe_error_naming_it(tmp_path,
 
     with pytest.raises(RecipeError, match="entry point 'missing_demo'.*failed to load"):
         registry._load_entry_points()
+
+
+def test_a_recipe_file_may_build_on_another_of_its_folder_whatever_their_order(tmp_path):
+    """dpo.py builds on hf_finetune.py, which discovery imports after it (files are imported in name order)."""
+    write_module(tmp_path, "a_child", "import accel_trainer as at\nParent = at.get_recipe('z_parent')\n"
+                 "@at.register_recipe('a_child')\nclass Child(Parent):\n    hidden = 2\n")  # fmt: skip
+    write_module(tmp_path, "z_parent", "import accel_trainer as at\n@at.register_recipe('z_parent')\n"
+                 "class Parent(at.Recipe):\n    hidden = 1\n")  # fmt: skip
+    registry.discover_recipes([tmp_path])
+    assert registry.get_recipe("a_child").hidden == 2 and registry.get_recipe("z_parent").hidden == 1
