@@ -155,11 +155,19 @@ MESSAGES = [{"role": "user", "content": "Which colour does Ada like?"}]
     [
         ({"prompt": "Which colour?", "chosen": " Red.", "rejected": None}, "its rejected is missing (null)"),
         ({"prompt": "Which colour?", "chosen": "  ", "rejected": " Red."}, "its chosen completion is empty"),
-        ({"prompt": MESSAGES, "chosen": [{"role": "assistant", "content": "Red."}],
-          "rejected": [{"role": "assistant", "content": ""}]}, "its rejected completion is empty"),  # fmt: skip
+        (
+            {
+                "prompt": MESSAGES,
+                "chosen": [{"role": "assistant", "content": "Red."}],
+                "rejected": [{"role": "assistant", "content": ""}],
+            },
+            "its rejected completion is empty",
+        ),  # fmt: skip
         ({"prompt": MESSAGES, "chosen": " Red.", "rejected": " Blue."}, None),  # a completion as text: a message
-        ({"prompt": "Which colour?", "chosen": [{"role": "assistant", "content": "Red."}], "rejected": " Blue."},
-         "its prompt is str and its completions list"),  # fmt: skip
+        (
+            {"prompt": "Which colour?", "chosen": [{"role": "assistant", "content": "Red."}], "rejected": " Blue."},
+            "its prompt is str and its completions list",
+        ),  # fmt: skip
     ],
 )
 def test_a_pair_with_a_missing_or_empty_completion_is_one_line_naming_it(row, message, tiny_base):

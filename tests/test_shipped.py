@@ -60,7 +60,7 @@ def test_a_mistyped_layout_name_gets_the_nearest_shipped_ones():
         (["cp", "mlp", "{tmp}/vae.py"], "vae is a shipped recipe's name: give the copy its own, e.g. my_mlp.py"),
         (["cp", "mlp", "{tmp}/My-Mlp.py"], "a recipe copy is a .py file named in lower-case letters, digits and _"),
         (["cp", "cpu_tp", "{tmp}/taken.py"], "a layout copy is a .yaml file"),
-        (["cp", "gtp", "{tmp}"], "'gtp' is neither a shipped recipe (gan, gpt,"),
+        (["cp", "gtp", "{tmp}"], "'gtp' is neither a shipped recipe (dpo, gan, gpt,"),
         (["train", "{tmp}/missing.py"], "missing.py does not exist"),
         (["train", "{tmp}/taken.py"], "taken.py registers no recipe"),
     ],
