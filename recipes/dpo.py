@@ -166,32 +166,31 @@ class DPO(at.Recipe):
         return preference_pairs.collate_pairs(examples, self.tokenizer.pad_token_id, self.max_length, keep)
 
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"num_items": torch.tensor(batch["input_ids"].shape[0], device=batch["input_ids"].device)} | {
-            name: values.sum() for name, values in self.pair_terms(model, batch).items()
-        }
+        cfg = self.cfg
+        return at.preference_loss(
+            *self.pair_logps(model, batch), beta=cfg.beta, loss=cfg.loss, simpo_gamma=cfg.simpo_gamma
+        )
 
     def eval_metrics(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.pair_terms(model, batch)  # per pair: exact means over the held-out pairs
+        """Each held-out pair's loss and TRL's metrics: exact means over the held-out pairs."""
+        cfg = self.cfg
+        return at.preference_terms(
+            *self.pair_logps(model, batch), beta=cfg.beta, loss=cfg.loss, simpo_gamma=cfg.simpo_gamma
+        )
 
-    def pair_terms(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each pair's loss and TRL's metrics (at.preference_terms), from the policy's and the reference's
-        log-probabilities of its completions."""
+    def pair_logps(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+        """The policy's log-probabilities of each pair's chosen and rejected completions (sums; SimPO's averages),
+        and the reference's: from its forward, precomputed in the batch, or none (SimPO)."""
         cfg, flat = self.cfg, preference_pairs.sequences(batch)
         ids, mask = flat["input_ids"], flat["completion_mask"]
         inputs = {"input_ids": ids, "attention_mask": flat["attention_mask"], "use_cache": False}
-        reference = None
-        if cfg.loss == "simpo" or "ref_chosen_logps" in batch:
-            logits = model(**inputs).logits
+        if cfg.loss == "simpo" or "ref_chosen_logps" in batch:  # no reference forward
+            output, reference = model(**inputs), (batch.get("ref_chosen_logps"), batch.get("ref_rejected_logps"))
         else:
             output, reference_output = at.policy_and_reference(model, **inputs)
-            logits, reference = output.logits, at.completion_logps(reference_output.logits, ids, mask).chunk(2)
-        if "ref_chosen_logps" in batch:
-            reference = (batch["ref_chosen_logps"], batch["ref_rejected_logps"])
-        chosen, rejected = at.completion_logps(logits, ids, mask, average=cfg.loss == "simpo").chunk(2)
-        ref_chosen, ref_rejected = reference if reference is not None else (None, None)
-        return at.preference_terms(
-            chosen, rejected, ref_chosen, ref_rejected, beta=cfg.beta, loss=cfg.loss, simpo_gamma=cfg.simpo_gamma
-        )
+            reference = at.completion_logps(reference_output.logits, ids, mask).chunk(2)
+        chosen, rejected = at.completion_logps(output.logits, ids, mask, average=cfg.loss == "simpo").chunk(2)
+        return chosen, rejected, *reference
 
     def write_artifacts(self, model: Any, eval_dataset: Any, run_dir: Path) -> None:
         """`answers.md`: the model's greedy answers to the first held-out prompts, beside their chosen and

@@ -62,8 +62,9 @@ def with_reference_logps(
         print(f"accel-trainer: the reference's log-probabilities of {count} pairs {said}", flush=True)
     with_columns = {}
     for name, pairs in splits.items():
-        chosen, rejected = values[f"{name}/chosen"].tolist(), values[f"{name}/rejected"].tolist()
-        with_columns[name] = pairs.add_column(REFERENCE_COLUMNS[0], chosen).add_column(REFERENCE_COLUMNS[1], rejected)
+        for column, side in zip(REFERENCE_COLUMNS, ("chosen", "rejected"), strict=True):
+            pairs = pairs.add_column(column, values[f"{name}/{side}"].tolist())
+        with_columns[name] = pairs
     return with_columns, key
 
 

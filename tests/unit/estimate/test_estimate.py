@@ -25,13 +25,16 @@ def estimate(*words: str, check: bool = True) -> subprocess.CompletedProcess:
     return run_command([BIN / "accel-trainer", "estimate", *words], env=clean_env(), check=check)
 
 
+LOGITS_BYTES = 4 * 64 * 257 * 4  # the small GPT's logits: micro-batch x block x vocabulary, float32
+
+
 @pytest.mark.parametrize(
     ("layout", "model", "peak_within"),
     [
         ("cpu", WIDE_GPT, 0.02),
         ("cpu_ddp", WIDE_GPT, 0.02),
         ("cpu_fsdp", WIDE_GPT, 0.02),
-        ("cpu_tp", SMALL_GPT, 0.02),
+        ("cpu_tp", SMALL_GPT, 0.02),  # and up to two late logits-sized tensors on the real side
         ("cpu_pp", SMALL_GPT, 0.02),
         ("cpu_fsdp_tp", SMALL_GPT, 0.20),
     ],
@@ -44,7 +47,8 @@ def test_the_estimate_of_a_cpu_layout_is_what_its_real_processes_hold(layout, mo
     where a step frees its tensors in one order; under FSDP x TP a real process sometimes still holds one or two
     more tensors of the full logits' size (4 x 64 x 257 floats) when its peak comes (+5% or +9% on a
     tensor-parallel rank 1 in 5 of 7 runs: when a gloo collective's work lets go of its buffers is timing), hence
-    the issue's 20% there."""
+    the issue's 20% there. Under TP alone the same two late tensors came in a loaded CI run (+526,336 bytes, two
+    logits exactly, on rank 1): the real side may hold them above the 2%."""
     accelerate_launch(layout, WORKERS / "estimate_truth.py", "gpt", str(tmp_path), *model)
     planned = json.loads(estimate("gpt", f"layout={layout}", *model, "--json").stdout)
     assert planned["world_size"] == len(list(tmp_path.glob("rank*.json")))
@@ -53,7 +57,9 @@ def test_the_estimate_of_a_cpu_layout_is_what_its_real_processes_hold(layout, mo
         assert memory["rank"] == rank
         for kind in ("params_bytes", "grads_bytes", "optimizer_bytes"):
             assert memory[kind] == real[kind], (kind, memory, real)
-        assert abs(memory["peak_bytes"] - real["tracked_peak_bytes"]) <= peak_within * real["tracked_peak_bytes"]
+        late = 2 * LOGITS_BYTES if layout == "cpu_tp" else 0  # held by a real process when its peak comes
+        excess = real["tracked_peak_bytes"] - memory["peak_bytes"]
+        assert -peak_within * real["tracked_peak_bytes"] <= excess <= peak_within * real["tracked_peak_bytes"] + late
         parts = memory["params_bytes"] + memory["grads_bytes"] + memory["optimizer_bytes"]
         assert memory["activations_bytes"] == memory["peak_bytes"] - parts > 0
 
