@@ -109,7 +109,7 @@ class DPO(at.Recipe):
     """A pretrained causal LM tuned on preference pairs (DPO or SimPO), with LoRA or in full."""
 
     Config = DPOConfig
-    needs_base = "this recipe needs base=: a save_pretrained folder (an SFT run's final/), a cached hub id or a .gguf"
+    needs_base = HFFinetune.needs_base
 
     def build_tokenizer(self, cfg: DPOConfig) -> Any:
         """The base's own tokenizer, with the chosen chat template (else its own, if it has one); and the
@@ -166,13 +166,11 @@ class DPO(at.Recipe):
         return preference_pairs.collate_pairs(examples, self.tokenizer.pad_token_id, self.max_length, keep)
 
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        cfg = self.cfg
-        return at.preference_loss(
-            *self.pair_logps(model, batch), beta=cfg.beta, loss=cfg.loss, simpo_gamma=cfg.simpo_gamma
-        )
+        return at.preference_loss(self.eval_metrics(model, batch))
 
     def eval_metrics(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Each held-out pair's loss and TRL's metrics: exact means over the held-out pairs."""
+        """Each pair's loss and TRL's metrics (at.preference_terms): per pair, exact means over the held-out pairs;
+        summed with their count, the training loss."""
         cfg = self.cfg
         return at.preference_terms(
             *self.pair_logps(model, batch), beta=cfg.beta, loss=cfg.loss, simpo_gamma=cfg.simpo_gamma

@@ -546,6 +546,11 @@ def tiny_base(tmp_path_factory, real_tokenizer):
     return folder
 
 
+NAMES = ["Ada", "Bo", "Cy", "Dee", "Eve", "Flo", "Gus", "Hal"]
+COLOURS = ["red", "blue", "green", "amber", "violet", "teal"]
+"""Who likes which colour: the tests' chats and preference pairs."""
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path

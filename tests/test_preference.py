@@ -18,6 +18,8 @@ import accel_trainer as at
 from accel_trainer import cli
 from accel_trainer.data import preference_pairs
 from conftest import (
+    COLOURS,
+    NAMES,
     assert_one_line_error,
     exit_status,
     final_parameters,
@@ -29,9 +31,6 @@ from conftest import (
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
-
-NAMES = ["Ada", "Bo", "Cy", "Dee", "Eve", "Flo", "Gus", "Hal"]
-COLOURS = ["red", "blue", "green", "amber", "violet", "teal"]
 
 
 def text_pair(i: int) -> dict:
@@ -185,7 +184,7 @@ def test_simpo_needs_no_reference_and_is_its_papers_loss():
     expected = -torch.nn.functional.logsigmoid(2.0 * (chosen - rejected) - 0.5)
     torch.testing.assert_close(terms["loss"], expected)
     assert terms["rewards/accuracies"].tolist() == [1.0, 0.0]
-    summed = at.preference_loss(chosen, rejected, beta=2.0, loss="simpo", simpo_gamma=0.5)
+    summed = at.preference_loss(terms)
     assert summed["num_items"].item() == 2 and summed["loss"].item() == pytest.approx(expected.sum().item())
 
 

@@ -25,7 +25,9 @@ from accel_trainer.contract import pretrained
 from accel_trainer.data import chat
 from conftest import (
     BIN,
+    COLOURS,
     GGUF_NAME,
+    NAMES,
     TEST_OVERRIDES,
     assert_one_line_error,
     clean_env,
@@ -40,9 +42,6 @@ from conftest import (
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-
-NAMES = ["Ada", "Bo", "Cy", "Dee", "Eve", "Flo", "Gus", "Hal"]
-COLOURS = ["red", "blue", "green", "amber", "violet", "teal"]
 
 
 def conversation(i: int) -> dict:

@@ -3,7 +3,7 @@ of chosen/rejected pairs with the metrics TRL logs, in the exact form (sums over
 
     logps = at.completion_logps(logits, batch["input_ids"], batch["completion_mask"])   # per sequence
     chosen, rejected = logps.chunk(2)          # a micro-batch is [chosen of each pair; rejected of each pair]
-    return at.preference_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.1)
+    return at.preference_loss(at.preference_terms(chosen, rejected, ref_chosen, ref_rejected, beta=0.1))
 
 The conventions are TRL 1.16's `DPOTrainer` (trl/trainer/dpo_trainer.py `_compute_loss`): a completion's
 log-probability is the SUM over its tokens (the prompt's count for nothing), the sigmoid loss
@@ -86,19 +86,10 @@ def preference_terms(
     }
 
 
-def preference_loss(
-    chosen: torch.Tensor,
-    rejected: torch.Tensor,
-    ref_chosen: torch.Tensor | None = None,
-    ref_rejected: torch.Tensor | None = None,
-    *,
-    beta: float,
-    loss: Literal["dpo", "simpo"] = "dpo",
-    simpo_gamma: float = 0.5,
-) -> dict[str, torch.Tensor]:
+def preference_loss(terms: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`preference_terms` summed over the micro-batch's pairs, with their count: what `compute_loss` returns for
     an exact mean over the optimizer step's pairs (see the module's docstring)."""
-    terms = preference_terms(chosen, rejected, ref_chosen, ref_rejected, beta=beta, loss=loss, simpo_gamma=simpo_gamma)
-    return {"num_items": torch.tensor(chosen.shape[0], device=chosen.device)} | {
+    pairs = terms["loss"].shape[0]
+    return {"num_items": torch.tensor(pairs, device=terms["loss"].device)} | {
         name: values.sum() for name, values in terms.items()
     }
