@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         load_base_model,
         load_base_tokenizer,
     )
+    from accel_trainer.contract.quantization import quantize_base
     from accel_trainer.contract.reference import PolicyAndReference, policy_and_reference
     from accel_trainer.data.sources import check_data, check_data_spec, read_data
     from accel_trainer.errors import ConfigError, LayoutError, RecipeError, UserError
@@ -71,6 +72,7 @@ _HOMES = {
     "policy_and_reference": "contract.reference",
     "preference_loss": "contract.preference",
     "preference_terms": "contract.preference",
+    "quantize_base": "contract.quantization",
     "read_data": "data.sources",
     "register_recipe": "registry",
     "registered_recipes": "registry",
@@ -104,6 +106,7 @@ __all__ = [
     "policy_and_reference",
     "preference_loss",
     "preference_terms",
+    "quantize_base",
     "read_data",
     "register_recipe",
     "registered_recipes",

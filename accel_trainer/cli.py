@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from accel_trainer.console.closed_stdout import exit_quietly_when_stdout_closes
+from accel_trainer.console.import_noise import drop_known_import_noise
 from accel_trainer.console.warning_lines import show_our_warnings_as_one_line
 from accel_trainer.errors import EstimateCrashed, UserError
 from accel_trainer.estimate.arguments import parse_estimate_arguments
@@ -31,6 +32,7 @@ from accel_trainer.estimate.arguments import parse_estimate_arguments
 def main(argv: list[str] | None = None) -> None:
     """The `accel-trainer` command; a closed stdout (`accel-trainer list | head -3`) ends it quietly."""
     show_our_warnings_as_one_line()
+    drop_known_import_noise()
     with exit_quietly_when_stdout_closes():
         _main(list(sys.argv[1:] if argv is None else argv))
 

@@ -34,6 +34,7 @@ from accel_trainer.config.train_config import (
     resolve_settings,
 )
 from accel_trainer.console.closed_stdout import stdout_is_closed
+from accel_trainer.console.import_noise import drop_known_import_noise
 from accel_trainer.console.warning_lines import show_our_warnings_as_one_line
 from accel_trainer.data.batching import plan_batches, planned_micro_batch_size
 from accel_trainer.engine.loop import train_loop
@@ -93,6 +94,7 @@ def train(
         UserError: for an unknown recipe, a bad config value or a layout that is not what it claims.
     """
     show_our_warnings_as_one_line()
+    drop_known_import_noise()
     recipe_name = recipe_name_of(recipe_name)
     if layout is not None:  # the layout's variables for this run alone: the next run here (a sweep's) is without
         spec, launched = read_layout(str(layout)), launched_world_size()
@@ -186,6 +188,7 @@ def _command_status(recipe_name: str, arguments: list[str], program: list[str]) 
     how a launcher starts this command's workers (the script, or `-m accel_trainer train NAME`)."""
     is_rank_zero = int(os.environ.get("RANK", "0")) == 0
     show_our_warnings_as_one_line()
+    drop_known_import_noise()
     try:
         recipe_name = recipe_name_of(recipe_name)  # `train ./my_gpt.py`: the recipe that file registers
         if "--help" in arguments or "-h" in arguments:  # before reading the rest: help for a command gone wrong

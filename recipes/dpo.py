@@ -157,8 +157,8 @@ class DPO(at.Recipe):
 
     def build_reference(self, cfg: DPOConfig) -> Any:
         """The reference model, for precomputed log-probabilities: the base (what a LoRA's disabled adapter leaves,
-        and what a full fine-tune starts from)."""
-        model = finetune_module.load_base(cfg, self.needs_base)
+        and what a full fine-tune starts from), in 4 bits under QLoRA as the policy's."""
+        model = at.quantize_base(finetune_module.load_base(cfg, self.needs_base), cfg.quantize_base)
         return disable_dropout(model) if cfg.disable_dropout else model
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

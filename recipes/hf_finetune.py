@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import accel_trainer as at
 
@@ -52,10 +52,17 @@ class PretrainedBase:
     """LoRA's scale numerator: the adapter's update is scaled by lora_alpha / lora_r."""
     lora_dropout: float = 0.0
     """Dropout on the adapter's input."""
+    quantize_base: Literal["none", "nf4"] = "none"
+    """nf4: QLoRA, the frozen base's linear weights held in 4 bits (torchao's NF4) under the LoRA adapter."""
 
     def __post_init__(self) -> None:
         if self.lora_r < 0:
             raise at.ConfigError(f"lora_r={self.lora_r}: must be at least 0 (0 trains every weight, no adapter)")
+        if self.quantize_base != "none" and self.lora_r == 0:
+            raise at.ConfigError(
+                f"quantize_base={self.quantize_base} freezes the base in 4 bits, and lora_r=0 trains every weight:"
+                " give lora_r > 0 (QLoRA), or quantize_base=none"
+            )
         if not 0 <= self.lora_dropout < 1:
             raise at.ConfigError(f"lora_dropout={self.lora_dropout}: must be in [0, 1)")
         if self.base:
@@ -136,9 +143,11 @@ def load_base(cfg: PretrainedBase, needs_base: str) -> Any:
 
 
 def with_lora(model: Any, cfg: PretrainedBase) -> Any:
-    """peft's LoRA of `model` on every linear layer but the output head (lora_r > 0), else `model` itself."""
+    """peft's LoRA of `model` on every linear layer but the output head (lora_r > 0), over the base quantized as
+    `cfg.quantize_base` says (QLoRA), else `model` itself."""
     if cfg.lora_r == 0:
         return model
+    model = at.quantize_base(model, cfg.quantize_base)
     from transformers.pytorch_utils import Conv1D
 
     peft = _peft()

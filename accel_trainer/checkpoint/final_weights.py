@@ -25,6 +25,7 @@ from accel_trainer.checkpoint import files, state_files
 from accel_trainer.checkpoint.tokenizer import save_tokenizer
 from accel_trainer.config.train_config import TrainConfig, config_to_yaml
 from accel_trainer.contract.pretrained import base_source
+from accel_trainer.contract.quantization import dequantize
 from accel_trainer.contract.reference import policy_of
 from accel_trainer.parallel.batchnorm import average_running_stats
 from accel_trainer.parallel.sharding import is_sharded, pipeline_size
@@ -79,7 +80,9 @@ def write_model_folder(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
 
     A transformers model: `save_pretrained` (model.safetensors, config.json), for `from_pretrained(folder)`. A peft
     model: its adapter in `folder/adapter` (`PeftModel.from_pretrained(base, folder / "adapter")`), and the base
-    with the adapter merged in `folder` itself, so the folder loads as a plain transformers model. A
+    with the adapter merged in `folder` itself, so the folder loads as a plain transformers model. A 4-bit base
+    (QLoRA) is merged as the full-precision weights its 4 bits stand for: the model that trained, whose logits
+    the adapter's evaluation measured. A
     `PolicyAndReference` (a preference tune): its policy alone, as the above. Anything else:
     `model.safetensors`. Every name of tied weights is written (as copies), so `load_state_dict` takes the file.
     """
@@ -91,7 +94,7 @@ def write_model_folder(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
             if str(base_source(model)).endswith(".gguf"):  # peft looks for a config.json beside the base, in vain
                 warnings.filterwarnings("ignore", message="Could not find a config file in")
             model.save_pretrained(folder / "adapter")  # type: ignore[operator]
-        model = model.merge_and_unload()  # type: ignore[operator]
+        model = dequantize(model).merge_and_unload()  # type: ignore[operator]  # QLoRA: into the dequantized base
     weights = state_files.writable(model.state_dict())
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(folder, state_dict=weights)  # type: ignore[operator]

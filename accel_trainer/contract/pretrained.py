@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from accel_trainer.contract.quantization import is_quantized, stored_parts
 from accel_trainer.errors import ConfigError
 
 
@@ -32,13 +33,15 @@ def base_source(model: torch.nn.Module) -> str | None:
 
 
 def weights_digest(named: Mapping[str, torch.Tensor]) -> str:
-    """A SHA-256 of the tensors' names, dtypes, shapes and contents (of their shapes alone on the meta device)."""
+    """A SHA-256 of the tensors' names, dtypes, shapes and contents (of their shapes alone on the meta device); a
+    4-bit weight's contents are its packed values and scales, and its kind is part of the digest."""
     digest = hashlib.sha256()
     for name in sorted(named):
         tensor = named[name].detach()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        if tensor.device.type != "meta":
-            digest.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        kind = "|nf4" if is_quantized(tensor) else ""
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}{kind}|".encode())
+        for part in stored_parts(tensor) if tensor.device.type != "meta" else ():
+            digest.update(part.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -21,7 +21,7 @@ from accel_trainer.data.run_data import RunData
 from accel_trainer.engine.evaluator import Evaluator
 from accel_trainer.engine.stepper import Stepper
 from accel_trainer.observe.flops import flops_per_sample
-from accel_trainer.observe.header import header, parameters_held, write_run_info
+from accel_trainer.observe.header import four_bit_base, header, parameters_held, write_run_info
 from accel_trainer.observe.metrics import console_line, drop_records_after
 from accel_trainer.observe.observer import Observer
 from accel_trainer.observe.window import ItemsSeen, Speed
@@ -66,6 +66,7 @@ class Run:
         and the header on the console; records after the resumed step go (a later run rewrites them)."""
         accelerator, run_dir = self.accelerator, self.run_dir
         held = parameters_held(self.stepper.model, accelerator)  # a collective: on every process
+        four_bits = four_bit_base(self.stepper.model, accelerator)  # one too, on a 4-bit base
         if not accelerator.is_main_process:
             return
         ran = replace(layout, tp_size=tensor_parallel_size(accelerator))  # also when the accelerate config set it
@@ -76,7 +77,7 @@ class Run:
         drop_records_after(run_dir, self.progress.step)
         data_path = self.data.describe(self.recipe)
         frozen = frozen_count(self.checkpointer.trained.frozen)
-        facts = (self.num_parameters, held, self.data.plan, data_path, run_dir, settings_note(), frozen)
+        facts = (self.num_parameters, held, self.data.plan, data_path, run_dir, settings_note(), frozen, four_bits)
         print(header(accelerator, recipe_name, *facts), flush=True)
 
     def observer(self, cfg: TrainConfig, setup_started: float) -> Observer:

@@ -23,6 +23,7 @@ from accelerate.utils import DistributedType, gather_object
 from torch.distributed.tensor import DTensor
 
 from accel_trainer.config.layout import LayoutSettings, layout_to_dict
+from accel_trainer.contract.quantization import is_quantized, kept_in_full_precision, storage_bytes
 from accel_trainer.data.batching import BatchPlan
 from accel_trainer.parallel.mesh import data_ranks, describe_mesh
 from accel_trainer.parallel.sharding import pipeline_size
@@ -39,6 +40,29 @@ def parameters_held(model: torch.nn.Module, accelerator: Accelerator) -> list[in
     return gather_object([held]) if accelerator.num_processes > 1 else [held]
 
 
+def four_bit_base(model: torch.nn.Module, accelerator: Accelerator) -> str:
+    """The header's line on a base held in 4 bits (QLoRA), empty without one: how many weights, the bytes one
+    process holds of them (its shards under FSDP2, still 4-bit) against their size in the dtype they stand for, and
+    the linear weights left as they were. A collective on several processes (each holds the same kind of model)."""
+    quantized = [p for p in model.parameters() if is_quantized(p)]
+    if not quantized:
+        return ""
+    held = sum(storage_bytes(p) for p in quantized)
+    most = max(gather_object([held])) if accelerator.num_processes > 1 else held
+    full = sum(p.numel() * p.element_size() for p in quantized)
+    kept = kept_in_full_precision(accelerator.unwrap_model(model))
+    kept_note = f"; {len(kept)} linear weight(s) not a multiple of 64 values kept as they were" if kept else ""
+    dtype = str(quantized[0].dtype).removeprefix("torch.")
+    return (
+        f"  base: {len(quantized)} linear weights in 4 bits (NF4), {_size(most)} held by a process against"
+        f" {_size(full)} in {dtype}{kept_note}"
+    )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:,.1f} KiB"
+
+
 def header(
     accelerator: Accelerator,
     recipe_name: str,
@@ -49,10 +73,11 @@ def header(
     run_dir: Path,
     settings: str = "",
     frozen: int = 0,
+    four_bits: str = "",
 ) -> str:
     """The start-of-run lines: what trains, on what, with which batches and data path, where it writes;
     `settings`: what the layout line says of its settings file (parallel/accelerator.py's settings_note);
-    `frozen`: how many of the parameters do not train (a LoRA run's base)."""
+    `frozen`: how many of the parameters do not train (a LoRA run's base); `four_bits`: `four_bit_base`'s line."""
     device = accelerator.device.type
     if device == "cuda":
         device = f"cuda ({torch.cuda.get_device_name(accelerator.device)})"
@@ -67,6 +92,7 @@ def header(
             f"  batch: {plan.global_batch_size} per step = {plan.micro_batch_size} per micro-batch x"
             f" {plan.num_processes} {'data-parallel rank(s)' if mesh else 'process(es)'} x {plan.accumulation_steps}"
             " accumulation step(s)",
+            *([four_bits] if four_bits else []),
             f"  data: {data_path}",
             f"  run folder: {run_dir}",
         ]

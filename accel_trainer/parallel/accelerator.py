@@ -29,6 +29,7 @@ from accelerate.utils import (
 
 from accel_trainer.config.layout import LayoutSettings, settings_file_of
 from accel_trainer.config.train_config import TrainConfig, resolve_settings
+from accel_trainer.contract.quantization import kept_out_of_ddp
 from accel_trainer.errors import ConfigError, LayoutError
 from accel_trainer.parallel import launch_fixes
 from accel_trainer.parallel.compiling import dynamo_plugin
@@ -225,4 +226,5 @@ def prepare_for_training(
         return model, optimizer, train_loader, eval_loader
     # On the CPU a batch is already where it belongs: no device placement (a send_to_device walk per step).
     placement = False if accelerator.device.type == "cpu" else None
+    kept_out_of_ddp(model)
     return tuple(accelerator.prepare(*objects, device_placement=[None] * (1 + len(optimizers)) + [placement] * 2))

@@ -24,6 +24,7 @@ from accelerate import Accelerator, init_empty_weights
 from accelerate.utils import broadcast_object_list, patch_environment, set_module_tensor_to_device
 
 from accel_trainer.contract.pretrained import base_source, quiet_progress_bars
+from accel_trainer.contract.quantization import quantized_names
 from accel_trainer.errors import RecipeError
 from accel_trainer.parallel import launch_fixes
 from accel_trainer.recipe import Recipe
@@ -119,9 +120,11 @@ class _UnreadSlice:
 
 
 def loading_way(model: torch.nn.Module) -> str:
-    """READ_ONCE for a pretrained transformers or peft model that FSDP's broadcast keeps whole, else EVERY_PROCESS."""
+    """READ_ONCE for a pretrained transformers or peft model that FSDP's broadcast keeps whole, else EVERY_PROCESS
+    (also for a 4-bit base: the broadcast sends plain tensors, and every process quantizes the same base alike)."""
     pretrained = base_source(model) and hasattr(model, "get_parameter_or_buffer")  # transformers' (launch_fixes)
-    return READ_ONCE if pretrained and launch_fixes.broadcastable(model) else EVERY_PROCESS
+    whole = launch_fixes.broadcastable(model) and not quantized_names(model)
+    return READ_ONCE if pretrained and whole else EVERY_PROCESS
 
 
 def materialise_trainable_parameters(model: torch.nn.Module) -> None:

@@ -13,6 +13,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
+from accel_trainer.contract.quantization import is_quantized
+
 
 def local_part(tensor: Any) -> Any:
     """This process's part of a DTensor (its shard or replica), or the tensor itself."""
@@ -25,7 +27,7 @@ def tied_names(model_state: dict[str, Any]) -> list[list[str]]:
     groups: dict[tuple[int, int], list[str]] = {}
     for name, value in model_state.items():
         local = local_part(value)
-        if isinstance(local, torch.Tensor) and local.numel():
+        if isinstance(local, torch.Tensor) and local.numel() and not is_quantized(local):  # 4-bit: no one storage
             groups.setdefault((local.untyped_storage().data_ptr(), int(local.storage_offset())), []).append(name)
     return [sorted(names) for names in groups.values() if len(names) > 1]
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
@@ -28,8 +29,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from accel_trainer.config.layout import LayoutSettings
+from accel_trainer.contract.quantization import check_shardable, quantized_names
 from accel_trainer.errors import ConfigError
 from accel_trainer.parallel.batchnorm import convert_to_sync_batchnorm
+from accel_trainer.parallel.mesh import describe_mesh
 from accel_trainer.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan, from_transformers_plan
 from accel_trainer.recipe import Recipe
 
@@ -86,7 +89,9 @@ def prepare_blocks(
 
 
 def split_and_wrap(model: Any, recipe: Recipe, layout: LayoutSettings, accelerator: Accelerator) -> Any:
-    """Tensor parallelism, SyncBatchNorm, FSDP units and activation checkpointing, as the layout asks."""
+    """Tensor parallelism, SyncBatchNorm, FSDP units and activation checkpointing, as the layout asks (a 4-bit
+    base refused first where it cannot train)."""
+    check_four_bit_layout(accelerator, model)
     mesh = accelerator.torch_device_mesh
     if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
         apply_tensor_parallel(model.to(accelerator.device), tp_plan_of(recipe, model), mesh["tp"])
@@ -105,3 +110,18 @@ def _warn_about_tp_plan(model: Any, recipe: Recipe, is_main_process: bool) -> No
     except ConfigError as error:
         if is_main_process:
             warnings.warn(f"accel-trainer: {error} (it matters on a tensor-parallel layout only)", stacklevel=3)
+
+
+def check_four_bit_layout(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """A 4-bit base (QLoRA) trains on one process, DDP, FSDP2 and HSDP; elsewhere, or on a shard count its
+    weights do not split over, a one-line refusal before any wrapping."""
+    if not quantized_names(model):
+        return
+    config = accelerator.parallelism_config
+    if config is not None and (config.tp_size > 1 or config.cp_size > 1 or getattr(config, "pp_size", 1) > 1):
+        raise ConfigError(
+            f"quantize_base=nf4 trains on one process, DDP, FSDP2 and HSDP, not on this layout's mesh"
+            f" ({describe_mesh(accelerator)}): use one of those layouts"
+        )
+    if accelerator.distributed_type == DistributedType.FSDP:
+        check_shardable(model, config.dp_shard_size if config is not None else accelerator.num_processes)
