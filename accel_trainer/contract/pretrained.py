@@ -95,7 +95,8 @@ def load_base_model(base: str, **options: Any) -> Any:
 
     folder, gguf_file = _files(base)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
-    if gguf_file and detect_fake_mode() is not None:  # `estimate`: shapes alone (dequantizing needs real memory)
+    if detect_fake_mode() is not None:  # `estimate`: shapes alone (a GGUF's dequantizing needs real memory, and
+        # transformers compares tied weights' values, which fake tensors do not have)
         from transformers import AutoConfig
 
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, **extra))

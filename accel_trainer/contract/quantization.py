@@ -168,9 +168,7 @@ def kept_out_of_ddp(model: nn.Module) -> None:
     names = quantized_names(model)
     if names:
         ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, sorted(ignored | set(names))
-        )
+        model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(names))  # what DDP's own setter sets
 
 
 def check_shardable(model: nn.Module, shards: int) -> None:

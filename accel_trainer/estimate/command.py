@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import json
 import multiprocessing
+import os
+import traceback
 import warnings
 from typing import Any
 
@@ -129,6 +131,8 @@ def _answer(send: Any, function: Any, args: tuple) -> None:
     except UserError as error:
         send.send(type(error)(str(error)))
     except (DataDependentOutputException, DynamicOutputShapeException):
+        if os.environ.get("ACCEL_TRAINER_FULL_TRACEBACK"):  # where the value was read
+            traceback.print_exc()
         send.send(
             RecipeError(
                 "the recipe reads a tensor's value in its model or compute_loss (.item(), .tolist(), `if tensor`,"

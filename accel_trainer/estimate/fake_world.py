@@ -112,8 +112,11 @@ def _moves_in_place() -> Iterator[None]:
     def to(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
         target = kwargs.get("device", args[0] if args else None)
         device = torch.device(target) if isinstance(target, (str, torch.device)) else None
-        if len(args) + len(kwargs) == 1 and device is not None and device.type == FAKE_DEVICE.type:
-            return module  # a move to where the fake tensors are, with no cast
+        dtype = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+        tensors = [*module.parameters(), *module.buffers()]
+        no_cast = dtype is None or all(tensor.dtype == dtype for tensor in tensors)
+        if len(args) + len(kwargs) <= 2 and device is not None and device.type == FAKE_DEVICE.type and no_cast:
+            return module  # a move to where the fake tensors are, with no cast (peft's of each adapter layer)
         return original(module, *args, **kwargs)
 
     torch.nn.Module.to = to  # type: ignore[method-assign,assignment]
