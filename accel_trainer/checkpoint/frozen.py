@@ -24,6 +24,7 @@ from accelerate.utils import broadcast_object_list
 
 from accel_trainer.checkpoint.files import CheckpointError
 from accel_trainer.contract.pretrained import base_source, weights_digest
+from accel_trainer.contract.quantization import is_quantized
 
 RECORD_KEY = "frozen"  # train_state.json's entry
 _TAKEN: weakref.WeakKeyDictionary[torch.nn.Module, FrozenWeights | None] = weakref.WeakKeyDictionary()
@@ -38,6 +39,7 @@ class FrozenWeights:
     fingerprint: str
     source: str | None
     numel: int  # how many numbers they hold
+    four_bit: int = 0  # how many of them are 4-bit weights (a QLoRA base)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> FrozenWeights | None:
@@ -53,7 +55,8 @@ class FrozenWeights:
         if not frozen:
             return None
         numel = sum(p.numel() for p in dict((id(p), p) for p in frozen.values()).values())
-        return cls(frozenset(frozen), weights_digest(frozen), base_source(model), numel)
+        four_bit = sum(is_quantized(p) for p in frozen.values())
+        return cls(frozenset(frozen), weights_digest(frozen), base_source(model), numel, four_bit)
 
     @classmethod
     def agreed(cls, model: torch.nn.Module) -> FrozenWeights | None:
@@ -71,7 +74,8 @@ class FrozenWeights:
         return {name: tensor for name, tensor in state.items() if name not in self.names}
 
     def record(self) -> dict[str, Any]:
-        return {"parameters": len(self.names), "sha256": self.fingerprint, "base": self.source}
+        record = {"parameters": len(self.names), "sha256": self.fingerprint, "base": self.source}
+        return {**record, "four_bit_parameters": self.four_bit} if self.four_bit else record
 
 
 def frozen_count(frozen: FrozenWeights | None) -> int:
@@ -95,6 +99,12 @@ def check_frozen(folder: Path, recorded: dict[str, Any], frozen: FrozenWeights |
         raise CheckpointError(
             f"checkpoint {folder} holds only the trainable weights of a model with {saved['parameters']} frozen"
             f" parameters{where}, and this run's model freezes none: build the model as that run did"
+        )
+    if saved.get("four_bit_parameters", 0) != frozen.four_bit:
+        said = {True: "in 4 bits (quantize_base=nf4)", False: "in full precision (quantize_base=none)"}
+        raise CheckpointError(
+            f"checkpoint {folder} was trained on its base{where} {said[bool(saved.get('four_bit_parameters'))]},"
+            f" and this run's is {said[bool(frozen.four_bit)]}: set quantize_base as that run did"
         )
     if saved["sha256"] != frozen.fingerprint or saved["parameters"] != len(frozen.names):
         here = f" (base {frozen.source})" if frozen.source else ""

@@ -9,7 +9,8 @@ and `out/rank<r>.json` with the number of parameter elements the rank holds itse
 under 2-process FSDP) and trains (its stages' under a pipeline), the step counts in the optimizer's own
 state (one step per accumulation window, never more), the DDP communication hooks registered and the names
 of the parameters and buffers the rank holds as shards (DTensors); `out/rank<r>.buffers.safetensors` holds
-the rank's buffers (its local part of a sharded one).
+the rank's buffers (its local part of a sharded one); `four_bit_bytes` the bytes of each 4-bit weight (QLoRA) the
+rank holds, which are not in its safetensors.
 ACCEL_TEST_RECIPE_FOLDER names a folder of extra recipes to register; ACCEL_TEST_CUDA_MEMORY_FRACTION caps
 the GPU memory this process may use. Exits 3 if this process sees a
 different world size than the test expected.
@@ -40,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import accel_trainer as at
 from accel_trainer.config.fields import parse_overrides
+from accel_trainer.contract.quantization import is_quantized, storage_bytes
 
 comm_hooks: list[str] = []
 register_comm_hook = DistributedDataParallel.register_comm_hook
@@ -89,13 +91,16 @@ def train_and_dump(recipe_name: str, overrides: list[str], out: Path, expected_w
 
 
 def dump(trained, built, out: Path, rank: int) -> None:
-    parameters, local_elements = {}, 0
+    parameters, local_elements, four_bits = {}, 0, {}
     for name, parameter in trained.named_parameters():
+        if is_quantized(parameter):  # a 4-bit weight (QLoRA): what it holds, not its values
+            four_bits[name.replace("_checkpoint_wrapped_module.", "")] = storage_bytes(parameter)
         if isinstance(parameter.data, DTensor):  # an FSDP2 shard: count what this rank holds
             local_elements += parameter.data.to_local().numel()
         else:
             local_elements += parameter.numel()
-            parameters[name.replace("_checkpoint_wrapped_module.", "")] = parameter.detach().contiguous()
+            if not is_quantized(parameter):
+                parameters[name.replace("_checkpoint_wrapped_module.", "")] = parameter.detach().contiguous()
     optimizers = list(built.values()) if isinstance(built, dict) else [built]  # several by name, or one
     optimizer_steps = {int(s["step"]) for o in optimizers for s in o.state.values()}  # AdamW's own count
     optimizer_elements = sum(
@@ -118,6 +123,7 @@ def dump(trained, built, out: Path, rank: int) -> None:
         "comm_hooks": list(comm_hooks),
         "sharded_parameters": sorted(n for n, p in trained.named_parameters() if isinstance(p.data, DTensor)),
         "sharded_buffers": sorted(n for n, b in trained.named_buffers() if isinstance(b, DTensor)),
+        "four_bit_bytes": four_bits,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(summary))
 
