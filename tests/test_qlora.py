@@ -10,6 +10,7 @@ with the adapter merged, which transformers loads as a plain model with the logi
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,17 @@ from safetensors.torch import load_file
 
 import accel_trainer as at
 from accel_trainer.contract.quantization import quantized_names
-from conftest import COLOURS, NAMES, rank_summary, reset_accelerate_state, train_and_dump, write_jsonl
+from conftest import (
+    BIN,
+    COLOURS,
+    NAMES,
+    clean_env,
+    rank_summary,
+    reset_accelerate_state,
+    run_command,
+    train_and_dump,
+    write_jsonl,
+)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -114,13 +125,17 @@ def test_the_final_folder_is_the_dequantized_base_with_the_adapter_merged_and_gi
 
 
 def test_estimate_counts_the_base_at_its_4_bit_size(tiny_base, text_rows):
-    from tests.unit.estimate.test_estimate import estimate
+    def estimate(*words: str) -> subprocess.CompletedProcess:
+        return run_command([BIN / "accel-trainer", "estimate", *words], env=clean_env())
 
     words = ["hf_finetune", "layout=cpu", f"base={tiny_base}", f"data={text_rows}", "lora_r=4", "block_size=32",
              "micro_batch_size=4", "--json"]  # fmt: skip
     lora = json.loads(estimate(*words).stdout)["per_rank"][0]
     qlora = json.loads(estimate(*words, "quantize_base=nf4").stdout)["per_rank"][0]
     base = transformers.AutoModelForCausalLM.from_pretrained(tiny_base)
-    linear = sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Linear)) - base.lm_head.weight.numel()
-    saved = lora["params_bytes"] - qlora["params_bytes"]  # bytes: a float32 weight of n values holds 4n, its 4 bits n/2 + scales
+    linear = sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Linear))
+    linear -= base.lm_head.weight.numel()
+    saved = (
+        lora["params_bytes"] - qlora["params_bytes"]
+    )  # a float32 weight of n values: 4n bytes, in 4 bits n/2 + scales
     assert 0.85 * 3.5 * linear < saved < 3.5 * linear, (saved, linear)
