@@ -32,8 +32,9 @@ SETTINGS_SUFFIX = ".settings.yaml"
 class LayoutSettings:
     """How the current hardware runs the recipe; the same recipe config runs on any layout."""
 
-    mixed_precision: Literal["no", "bf16", "fp16"] | None = None
-    """Autocast precision; None takes the launcher's setting (the accelerate config), which defaults to no."""
+    mixed_precision: Literal["no", "bf16", "fp16", "fp8"] | None = None
+    """Autocast precision; None takes the launcher's setting (the accelerate config), which defaults to no. fp8:
+    float8 matrix products through torchao on CUDA GPUs of compute capability 8.9+ (parallel/float8.py)."""
     fp16_init_scale: float = 65536.0
     """Initial loss scale of the fp16 gradient scaler."""
     fp16_growth_interval: int = 2000

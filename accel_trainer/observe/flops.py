@@ -32,19 +32,20 @@ from accel_trainer.recipe import Recipe
 
 # (name fragment, first match wins) -> dense TFLOP/s per device by compute dtype (vendor datasheets).
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
-    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
-    ("H100 NVL", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.8, "fp32": 60.0}),
-    ("H100", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
-    ("H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    ("H100 PCIe", {"fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    ("H100 NVL", {"fp8": 1671.0, "bf16": 835.5, "fp16": 835.5, "tf32": 417.8, "fp32": 60.0}),
+    ("H100", {"fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    ("H200", {"fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
     ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
-    ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    ("L4", {"fp8": 242.5, "bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
     ("V100", {"fp16": 125.0, "fp32": 15.7}),
 ]
 
 
 def compute_dtype(mixed_precision: str, device: torch.device) -> str:
-    """The dtype the matrix units run in: the autocast precision, else tf32 where CUDA allows it, else fp32."""
-    if mixed_precision in ("bf16", "fp16"):
+    """The dtype the matrix units run in: the autocast precision (fp8: the float8 peak, the one its linear layers'
+    products run at), else tf32 where CUDA allows it, else fp32."""
+    if mixed_precision in ("bf16", "fp16", "fp8"):
         return mixed_precision
     if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"

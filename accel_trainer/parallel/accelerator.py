@@ -33,6 +33,7 @@ from accel_trainer.contract.quantization import kept_out_of_ddp
 from accel_trainer.errors import ConfigError, LayoutError
 from accel_trainer.parallel import launch_fixes
 from accel_trainer.parallel.compiling import dynamo_plugin
+from accel_trainer.parallel.float8 import check_float8, float8_handlers
 from accel_trainer.parallel.layout_file import Layout, layout_environment, layout_path_from_environment
 from accel_trainer.parallel.mesh import DataRanks, mesh_shape, set_up_mesh
 from accel_trainer.parallel.pipeline.stages import Pipeline
@@ -54,6 +55,7 @@ def build_accelerator(cfg: TrainConfig, layout: LayoutSettings) -> Accelerator:
     launch_fixes.refuse_single_process_cpu_launch()
     launch_fixes.init_process_group_per_attempt(layout.collective_timeout_s)
     fsdp_plugin = launch_fixes.fsdp_plugin_from_launcher()
+    check_float8(layout, fsdp_plugin)
     with launch_fixes.parallelism_config_hidden():  # mesh.set_up_mesh gives it to accelerate below
         accelerator = _accelerator(cfg, layout, fsdp_plugin)
     launch_fixes.check_launched_world(accelerator.num_processes)
@@ -80,6 +82,7 @@ def _accelerator(
             InitProcessGroupKwargs(timeout=timedelta(seconds=layout.collective_timeout_s)),
             ddp_kwargs(layout),
             GradScalerKwargs(init_scale=layout.fp16_init_scale, growth_interval=layout.fp16_growth_interval),
+            *float8_handlers(layout),
         ],
         step_scheduler_with_optimizer=False,
     )
