@@ -1,4 +1,4 @@
-"""CUDA-only paths: fp16 with its gradient scaler, bf16, FSDP on GPUs. Skipped cleanly without a GPU.
+"""CUDA-only paths: fp16 with its gradient scaler, bf16, fp8, QLoRA, FSDP on GPUs. Skipped cleanly without a GPU.
 
 make test PYTEST_ARGS="-m gpu -s"      # on a machine with one or more CUDA GPUs
 """
@@ -376,3 +376,32 @@ def test_packed_gpt_attention_with_flex_on_cuda_matches_the_dense_mask_of_the_cp
     torch.testing.assert_close(flex.cpu(), dense, rtol=1e-4, atol=1e-4)
     for got, expected in zip(flex_grads, dense_grads, strict=True):
         torch.testing.assert_close(got.cpu(), expected.cpu(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="fp8 needs compute 8.9+"
+)
+def test_fp8_on_cuda_trains_through_torchaos_float8_linear_layers_as_bf16_does(tmp_path):
+    pytest.importorskip("torchao")
+    wide = ["n_layer=2", "d_model=256", "block_size=128", "log_every_steps=10", "eval_every_steps=0",
+            "global_batch_size=32", "micro_batch_size=16", "max_steps=60"]  # fmt: skip
+    bf16 = training_records(launch_on_gpus("gpu", tmp_path / "bf16", "gpt", *wide, "mixed_precision=bf16"))
+    fp8 = training_records(launch_on_gpus("gpu", tmp_path / "fp8", "gpt", *wide, "mixed_precision=fp8"))
+    speed = fp8[-1]["samples_per_s"] / bf16[-1]["samples_per_s"]
+    print(f"fp8 / bf16 samples per second: {speed:.2f}; last loss {fp8[-1]['loss']:.4f} vs {bf16[-1]['loss']:.4f}")
+    assert fp8[-1]["loss"] < fp8[0]["loss"] and abs(fp8[-1]["loss"] - bf16[-1]["loss"]) < 0.05 * bf16[-1]["loss"]
+
+
+def test_qlora_on_cuda_in_bf16_checkpoints_the_adapter_alone_and_resumes_bitwise(tmp_path):
+    pytest.importorskip("peft")
+    pytest.importorskip("torchao")
+    launch_on_gpus("gpu", tmp_path / "base", "hf_causal_lm", "n_layer=2", "n_head=2", "d_model=64",
+                   "block_size=128", "max_source_bytes=200000", "max_steps=4", "eval_every_steps=0")  # fmt: skip
+    tune = [f"base={tmp_path / 'base' / 'final'}", "lora_r=4", "quantize_base=nf4", "max_steps=6", "block_size=32",
+            "max_source_bytes=200000", "global_batch_size=16", "micro_batch_size=4", "log_every_steps=1",
+            "eval_every_steps=0", "save_every_steps=3", "mixed_precision=bf16"]  # fmt: skip
+    full = launch_on_gpus("gpu", tmp_path / "full", "hf_finetune", *tune)
+    resumed = launch_on_gpus("gpu", tmp_path / "resumed", "hf_finetune", *tune,
+                             f"resume={tmp_path / 'full' / 'checkpoints' / 'step_00000003'}")  # fmt: skip
+    assert [r["loss"] for r in training_records(resumed)] == [r["loss"] for r in training_records(full)][3:]
+    assert rank_summary(tmp_path / "full", 0)["four_bit_bytes"]  # the base stayed in 4 bits on the GPU
