@@ -150,7 +150,7 @@ def test_mixed_precision_is_optional_and_defaults_to_the_launchers_setting():
         ("show_progress_bar", "maybe", "boolean"),
         ("output_dir", 3, "string"),
         ("lr_schedule", "step", "'cosine', 'linear', 'constant'"),
-        ("mixed_precision", "fp32", "'no' | 'bf16' | 'fp16' | None"),
+        ("mixed_precision", "fp32", "'no' | 'bf16' | 'fp16' | 'fp8' | None"),
         ("hidden_sizes", "32,wide", "int"),
     ],
 )
