@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +31,6 @@ from torch import nn
 from accel_trainer.console.import_noise import drop_known_import_noise
 from accel_trainer.errors import RecipeError
 
-Scheme = Literal["none", "nf4"]
 SCHEMES: tuple[str, ...] = ("none", "nf4")
 BLOCK = 64
 """Values per NF4 block, QLoRA's."""
