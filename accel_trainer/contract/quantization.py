@@ -195,6 +195,20 @@ def kept_out_of_ddp(model: nn.Module) -> None:
         model.__dict__["_ddp_params_and_buffers_to_ignore"] = sorted(ignored | set(names))  # as DDP's setter sets
 
 
+def on_the_plain_tensors_device(model: nn.Module) -> None:
+    """Give `model`'s 4-bit weights the device its plain tensors report. accelerate's device for one GPU is
+    `cuda`, without an index; a plain tensor moved there reports `cuda:0`, while torchao's NF4Tensor keeps the
+    device it was handed, `cuda`. torch's full-state-dict load refuses a model on two devices, so a QLoRA run on
+    one GPU could not resume ("Multiple devices found"; found on an H200). Canary (CPU's `cpu:0` is the same
+    case): tests/unit/test_quantization.py."""
+    for parameter in model.parameters():
+        if is_quantized(parameter) and not hasattr(parameter, "_local_tensor"):  # not sharded
+            plain = torch.empty(0, device=parameter.device).device
+            if plain != parameter.device:
+                model.to(plain)  # the NF4 weights are rebuilt on `plain`; the others are there already
+                return
+
+
 def check_shardable(model: nn.Module, shards: int) -> None:
     """Refuse, in one line, a 4-bit weight FSDP2 cannot split over `shards` processes in its 4-bit form: it cuts
     the first dimension into equal parts, and each part must hold whole 64-value blocks and whole scale blocks.

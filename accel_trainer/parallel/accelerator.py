@@ -29,11 +29,11 @@ from accelerate.utils import (
 
 from accel_trainer.config.layout import LayoutSettings, settings_file_of
 from accel_trainer.config.train_config import TrainConfig, resolve_settings
-from accel_trainer.contract.quantization import kept_out_of_ddp
+from accel_trainer.contract.quantization import kept_out_of_ddp, on_the_plain_tensors_device
 from accel_trainer.errors import ConfigError, LayoutError
 from accel_trainer.parallel import launch_fixes
 from accel_trainer.parallel.compiling import dynamo_plugin
-from accel_trainer.parallel.float8 import check_float8, float8_handlers
+from accel_trainer.parallel.float8 import check_float8, check_optimizers_hold_the_model, float8_handlers
 from accel_trainer.parallel.layout_file import Layout, layout_environment, layout_path_from_environment
 from accel_trainer.parallel.mesh import DataRanks, mesh_shape, set_up_mesh
 from accel_trainer.parallel.pipeline.stages import Pipeline
@@ -82,7 +82,7 @@ def _accelerator(
             InitProcessGroupKwargs(timeout=timedelta(seconds=layout.collective_timeout_s)),
             ddp_kwargs(layout),
             GradScalerKwargs(init_scale=layout.fp16_init_scale, growth_interval=layout.fp16_growth_interval),
-            *float8_handlers(layout),
+            *float8_handlers(layout, fsdp_plugin),
         ],
         step_scheduler_with_optimizer=False,
     )
@@ -230,4 +230,8 @@ def prepare_for_training(
     # On the CPU a batch is already where it belongs: no device placement (a send_to_device walk per step).
     placement = False if accelerator.device.type == "cpu" else None
     kept_out_of_ddp(model)
-    return tuple(accelerator.prepare(*objects, device_placement=[None] * (1 + len(optimizers)) + [placement] * 2))
+    prepared = accelerator.prepare(*objects, device_placement=[None] * (1 + len(optimizers)) + [placement] * 2)
+    on_the_plain_tensors_device(prepared[0])
+    if accelerator.ao_recipe_handler is not None:  # fp8 (parallel/float8.py)
+        check_optimizers_hold_the_model(prepared[0], prepared[1 : 1 + len(optimizers)])
+    return tuple(prepared)

@@ -69,10 +69,35 @@ def check_float8(layout: LayoutSettings, fsdp_plugin: Any = None) -> None:
         )
 
 
-def float8_handlers(layout: LayoutSettings) -> list[Any]:
-    """accelerate's torchao fp8 recipe for an fp8 run (it reads the config's `fp8_config` itself), else none."""
+def float8_handlers(layout: LayoutSettings, fsdp_plugin: Any = None) -> list[Any]:
+    """accelerate's torchao fp8 recipe for an fp8 run (it reads the config's `fp8_config` itself), else none.
+
+    float8 all-gather only under FSDP2. accelerate turns it on by default, and then torchao wraps every converted
+    weight in a new Parameter: without FSDP2 (whose preparation maps the optimizer to the new parameters by
+    storage) the optimizer, built before `prepare`, steps the old ones, and the converted layers never train
+    (found on an H100-class GPU: the final save failed on parameters the model no longer had). Canary:
+    tests/unit/parallel/test_float8.py.
+    """
     if not wants_float8(layout):
         return []
     from accelerate.utils import AORecipeKwargs
 
-    return [AORecipeKwargs()]
+    return [AORecipeKwargs(enable_fsdp_float8_all_gather=fsdp_plugin is not None)]
+
+
+def check_optimizers_hold_the_model(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    """After `prepare` under fp8: every parameter an optimizer steps is one of the model's (see float8_handlers).
+
+    Raises:
+        LayoutError: naming a parameter the model no longer holds, rather than training without it.
+    """
+    held = {id(parameter) for parameter in model.parameters()}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if id(parameter) not in held:
+                    raise LayoutError(
+                        f"mixed_precision=fp8: the optimizer steps a {tuple(parameter.shape)} parameter that the"
+                        " float8 model no longer holds (torchao replaced it); report this with your accelerate"
+                        " and torchao versions, and use mixed_precision=bf16 meanwhile"
+                    )

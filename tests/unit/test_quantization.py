@@ -112,6 +112,27 @@ def test_the_refusals_are_one_line_each(monkeypatch):
         at.quantize_base(tiny_llama(), "nf4")
 
 
+def test_canary_a_4_bit_weight_keeps_the_device_it_was_handed_where_a_plain_tensor_takes_its_canonical_one():
+    # On one GPU accelerate moves the model to `cuda`: plain tensors report `cuda:0`, NF4 weights `cuda`, and a
+    # full-state-dict load (a resume) refused the mix. `cpu:0` is the same case on the CPU (canonically `cpu`).
+    weight = torch.randn(256, 256)
+    assert weight.to("cpu:0").device == torch.device("cpu")
+    assert quantization.nf4_constructor()(weight).to("cpu:0").device == torch.device("cpu", 0)
+
+
+def test_a_4_bit_model_moved_to_an_indexed_device_loads_a_full_state_dict_after_it_is_put_where_plain_tensors_are():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    model = at.quantize_base(tiny_llama(), "nf4").to("cpu:0")
+    full = StateDictOptions(full_state_dict=True)
+    state = get_model_state_dict(model, options=full)
+    with pytest.raises(ValueError, match="Multiple devices found"):
+        set_model_state_dict(model, state, options=full)
+    quantization.on_the_plain_tensors_device(model)
+    assert {parameter.device for parameter in model.parameters()} == {torch.device("cpu")}
+    set_model_state_dict(model, state, options=full)
+
+
 def test_a_4_bit_base_is_refused_on_a_tensor_parallel_mesh_and_where_fsdp_cannot_split_its_blocks():
     model = at.quantize_base(tiny_llama(), "nf4")
     mesh = SimpleNamespace(tp_size=2, cp_size=1, pp_size=1, dp_replicate_size=1, dp_shard_size=1)

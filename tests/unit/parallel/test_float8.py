@@ -70,3 +70,37 @@ def test_canary_accelerate_reads_an_fp8_config_into_the_variables_float8_reads(t
     assert {"config", "module_filter_func", "pad_inner_dim", "enable_fsdp_float8_all_gather"} <= set(
         AORecipeKwargs.__dataclass_fields__
     )
+
+
+def converted(handler) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    """A model whose inner linear layers accelerate converts to float8 as `prepare` does, and its parameters as
+    an optimizer built before `prepare` holds them."""
+    from accelerate.utils.ao import convert_model_to_fp8_ao
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    before = list(model.parameters())
+    convert_model_to_fp8_ao(model, config=handler.config, module_filter_func=handler.module_filter_func)
+    assert type(model[1]).__name__ == "Float8Linear"
+    return model, before
+
+
+def test_canary_accelerates_default_fp8_recipe_replaces_the_weights_an_optimizer_built_before_prepare_holds():
+    pytest.importorskip("torchao")
+    from accelerate.utils import AORecipeKwargs
+
+    model, before = converted(AORecipeKwargs())  # float8 all-gather on, FSDP or not: new Parameters
+    held = {id(parameter) for parameter in model.parameters()}
+    assert sum(id(parameter) not in held for parameter in before) == 2  # the two inner layers' weights
+    optimizer = torch.optim.AdamW(before)
+    with pytest.raises(LayoutError, match=r"steps a \(32, 32\) parameter that the float8 model no longer holds"):
+        float8.check_optimizers_hold_the_model(model, [optimizer])
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["one-process-or-ddp", "fsdp2"])
+def test_the_fp8_recipe_gathers_in_float8_under_fsdp2_alone_so_the_optimizer_keeps_the_models_parameters(fsdp):
+    pytest.importorskip("torchao")
+    (handler,) = float8.float8_handlers(FP8, SimpleNamespace() if fsdp else None)
+    assert handler.config.enable_fsdp_float8_all_gather is fsdp
+    if not fsdp:  # under FSDP2 accelerate maps the optimizer to the new parameters by storage when it shards
+        model, before = converted(handler)
+        float8.check_optimizers_hold_the_model(model, [torch.optim.AdamW(before)])
