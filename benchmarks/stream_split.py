@@ -11,7 +11,8 @@ and a linear layer predicting the next token), so reading and tokenizing dominat
 back at every step.
 
 1. Tokens/s of 1 process on one core, and of 2 processes on the two cores reading their own 4 files each
-   (`stream_split=auto`): the framework's own `items_per_s` x 128, medians of the records after the first, over
+   (`stream_split=auto`: the 8 files are 8 readers, 8 windows of each a step, on any number of processes): the
+   framework's own `items_per_s` x 128, medians of the records after the first, over
    the same 400 steps. Equal cores per process: a lone process with a reading thread would otherwise run its
    step on the second core while the thread reads, a 2-core program of its own (printed beside, with the exact
    mode `stream_split=off` and the split without reading ahead). The 1-process and split runs alternate in
@@ -44,7 +45,7 @@ from torch import nn
 import accel_trainer as at
 from accel_trainer.data import loaders
 from accel_trainer.data.batching import plan_batches
-from accel_trainer.data.stream_split import SplitStream, position_for
+from accel_trainer.data.stream_split import SplitStream, position_for, reader_count
 from accel_trainer.data.streams import TrainStream
 from accel_trainer.processes import free_port
 
@@ -129,7 +130,7 @@ def resume_seconds(corpus: Path, checkpoint: Path) -> tuple[float, float]:
     saved = json.loads((checkpoint / "train_state.json").read_text())["data_position"]
     plan = plan_batches(64, 32, 2)
     split = SplitStream(train_set, loaders.as_torch, recipe.collate, plan, 0, lambda count: 2 * count)
-    split_s = first_batch_seconds(split, position_for(saved, 0, 2), None)
+    split_s = first_batch_seconds(split, position_for(saved, reader_count(train_set, plan.global_batch_size)), None)
     whole_position = (0, RESUME_STEP * plan.global_batch_size)  # where the exact mode would be
     whole = TrainStream(loaders.as_torch(train_set), recipe.collate, plan, 0, whole_position)
     return split_s, first_batch_seconds(whole)

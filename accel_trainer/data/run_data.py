@@ -21,7 +21,7 @@ from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.data import loaders
 from accel_trainer.data.batching import BatchPlan
 from accel_trainer.data.prefetch import Pass, PrefetchGate, check_prefetching, prefetched
-from accel_trainer.data.stream_split import SplitStream, gathered, position_for, splits
+from accel_trainer.data.stream_split import SplitStream, described, gathered, position_for, reader_count, splits
 from accel_trainer.data.streams import TrainStream, eval_batches, whole_position
 from accel_trainer.errors import ConfigError
 from accel_trainer.parallel.mesh import DataRanks
@@ -79,13 +79,12 @@ class RunData:
         its checkpoint saved), with the RNG states restored in time."""
         position = self._position
         if self.splits():
-            rank = self.ranks.rank
             total, warn = _total_over_ranks(accelerator, self.ranks), _warn_on_main(accelerator)
             split = SplitStream(
-                self.train_set, loaders.as_torch, self.collate, self.plan, rank, total, warn, self._ahead
+                self.train_set, loaders.as_torch, self.collate, self.plan, self.ranks.rank, total, warn, self._ahead
             )
             self._stream = split
-            return split.micro_batches(position_for(position, rank, self.ranks.size), resume_rng)
+            return split.micro_batches(position_for(position, self._readers()), resume_rng)
         if self.train_loader is None:
             start = whole_position(position)
             stream = TrainStream(loaders.as_torch(self.train_set), self.collate, self.plan, self.ranks.rank, start,
@@ -115,19 +114,22 @@ class RunData:
     def check_position(self, position: list[int] | dict[str, Any] | None) -> None:
         """Refuse, in one line, a checkpoint's stream position that this run cannot continue from."""
         if self.splits():
-            position_for(position, self.ranks.rank, self.ranks.size)
+            position_for(position, self._readers())
         elif self.train_loader is None:
             whole_position(position)
 
     def splits(self) -> bool:
-        """Whether the training set is a stream that each process reads only its part of."""
-        return self.train_loader is None and splits(self.train_set, self.stream_split, self.ranks.size)
+        """Whether the training set is a stream read as logical readers (data/stream_split.py)."""
+        return self.train_loader is None and splits(self.train_set, self.stream_split, self.plan)
+
+    def _readers(self) -> int:
+        return reader_count(self.train_set, self.plan.global_batch_size)
 
     def stream_position(self) -> list[int] | dict[str, Any] | None:
         """A stream's position for the checkpoint, None for a map-style set: (epoch, examples read), or each
-        process's part of it when the stream is split (a collective then: every process calls it)."""
+        reader's when the stream is read as readers (a collective then: every process calls it)."""
         if isinstance(self._stream, SplitStream):
-            return gathered(gather_object([(self.ranks.rank, self._stream.position())]))
+            return gathered(gather_object([self._stream.position()]))
         return None if self._stream is None else list(self._stream.position)
 
     def describe(self, recipe: Recipe) -> str:
@@ -138,14 +140,16 @@ class RunData:
             f"ahead on a thread, {self._steps_ahead()} step(s) at most" if self.num_prefetch_batches else "in the step"
         )
         if self.splits():
-            return (
-                f"a stream split by its {self.train_set.num_shards} shards over the {self.ranks.size} processes, each"
-                f" reading its own {when} (an order of its own: stream_split=off reads it whole, in 1 process's order)"
-            )
-        if self.ranks.size > 1 and self.stream_split == "auto":
+            return described(self.train_set, self.plan, self.ranks.rank, when)
+        if self.stream_split == "auto":
             shards = getattr(self.train_set, "num_shards", 0)
-            why = f"its {shards} shards do not divide over" if shards else "it has no shards to split over"
-            return f"a stream, read whole by every process {when} ({why} the {self.ranks.size} processes)"
+            if self.ranks.size > 1 or shards > 1:
+                why = (
+                    f"its {shards} shards have no common divisor with global_batch_size={self.plan.global_batch_size}"
+                    if shards > 1
+                    else "it has no shards to read apart"
+                )
+                return f"a stream, read whole by every process {when} ({why}: 1 process's order on any number)"
         if self.ranks.size == 1:
             return f"a stream, read {when} (data/streams.py)"
         return f"a stream, read whole by every process {when} (data/streams.py)"

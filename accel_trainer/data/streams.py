@@ -118,14 +118,14 @@ def whole_position(saved: Any) -> tuple[int, int]:
     """A checkpoint's (epoch, examples read) of a stream read whole; (0, 0) to start afresh.
 
     Raises:
-        ConfigError: the position was saved with the stream split over the processes (data/stream_split.py).
+        ConfigError: the position was saved reading the stream as readers (data/stream_split.py).
     """
     if saved is None:
         return 0, 0
     if isinstance(saved, dict):
         raise ConfigError(
-            f"the checkpoint's stream was split over {len(saved['parts'])} data-parallel processes and this run"
-            f" reads it whole: resume on {len(saved['parts'])} data-parallel processes with stream_split=auto"
+            "the checkpoint read the training stream as readers of its shards (stream_split=auto or shards) and this"
+            " run reads it whole: resume with the stream_split, stream and global_batch_size it was trained with"
         )
     epoch, read = saved
     return epoch, read

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,8 +84,8 @@ def test_loader_workers_on_a_stream_are_warned_about(tmp_path):
 @pytest.mark.parametrize("source", ["hf_map", "torch_map", "hf_sharded", "hf_generator", "torch_stream"])
 def test_every_kind_of_dataset_trains_to_the_same_weights_on_one_and_two_processes(source, tmp_path):
     one = train_and_dump("cpu", tmp_path / "one", "sources", f"source={source}", world_size=1)
-    # a sharded stream is split over the processes by default, in an order of its own; off: 1 process's order
-    two = train_and_dump("cpu_ddp", tmp_path / "two", "sources", f"source={source}", "stream_split=off", world_size=2)
+    # a sharded stream is read as readers of its shards (each process reading its own), in the same order
+    two = train_and_dump("cpu_ddp", tmp_path / "two", "sources", f"source={source}", world_size=2)
 
     expected, actual = final_parameters(tmp_path / "one"), final_parameters(tmp_path / "two")
     for name in expected:
@@ -113,25 +114,46 @@ def test_a_stream_resumes_bitwise(source, stop_step, tmp_path):
     assert all(torch.equal(before[name], after[name]) for name in before)
 
 
+def assert_same_training(got: Path, expected: Path, from_step: int = 0) -> None:
+    """The runs' losses after `from_step` and final weights agree as DDP's do with one process's (the order of
+    the gradient sums differs)."""
+    losses = [{r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r and r["step"] > from_step}
+              for run in (got, expected)]  # fmt: skip
+    assert sorted(losses[0]) == list(range(from_step + 1, 15))
+    torch.testing.assert_close([losses[0][s] for s in sorted(losses[0])], [losses[1][s] for s in sorted(losses[0])],
+                               **TOLERANCE)  # fmt: skip
+    actual, wanted = final_parameters(got), final_parameters(expected)
+    for name in wanted:
+        torch.testing.assert_close(actual[name], wanted[name], **TOLERANCE)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    ("source", "reading"),
-    [("hf_sharded", "num_prefetch_batches=0"), ("hf_shards", "num_prefetch_batches=0"),
-     ("hf_shards", "num_prefetch_batches=2")],
-    ids=["shuffled: re-reading", "from state_dict", "saved while reading ahead, resumed reading in the step"],
-)  # fmt: skip
-def test_a_stream_split_over_two_processes_resumes_bitwise(source, reading, tmp_path):
-    run = [f"source={source}", "save_every_steps=5", "keep_last=0"]  # 4 shards: each process reads 2
-    train_and_dump("cpu_ddp", tmp_path / "full", "sources", *run, reading, world_size=2)
+def test_a_sharded_stream_trains_the_same_on_1_2_and_4_processes_and_resumes_from_2_onto_1_and_4(tmp_path):
+    """4 shards, global batch 16: 4 readers of 4 examples a step; 4 processes (cpu_hsdp: 4 data-parallel ranks)
+    read one reader each, 2 read two, 1 reads all four."""
+    run = ["source=hf_shards", "save_every_steps=5", "keep_last=0"]
+    train_and_dump("cpu_ddp", tmp_path / "two", "sources", *run, world_size=2)
+    checkpoint = tmp_path / "two" / "checkpoints" / "step_00000005"
+    train_and_dump("cpu", tmp_path / "one", "sources", *run, world_size=1)
+    train_and_dump("cpu_hsdp", tmp_path / "four", "sources", *run, world_size=4)
+    train_and_dump("cpu", tmp_path / "onto_one", "sources", *run, f"resume={checkpoint}", world_size=1)
+    train_and_dump("cpu_hsdp", tmp_path / "onto_four", "sources", *run, f"resume={checkpoint}", world_size=4)
+
+    for other in ("one", "four"):
+        assert_same_training(tmp_path / other, tmp_path / "two")
+    for resumed in ("onto_one", "onto_four"):
+        assert_same_training(tmp_path / resumed, tmp_path / "two", from_step=5)
+
+
+@pytest.mark.multiprocess
+def test_a_shuffled_sharded_stream_read_ahead_on_two_processes_resumes_on_one_re_reading_its_readers(tmp_path):
+    run = ["source=hf_sharded", "save_every_steps=5", "keep_last=0"]  # a shuffle buffer: re-read to the position
+    train_and_dump("cpu_ddp", tmp_path / "full", "sources", *run, "num_prefetch_batches=2", world_size=2)
     checkpoint = tmp_path / "full" / "checkpoints" / "step_00000005"
 
-    train_and_dump("cpu_ddp", tmp_path / "resumed", "sources", *run, f"resume={checkpoint}", world_size=2)
+    train_and_dump("cpu", tmp_path / "resumed", "sources", *run, f"resume={checkpoint}", world_size=1)
 
-    full = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "full") if "loss" in r}
-    resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "resumed") if "loss" in r}
-    assert sorted(resumed) == list(range(6, 15)) and all(resumed[step] == full[step] for step in resumed)
-    before, after = final_parameters(tmp_path / "full"), final_parameters(tmp_path / "resumed")
-    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert_same_training(tmp_path / "resumed", tmp_path / "full", from_step=5)
 
 
 @pytest.mark.multiprocess
@@ -179,23 +201,23 @@ def test_collate_receives_examples_in_torch_format_as_the_contract_says(tmp_path
 
 
 def test_a_stream_position_the_run_cannot_continue_is_refused_before_anything_is_loaded_or_said(tmp_path, recwarn):
-    """A checkpoint of a stream split over 2 processes, resumed on 1: one line, and no warning first that the
-    data order continues exactly."""
+    """A checkpoint of 2 processes reading a stream as 3 readers, resumed on 1 reading another as 4: one line,
+    and no warning first that the data order continues exactly."""
     at.registry.discover_recipes([WORKERS / "recipes"])
     settings = dict(source="hf_sharded", max_steps=2, save_every_steps=2, show_progress_bar=False, report=False)
     at.train("sources", output_dir=str(tmp_path / "run"), **settings)
     folder = tmp_path / "run" / "checkpoints" / "step_00000002"
-    as_if_split_over_two_processes(folder)
+    as_if_two_processes_read_another_stream(folder)
 
-    with pytest.raises(ConfigError, match="resume on 2 data-parallel processes with stream_split=auto"):
+    with pytest.raises(ConfigError, match="as 3 readers and this run as 4 .* global_batch_size it was trained with"):
         at.train("sources", output_dir=str(tmp_path / "resumed"), resume=str(folder), **settings)
     assert not [w for w in recwarn if "continue exactly" in str(w.message)]
 
 
-def as_if_split_over_two_processes(folder):
-    """Rewrite a checkpoint's train state (and its manifest entry) as a 2-process split stream saves it."""
+def as_if_two_processes_read_another_stream(folder):
+    """Rewrite a checkpoint's train state (and its manifest entry) as 2 processes reading 3 readers save it."""
     recorded = json.loads((folder / "train_state.json").read_text())
-    recorded["world_size"], recorded["data_position"] = 2, {"parts": [{"epoch": 0, "read": 8, "state": None}] * 2}
+    recorded["world_size"], recorded["data_position"] = 2, {"epoch": 0, "readers": [{"read": 8, "state": None}] * 3}
     written = json.dumps(recorded).encode()
     (folder / "train_state.json").write_bytes(written)
     manifest = json.loads((folder / "manifest.json").read_text())

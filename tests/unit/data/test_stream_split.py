@@ -1,6 +1,7 @@
-"""A sharded stream split over the processes: each reads only its shards, every example once an epoch, the
-epoch ending together, and a resume continuing each process's part exactly, from datasets' own state or (with a
-shuffle buffer) by re-reading that part. Two processes are played by two threads that agree on each step.
+"""A sharded stream read as logical readers: 1, 2, 3 or 4 processes train the same global batches, each process
+reads only the readers its slice spans, every example once an epoch, the epoch ending together, and a resume on
+any number of processes continuing each reader exactly, from datasets' own state or (with a shuffle buffer) by
+re-reading it. Processes are played by threads that agree on each step.
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ from accel_trainer.data.stream_split import SplitStream, gathered, has_shuffle_b
 from accel_trainer.data.streams import whole_position
 from accel_trainer.errors import ConfigError
 
-PLAN = plan_batches(8, 2, 2)  # each process: 2 micro-batches of 2 a step
-PER_STEP = 4  # examples each process reads a step
-
 
 def sharded(sizes: list[int], shuffle: bool = False) -> datasets.IterableDataset:
     """Shards of the given sizes holding 0, 1, 2, ... in order."""
@@ -35,11 +33,12 @@ def sharded(sizes: list[int], shuffle: bool = False) -> datasets.IterableDataset
     return stream.shuffle(seed=3, buffer_size=8) if shuffle else stream
 
 
-def read_on_two_processes(dataset, steps: int, saved=None, said=None, ahead=None) -> list[tuple[SplitStream, list]]:
-    """`steps` steps of each process's micro-batches, the processes summing counts as all_reduce would;
-    `ahead`: that many steps read ahead on a thread (num_prefetch_batches)."""
-    barrier, counts = threading.Barrier(2), [0, 0]
-    results: list = [None, None]
+def read_on(processes: int, dataset, steps: int, saved=None, said=None, ahead=None, global_batch: int = 8):
+    """`steps` steps of each process's micro-batches (2 examples each), the processes summing counts as all_reduce
+    would: [(stream, [(epoch, micro-batch), ...]) for each process]; `ahead`: steps read ahead on a thread."""
+    plan = plan_batches(global_batch, 2, processes)
+    barrier, counts = threading.Barrier(processes), [0] * processes
+    results: list = [None] * processes
 
     def process(rank: int) -> None:
         def total(count: int) -> int:
@@ -51,11 +50,11 @@ def read_on_two_processes(dataset, steps: int, saved=None, said=None, ahead=None
 
         collate = lambda rows: [int(r["x"]) for r in rows]  # noqa: E731
         warn = (said if said is not None else []).append if rank == 0 else lambda line: None
-        stream = SplitStream(dataset, loaders.as_torch, collate, PLAN, rank, total, warn, read_ahead(ahead))
-        batches = stream.micro_batches(position_for(saved, rank, 2), None)
-        results[rank] = stream, [next(batches) for _ in range(steps * PLAN.accumulation_steps)]
+        stream = SplitStream(dataset, loaders.as_torch, collate, plan, rank, total, warn, read_ahead(ahead))
+        batches = stream.micro_batches(position_for(saved, stream.readers.count), None)
+        results[rank] = stream, [next(batches) for _ in range(steps * plan.accumulation_steps)]
 
-    threads = [threading.Thread(target=process, args=(rank,)) for rank in (0, 1)]
+    threads = [threading.Thread(target=process, args=(rank,)) for rank in range(processes)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -67,58 +66,91 @@ def read_ahead(depth: int | None):
     return (lambda steps: steps) if depth is None else lambda steps: prefetched(steps, None, depth)
 
 
+def global_batches(results, global_batch: int = 8) -> list[tuple[int, list[int]]]:
+    """Each step's (epoch, global batch): the processes' slices of it, in rank order."""
+    per_process = [[x for _, batch in batches for x in batch] for _, batches in results]
+    epochs = [[epoch for epoch, batch in batches for _ in batch] for _, batches in results]
+    slice_size = global_batch // len(results)
+    steps = len(per_process[0]) // slice_size
+    return [
+        (
+            epochs[0][step * slice_size],
+            [x for mine in per_process for x in mine[step * slice_size : (step + 1) * slice_size]],
+        )
+        for step in range(steps)
+    ]
+
+
 def epoch_examples(batches, epoch: int) -> list[int]:
     return [x for e, batch in batches for x in batch if e == epoch]
 
 
-def test_each_process_reads_only_its_own_shards_and_every_example_is_read_once_an_epoch():
-    (_, first), (_, second) = read_on_two_processes(sharded([8, 8, 8, 8]), steps=4)  # one epoch: 32 examples
-
-    assert sorted(epoch_examples(first, 0) + epoch_examples(second, 0)) == list(range(32))
-    assert set(epoch_examples(first, 0)) == {*range(0, 8), *range(16, 24)}  # shards 0 and 2
-    assert set(epoch_examples(second, 0)) == {*range(8, 16), *range(24, 32)}  # shards 1 and 3
+def position_of(results) -> dict:
+    return gathered([stream.position() for stream, _ in results])
 
 
-def test_the_epoch_ends_for_every_process_at_the_first_step_one_cannot_fill_and_the_run_says_what_it_dropped():
+@pytest.mark.parametrize("processes", [2, 4])
+def test_any_number_of_processes_dividing_the_readers_trains_the_global_batches_of_one(processes):
+    one = global_batches(read_on(1, sharded([8, 8, 8, 8]), steps=6))  # 4 readers of 2 examples a step
+
+    assert global_batches(read_on(processes, sharded([8, 8, 8, 8]), steps=6)) == one
+    assert one[0] == (0, [0, 1, 8, 9, 16, 17, 24, 25])  # each reader's next 2, readers in order
+    assert sorted(x for epoch, batch in one if epoch == 0 for x in batch) == list(range(32))  # each once an epoch
+
+
+def test_each_process_reads_only_its_own_readers():
+    (first, _), (second, _) = read_on(2, sharded([8, 8, 8, 8]), steps=4)
+
+    assert list(first.parts) == [0, 1] and list(second.parts) == [2, 3]  # reader j: shard j
+
+
+def test_processes_that_do_not_divide_the_readers_share_the_readers_at_their_edges_and_train_the_same_batches():
+    one = global_batches(read_on(1, sharded([9] * 4), steps=3, global_batch=12), global_batch=12)
+    three = read_on(3, sharded([9] * 4), steps=3, global_batch=12)  # 4 readers of 3 a step, slices of 4
+
+    assert global_batches(three, global_batch=12) == one
+    assert [list(stream.parts) for stream, _ in three] == [[0, 1], [1, 2], [2, 3]]
+
+
+def test_the_epoch_ends_for_every_process_at_the_first_step_one_reader_cannot_fill_and_the_run_says_what_it_dropped():
     said: list[str] = []
-    (_, first), (_, second) = read_on_two_processes(sharded([8, 4, 8, 4]), steps=6, said=said)  # process 1: 8
+    (_, first), (_, second) = read_on(2, sharded([8, 4, 8, 4]), steps=6, said=said)  # readers 1 and 3: 2 steps
 
     assert [epoch for epoch, _ in first] == [0] * 4 + [1] * 4 + [2] * 4  # 2 steps of each epoch, then the next
     assert [epoch for epoch, _ in second] == [0] * 4 + [1] * 4 + [2] * 4
-    assert epoch_examples(first, 1)[:4] == [0, 1, 2, 3]  # its part starts again; 8 of its 16 were dropped
+    assert epoch_examples(first, 1)[:4] == [0, 1, 8, 9]  # the readers start again; 8 of 24 were dropped
     assert said == [  # once, not at every epoch
-        "accel-trainer: epoch 1 of the split training stream ended where one process's part did: 8 examples of"
-        " the longer parts were not trained on (its shards differ in size; more, evener shards lose less, and"
+        "accel-trainer: epoch 1 of the split training stream ended where its shortest reader did: 8 examples of"
+        " the longer ones were not trained on (its shards differ in size; more, evener shards lose less, and"
         " stream_split=off reads every example)"
     ]
 
 
-def test_equal_parts_end_their_epochs_without_a_word():
+def test_equal_readers_end_their_epochs_without_a_word():
     said: list[str] = []
-    read_on_two_processes(sharded([8, 8, 8, 8]), steps=6, said=said)
+    read_on(2, sharded([8, 8, 8, 8]), steps=6, said=said)
     assert said == []
 
 
 @pytest.mark.parametrize("ahead", [None, 2], ids=["read in the step", "read ahead"])
-@pytest.mark.parametrize("shuffle", [False, True], ids=["from datasets' state", "re-reading a shuffled part"])
-def test_a_resume_continues_each_process_where_it_was(shuffle, ahead):
+@pytest.mark.parametrize("shuffle", [False, True], ids=["from datasets' state", "re-reading a shuffled reader"])
+@pytest.mark.parametrize("resumed_on", [1, 2, 4])
+def test_a_resume_on_any_number_of_processes_continues_each_reader_where_it_was(resumed_on, shuffle, ahead):
     """8 steps a pass: reading ahead, the thread reads from step 4 on, so at step 5 it has read beyond."""
-    uninterrupted = read_on_two_processes(sharded([16, 16, 16, 16], shuffle), steps=10)
-    stopped = read_on_two_processes(sharded([16, 16, 16, 16], shuffle), steps=5, ahead=ahead)
-    position = gathered([(rank, stream.position()) for rank, (stream, _) in enumerate(stopped)])
+    uninterrupted = global_batches(read_on(2, sharded([16, 16, 16, 16], shuffle), steps=10))
+    stopped = read_on(2, sharded([16, 16, 16, 16], shuffle), steps=5, ahead=ahead)
 
-    resumed = read_on_two_processes(sharded([16, 16, 16, 16], shuffle), steps=5, saved=position)
+    resumed = read_on(resumed_on, sharded([16, 16, 16, 16], shuffle), steps=5, saved=position_of(stopped))
 
     assert [s.exact_state for s, _ in stopped] == [not shuffle] * 2
-    for rank in (0, 1):
-        assert resumed[rank][1] == uninterrupted[rank][1][5 * PLAN.accumulation_steps :]
+    assert global_batches(resumed) == uninterrupted[5:]
 
 
 def test_reading_ahead_on_a_thread_changes_nothing_the_processes_train_on_or_say():
     said_inline: list[str] = []
     said_ahead: list[str] = []
-    inline = read_on_two_processes(sharded([8, 4, 8, 4]), steps=9, said=said_inline)  # 3 epochs, 8 dropped each
-    ahead = read_on_two_processes(sharded([8, 4, 8, 4]), steps=9, said=said_ahead, ahead=3)
+    inline = read_on(2, sharded([8, 4, 8, 4]), steps=9, said=said_inline)  # 3 epochs, 8 dropped each
+    ahead = read_on(2, sharded([8, 4, 8, 4]), steps=9, said=said_ahead, ahead=3)
 
     assert [batches for _, batches in ahead] == [batches for _, batches in inline]
     assert said_ahead == said_inline and len(said_inline) == 1
@@ -127,12 +159,12 @@ def test_reading_ahead_on_a_thread_changes_nothing_the_processes_train_on_or_say
 def test_a_thread_reads_ahead_while_the_position_stays_where_the_training_is():
     produced: list[int] = []
 
-    def counted(values: list[int]):
-        for x in values:
+    def counted(count: int):  # one shard: one reader
+        for x in range(count):
             produced.append(x)
             yield {"x": x}
 
-    stream = SplitStream(datasets.IterableDataset.from_generator(counted, gen_kwargs={"values": list(range(64))}),
+    stream = SplitStream(datasets.IterableDataset.from_generator(counted, gen_kwargs={"count": 64}),
                          loaders.as_torch, lambda rows: [int(r["x"]) for r in rows], plan_batches(4, 2, 1), 0,
                          lambda count: count, ahead=read_ahead(4))  # fmt: skip
     batches = stream.micro_batches(None, None)
@@ -142,19 +174,23 @@ def test_a_thread_reads_ahead_while_the_position_stays_where_the_training_is():
         time.sleep(0.01)
 
     assert len(produced) >= 20 + 4 * 4  # 4 steps queued beyond the one in hand
-    assert stream.position()["read"] == 20 and [x for _, batch in taken for x in batch] == list(range(20))
+    assert stream.position()["readers"][0]["read"] == 20 and [x for _, batch in taken for x in batch] == list(range(20))
     batches.close()
     assert not [thread for thread in threading.enumerate() if thread.name == "accel-trainer-prefetch"]
 
 
-def test_only_a_stream_of_shards_dividing_over_the_processes_is_split_and_shards_insists():
-    assert splits(sharded([4] * 4), "auto", 2) and splits(sharded([4] * 4), "shards", 4)
-    assert not splits(sharded([4] * 3), "auto", 2)  # read whole instead
-    assert not splits(sharded([4] * 4), "off", 2) and not splits(sharded([4] * 4), "auto", 1)
-    with pytest.raises(ConfigError, match=r"has 3 shard\(s\), which do not split over 2 .* a multiple of 2 shards"):
-        splits(sharded([4] * 3), "shards", 2)
+def test_a_stream_is_read_as_readers_on_any_number_of_processes_where_it_has_two_and_shards_insists_on_its_own():
+    four_on = lambda processes: plan_batches(8, 1, processes)  # noqa: E731
+    assert splits(sharded([4] * 4), "auto", four_on(1)) and splits(sharded([4] * 4), "shards", four_on(4))
+    assert splits(sharded([4] * 6), "auto", four_on(4))  # gcd(6, 8) = 2 readers, shared at the slices' edges
+    assert not splits(sharded([4] * 3), "auto", four_on(2))  # gcd(3, 8) = 1: read whole instead
+    assert not splits(sharded([4] * 4), "off", four_on(2))
+    with pytest.raises(
+        ConfigError, match=r"has 6 shard\(s\), so 2 reader\(s\) .* do not split over 4 .* a multiple of 4"
+    ):
+        splits(sharded([4] * 6), "shards", four_on(4))
     with pytest.raises(ConfigError, match="is not a datasets.IterableDataset: it has no shards"):
-        splits(TorchStream(), "shards", 2)
+        splits(TorchStream(), "shards", four_on(2))
 
 
 class TorchStream(torch.utils.data.IterableDataset):
@@ -168,13 +204,17 @@ def test_a_shuffle_buffer_is_seen_through_the_stream_s_transformations():
 
 
 def test_a_position_saved_one_way_is_refused_the_other_way_in_one_line():
-    split_position = {"parts": [{"epoch": 0, "read": 4, "state": None}] * 2}
-    with pytest.raises(ConfigError, match="split over 2 data-parallel processes and this run has 4: resume on 2$"):
-        position_for(split_position, 0, 4)
+    readers_position = {"epoch": 0, "readers": [{"read": 4, "state": None}] * 2}
+    with pytest.raises(ConfigError, match="as 2 readers and this run as 4 .* global_batch_size it was trained with$"):
+        position_for(readers_position, 4)
     with pytest.raises(ConfigError, match="saved reading the stream whole .* resume with stream_split=off$"):
-        position_for([0, 8], 0, 2)
-    with pytest.raises(ConfigError, match="reads it whole: resume on 2 data-parallel processes with stream_split=auto"):
-        whole_position(split_position)
+        position_for([0, 8], 2)
+    with pytest.raises(ConfigError, match="by an earlier accel-trainer over 2 processes: resume it on 2"):
+        position_for({"parts": [{"epoch": 0, "read": 4, "state": None}] * 2}, 4)
+    with pytest.raises(
+        ConfigError, match="this run reads it whole: resume with the stream_split, stream and global_batch_size"
+    ):
+        whole_position(readers_position)
 
 
 def test_canary_datasets_resume_of_a_shuffled_stream_drops_its_buffer():
