@@ -30,6 +30,7 @@ from accel_trainer.config.train_config import (
     config_to_yaml,
     config_warnings,
     layout_to_yaml,
+    micro_batch_size_given,
     resolve_config,
     resolve_settings,
 )
@@ -131,7 +132,8 @@ def _train_here(
     completed = False
     try:
         run_dir = _make_run_dir(accelerator, recipe_name, cfg)
-        metrics = train_loop(recipe, cfg, layout, accelerator, run_dir, recipe_name)
+        given = micro_batch_size_given(config_file, overrides)
+        metrics = train_loop(recipe, cfg, layout, accelerator, run_dir, recipe_name, given)
         completed = True
     except Preempted as stop:
         if cfg.resume != "auto":
@@ -180,7 +182,8 @@ def _config_checked(recipe_name: str, line: CommandLine, layout: Layout) -> None
     cfg, settings = settings_on_layout(get_recipe(recipe_name).Config, layout, line.config_file, line.overrides)
     data_parallel = data_parallel_size_on_layout(settings, layout)
     if data_parallel is not None:
-        plan_batches(cfg.global_batch_size, planned_micro_batch_size(cfg.micro_batch_size), data_parallel)
+        fit = not micro_batch_size_given(line.config_file, line.overrides)
+        plan_batches(cfg.global_batch_size, planned_micro_batch_size(cfg.micro_batch_size), data_parallel, fit=fit)
 
 
 def _command_status(recipe_name: str, arguments: list[str], program: list[str]) -> int | None:

@@ -62,9 +62,20 @@ class HFCausalLMConfig(ByteGPT.Config):  # type: ignore[name-defined]
     d_model: int = 64
     n_head: int = 2
     block_size: int = 64
+    n_positions: int = 256
+    """The model's context (position embeddings), at least block_size: the longest window a fine-tune of this
+    base reads (sft_chat's default is 128)."""
     own_loss: bool = False
     """Return the model's own `out.loss` from `labels` in the batch (the loop passes it num_items_in_batch, so it
     is exact too) instead of at.token_cross_entropy on its logits."""
+
+    def __post_init__(self) -> None:
+        if self.n_positions < self.block_size:
+            raise at.ConfigError(
+                f"n_positions={self.n_positions} is shorter than block_size={self.block_size}: the model reads"
+                f" windows of block_size tokens; raise n_positions to {self.block_size} or more"
+            )
+        super().__post_init__()
 
 
 @at.register_recipe("hf_causal_lm")
@@ -73,6 +84,7 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
 
     Config = HFCausalLMConfig
     tp_plan: dict[str, str] = {}  # not the GPT's: GPT-2's fused qkv (c_attn, a Conv1D) has no column split here
+    sequence_dims: dict[str, int] = {}  # no context parallelism: transformers' 4-D masks do not shard with DTensor
 
     @property
     def wrap_classes(self) -> tuple[type[torch.nn.Module], ...]:  # type: ignore[override]
@@ -84,7 +96,7 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
         transformers = _transformers()
         quiet_padding_advice()
         config = transformers.GPT2Config(
-            vocab_size=VOCAB_SIZE, n_positions=cfg.block_size, n_embd=cfg.d_model, n_layer=cfg.n_layer,
+            vocab_size=VOCAB_SIZE, n_positions=cfg.n_positions, n_embd=cfg.d_model, n_layer=cfg.n_layer,
             n_head=cfg.n_head, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
             bos_token_id=PAD_ID, eos_token_id=PAD_ID, pad_token_id=PAD_ID,
         )  # fmt: skip

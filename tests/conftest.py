@@ -140,8 +140,16 @@ def train_and_dump(config: str, out: Path, recipe: str, *overrides: str, world_s
     not for starting torch and a process group; a test whose property is the launch itself (its exit status,
     output, signals, the launcher) starts its own with `accelerate_launch`.
     """
-    layout_launches.train(config, Path(out), recipe, [f"output_dir={out}", *overrides, *TEST_OVERRIDES], world_size)
+    refusal = layout_launches.train(config, Path(out), recipe, [f"output_dir={out}", *overrides, *TEST_OVERRIDES],
+                                    world_size)  # fmt: skip
+    assert refusal is None, f"{recipe} {' '.join(overrides)} was refused on {config}: {refusal}"
     return read_metrics(out)
+
+
+def refusal_on_layout(config: str, out: Path, recipe: str, *overrides: str, world_size: int) -> str | None:
+    """Train as `train_and_dump` does; None, or the line in which every process refused the run."""
+    return layout_launches.train(config, Path(out), recipe, [f"output_dir={out}", *overrides, *TEST_OVERRIDES],
+                                 world_size)  # fmt: skip
 
 
 _TRAJECTORIES: dict[tuple, tuple[Path, list[dict]]] = {}
@@ -179,7 +187,8 @@ class LayoutLaunches:
         self.root = Path(tempfile.mkdtemp(prefix="accel-trainer-layouts-"))
         self.launches: OrderedDict[tuple[str, int], dict] = OrderedDict()
 
-    def train(self, config: str, out: Path, recipe: str, arguments: list[str], world_size: int) -> None:
+    def train(self, config: str, out: Path, recipe: str, arguments: list[str], world_size: int) -> str | None:
+        """Train one scenario; None, or the one line in which every process refused it (the launch serves on)."""
         launch = self._launch(config, world_size)
         LAUNCH_COUNTS["scenarios"] += 1
         number = launch["requests"]
@@ -195,11 +204,14 @@ class LayoutLaunches:
                 break
             time.sleep(0.02)
         outcomes = [file.read_text() for file in done if file.exists()]
+        if len(outcomes) == world_size and len(set(outcomes)) == 1 and outcomes[0].startswith("refused: "):
+            return outcomes[0].removeprefix("refused: ")
         if len(outcomes) < world_size or any(outcome != "ok" for outcome in outcomes):
             self._end((config, world_size))
             log = (launch["folder"] / "launch.log").read_text(errors="replace")
             failures = "\n".join(outcome for outcome in outcomes if outcome != "ok")
             raise AssertionError(f"{recipe} {' '.join(arguments)} failed on {config}\n{failures}\n{log[-20000:]}")
+        return None
 
     def _launch(self, config: str, world_size: int) -> dict:
         key = (config, world_size)

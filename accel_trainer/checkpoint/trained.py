@@ -42,3 +42,4 @@ class RunIdentity:
     cfg: TrainConfig
     layout: LayoutSettings
     recipe_file: str | None = None  # the file defining the recipe, for `evaluate` from another folder
+    micro_batch_size_given: bool = True  # False: cfg's is the recipe's default, which follows the layout

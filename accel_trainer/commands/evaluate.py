@@ -151,7 +151,9 @@ def evaluate_saved(source: str | Path, **overrides: Any) -> dict[str, float]:
         accelerator = build_accelerator(cfg, layout)
         recipe = recipe_cls(cfg)
         recipe.build_model = _loading(recipe, saved)  # type: ignore[method-assign]
-        run = prepare_run(recipe, RunIdentity(saved.recipe_name, cfg, layout), accelerator, Path(scratch))
+        given = "micro_batch_size" in overrides  # the saved one follows this layout, as a recipe's default does
+        identity = RunIdentity(saved.recipe_name, cfg, layout, micro_batch_size_given=given)
+        run = prepare_run(recipe, identity, accelerator, Path(scratch))
         if not run.evaluator.has_eval:
             raise UserError(f"recipe {saved.recipe_name} builds no eval set (build_datasets): nothing to evaluate")
         started = time.perf_counter()

@@ -39,8 +39,10 @@ class TrainConfig:
     global_batch_size: int = 64
     """Samples per optimizer step, summed over all processes and accumulation micro-batches."""
     micro_batch_size: int | Literal["auto"] = 32
-    """Samples per process per forward pass; accumulation steps are derived from it and the process count. auto:
-    the largest that fits in memory, halved from the whole per-process batch until one fits (data/auto_batch.py)."""
+    """Samples per process per forward pass; accumulation steps are derived from it and the process count. Left at
+    the recipe's default, it follows the layout: the largest not above it that splits global_batch_size over the
+    data-parallel ranks (data/batching.py). auto: the largest that fits in memory, halved from the whole
+    per-process batch until one fits (data/auto_batch.py)."""
     lr: float = 1e-3
     """Peak learning rate (before the optional scaling rule)."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -159,6 +161,14 @@ def resolve_settings(
     validate_config(config)
     validate_config(layout)
     return config, layout
+
+
+def micro_batch_size_given(config_file: str | Path | None, overrides: Mapping[str, Any] | None) -> bool:
+    """Whether the user set micro_batch_size (in the config file or an override), rather than leaving the recipe's
+    default, which follows the layout (data/batching.py)."""
+    return "micro_batch_size" in (overrides or {}) or (
+        config_file is not None and "micro_batch_size" in load_config_file(config_file)
+    )
 
 
 def resolve_config(

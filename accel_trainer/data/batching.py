@@ -2,7 +2,10 @@
 
 `global_batch_size` (samples per optimizer step) and `micro_batch_size` (samples per process per forward
 pass) are what a user sets; the accumulation steps follow from the number of processes. Because every
-optimizer step consumes exactly one global batch, a run follows the same trajectory on any layout.
+optimizer step consumes exactly one global batch, a run follows the same trajectory on any layout. The global
+batch decides the trajectory, the micro-batch only the memory: a micro-batch size the user did not set (the
+recipe's default) follows the layout, the largest not above it that splits the global batch over the
+data-parallel ranks (`fit`); one the user set that cannot is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ class BatchPlan:
     micro_batch_size: int
     num_processes: int
     accumulation_steps: int
+    fitted_from: int = 0
+    """The recipe's default micro-batch size when it did not split the global batch over these ranks and this
+    plan's smaller one was taken instead (0: as asked)."""
 
     def steps_per_epoch(self, num_samples: int) -> int:
         """Optimizer steps in one pass over `num_samples`; the incomplete last global batch is skipped."""
@@ -32,8 +38,14 @@ class BatchPlan:
         return steps
 
 
-def plan_batches(global_batch_size: int, micro_batch_size: int, num_processes: int) -> BatchPlan:
-    """Derive accumulation steps, or explain which sizes to change when they do not divide."""
+def plan_batches(global_batch_size: int, micro_batch_size: int, num_processes: int, *, fit: bool = False) -> BatchPlan:
+    """Derive accumulation steps, or explain which sizes to change when they do not divide; `fit`: the micro-batch
+    size is the recipe's default, which may be lowered to the largest that divides (the module's docstring)."""
+    asked = micro_batch_size
+    if fit and global_batch_size > 0 and micro_batch_size > 0:
+        micro_batch_size = next(
+            (m for m in range(asked, 0, -1) if global_batch_size % (m * num_processes) == 0), micro_batch_size
+        )
     if global_batch_size <= 0 or micro_batch_size <= 0:
         raise ConfigError(
             f"global_batch_size={global_batch_size} and micro_batch_size={micro_batch_size} must be positive"
@@ -45,7 +57,8 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, num_processes: i
             f" x {num_processes} data-parallel rank(s) = {per_step}; "
             + _sizes_that_divide(global_batch_size, micro_batch_size, num_processes)
         )
-    return BatchPlan(global_batch_size, micro_batch_size, num_processes, global_batch_size // per_step)
+    fitted_from = asked if micro_batch_size != asked else 0
+    return BatchPlan(global_batch_size, micro_batch_size, num_processes, global_batch_size // per_step, fitted_from)
 
 
 def planned_micro_batch_size(micro_batch_size: int | str) -> int:

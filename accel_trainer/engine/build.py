@@ -73,15 +73,18 @@ def prepared_for_layout(
 
 
 def model_and_sets(
-    recipe: Recipe, cfg: TrainConfig, layout: LayoutSettings, accelerator: Accelerator, ranks: DataRanks
+    recipe: Recipe, cfg: TrainConfig, layout: LayoutSettings, accelerator: Accelerator, ranks: DataRanks, fit: bool
 ) -> tuple[TrainConfig, BatchPlan, Any, FrozenWeights | None, int, str, Any, Any]:
     """The batch plan (checked before any work); the recipe's model, its frozen weights (fingerprinted as built),
     its size and summary, split and wrapped for the layout; the recipe's checked training and eval sets. With
     micro_batch_size=auto, the config and plan of the largest micro-batch that fits (the run's cfg holds it,
-    its identity says auto)."""
+    its identity says auto); `fit`: the recipe's default micro-batch follows the layout (data/batching.py), the
+    run's cfg holding the size taken."""
     if cfg.micro_batch_size == "auto":
         check_auto_layout(accelerator, layout, ranks)
-    plan = plan_batches(cfg.global_batch_size, planned_micro_batch_size(cfg.micro_batch_size), ranks.size)
+    plan = plan_batches(cfg.global_batch_size, planned_micro_batch_size(cfg.micro_batch_size), ranks.size, fit=fit)
+    if plan.fitted_from:
+        cfg = recipe.cfg = replace(cfg, micro_batch_size=plan.micro_batch_size)
     recipe.tokenizer = recipe.build_tokenizer(cfg)
     model = fsdp_loading.build_model(recipe, cfg, accelerator)
     frozen = FrozenWeights.agreed(model)

@@ -47,15 +47,17 @@ def train_loop(
     accelerator: Accelerator,
     run_dir: Path,
     recipe_name: str,
+    micro_batch_size_given: bool = True,
 ) -> dict[str, Any]:
-    """Train `recipe` up to `cfg.max_steps` optimizer steps, resuming if asked, and return the final metrics.
+    """Train `recipe` up to `cfg.max_steps` optimizer steps, resuming if asked, and return the final metrics;
+    `micro_batch_size_given`: False where cfg's is the recipe's default, which follows the layout.
 
     Raises:
         Preempted: a signal stopped the run after it saved a checkpoint.
     """
     setup_started = time.time()
     module = sys.modules.get(type(recipe).__module__)  # no file for a recipe typed in a notebook or `python -c`
-    identity = RunIdentity(recipe_name, cfg, layout, getattr(module, "__file__", None))
+    identity = RunIdentity(recipe_name, cfg, layout, getattr(module, "__file__", None), micro_batch_size_given)
     run = prepare_run(recipe, identity, accelerator, run_dir)
     run.checkpointer.restore()  # a position the data cannot continue from is refused before the run folder changes
     check_early_stop(cfg, run.evaluator.has_eval)

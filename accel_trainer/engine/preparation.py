@@ -44,7 +44,7 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     ranks = data_ranks(accelerator)
     check_layout_for_several(recipe.alternate_optimizers, cfg, uses_mesh=uses_mesh(accelerator, layout))
     cfg, plan, model, frozen, num_parameters, summary, train_set, eval_set = model_and_sets(
-        recipe, cfg, layout, accelerator, ranks
+        recipe, cfg, layout, accelerator, ranks, fit=not identity.micro_batch_size_given
     )
     accelerator.gradient_accumulation_steps = plan.accumulation_steps
     model, optimizers, pipeline, run_data = prepared_for_layout(

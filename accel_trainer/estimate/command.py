@@ -17,9 +17,10 @@ import multiprocessing
 import os
 import traceback
 import warnings
+from dataclasses import replace
 from typing import Any
 
-from accel_trainer.config.train_config import resolve_settings
+from accel_trainer.config.train_config import micro_batch_size_given, resolve_settings
 from accel_trainer.data.batching import plan_batches
 from accel_trainer.errors import EstimateCrashed, RecipeError, UserError, describe_crash
 from accel_trainer.estimate.advice import USABLE, advice
@@ -27,6 +28,7 @@ from accel_trainer.estimate.arguments import EstimateArguments
 from accel_trainer.estimate.fake_world import fake_tensors, on_the_fake_device, played_rank
 from accel_trainer.estimate.step_memory import RankMemory, first_examples, rank_memory
 from accel_trainer.parallel.accelerator import build_accelerator, launch_settings_file, settings_on_layout
+from accel_trainer.parallel.launch_fixes import forget_accelerate_state
 from accel_trainer.parallel.layout_file import Layout, read_layout
 from accel_trainer.parallel.mesh import data_ranks
 from accel_trainer.registry import get_recipe, recipe_name_of
@@ -94,11 +96,14 @@ def _estimate_rank(
     recipe_cls: Any, layout: Layout, overrides: dict[str, Any], config_file: str | None, examples: list, rank: int
 ) -> RankMemory:
     warnings.filterwarnings("ignore", module=r"(torch|accelerate)\.")  # their advice is for the real run
+    forget_accelerate_state()  # a state the parent made reading the examples (sft_chat's) holds a world of 1
     with played_rank(layout, rank):
         cfg, settings = resolve_settings(recipe_cls.Config, config_file, dict(overrides), launch_settings_file())
         accelerator = build_accelerator(cfg, settings)
         on_the_fake_device(accelerator)
-        plan_batches(cfg.global_batch_size, int(cfg.micro_batch_size), data_ranks(accelerator).size)  # its refusal
+        fit = not micro_batch_size_given(config_file, overrides)  # the recipe's default follows the layout
+        plan = plan_batches(cfg.global_batch_size, int(cfg.micro_batch_size), data_ranks(accelerator).size, fit=fit)
+        cfg, examples = replace(cfg, micro_batch_size=plan.micro_batch_size), examples[: plan.micro_batch_size]
         recipe = recipe_cls(cfg)
         recipe.tokenizer = recipe.build_tokenizer(cfg)
         with fake_tensors():

@@ -29,9 +29,10 @@ from torch.distributed.tensor import DTensor
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.contract.losses import read_loss_output
 from accel_trainer.data import loaders
+from accel_trainer.engine.build import uses_mesh
 from accel_trainer.errors import ConfigError
 from accel_trainer.estimate.fake_world import ddp_bucket_bytes
-from accel_trainer.optim.optimizers import read_optimizers
+from accel_trainer.optim.optimizers import check_layout_for_several, read_optimizers
 from accel_trainer.parallel import fsdp_loading
 from accel_trainer.parallel.accelerator import prepare_for_training
 from accel_trainer.parallel.context_parallel import sequence_slices
@@ -101,6 +102,7 @@ def tracked_steps(model: Any, optimizer: Optimizers, step: Callable[[], None]) -
 
 def prepared(recipe: Recipe, cfg: Any, layout: LayoutSettings, accelerator: Accelerator, examples: list) -> tuple:
     """The model and optimizer prepared as the run prepares them, and one micro-batch's forward and backward."""
+    check_layout_for_several(recipe.alternate_optimizers, cfg, uses_mesh=uses_mesh(accelerator, layout))  # as a run
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is not None:  # its broadcast of the main process's weights: the same shards in the end
         plugin.cpu_ram_efficient_loading = False
@@ -126,18 +128,25 @@ def prepared(recipe: Recipe, cfg: Any, layout: LayoutSettings, accelerator: Acce
         # cannot carry (and a fake tensor cannot read): the estimate needs no loss, so it says there are none.
         pipeline._term_names, pipeline._counts_items = [], False
         return model, Optimizers(inner), functools.partial(pipeline.train, batch)
-    step = functools.partial(_forward_backward, recipe, model, batch, accelerator, ranks.context_parallel)
+    phases = [phase.name for phase in built.phases] if built.alternate else [None]
+    step = functools.partial(_forward_backward, recipe, model, batch, accelerator, ranks.context_parallel, phases)
     return model, Optimizers(inner), step
 
 
-def _forward_backward(recipe: Recipe, model: Any, batch: Any, accelerator: Accelerator, cp: int) -> None:
+def _forward_backward(
+    recipe: Recipe, model: Any, batch: Any, accelerator: Accelerator, cp: int, phases: list[str | None]
+) -> None:
     """As the loop's step runs a micro-batch: on a context-parallel layout, its slice of every sequence (cut in
-    place: each step cuts a copy, as each of the loop's steps cuts a batch of its own)."""
+    place: each step cuts a copy, as each of the loop's steps cuts a batch of its own); with alternating
+    optimizers, each phase's loss in turn (`compute_loss(..., phase=name)`)."""
     if cp > 1:
         batch = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
     with sequence_slices(accelerator, recipe, batch, cp):
-        output = read_loss_output(recipe.compute_loss(model, batch))
-        accelerator.backward(output.loss)
+        for phase in phases:
+            loss = (
+                recipe.compute_loss(model, batch) if phase is None else recipe.compute_loss(model, batch, phase=phase)
+            )
+            accelerator.backward(read_loss_output(loss).loss)
 
 
 def _parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:

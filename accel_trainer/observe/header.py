@@ -91,11 +91,22 @@ def header(
             f"{f' (mesh {mesh})' if mesh else ''}, precision {_precision(accelerator)}{settings}",
             f"  batch: {plan.global_batch_size} per step = {plan.micro_batch_size} per micro-batch x"
             f" {plan.num_processes} {'data-parallel rank(s)' if mesh else 'process(es)'} x {plan.accumulation_steps}"
-            " accumulation step(s)",
+            f" accumulation step(s){_fitted(plan)}",
             *([four_bits] if four_bits else []),
             f"  data: {data_path}",
             f"  run folder: {run_dir}",
         ]
+    )
+
+
+def _fitted(plan: BatchPlan) -> str:
+    """What the batch line says when the recipe's default micro-batch size was lowered to fit (data/batching.py)."""
+    if not plan.fitted_from:
+        return ""
+    return (
+        f" (the recipe's micro-batch of {plan.fitted_from} does not split {plan.global_batch_size} over"
+        f" {plan.num_processes} rank(s): {plan.micro_batch_size}, the largest below it that does;"
+        " micro_batch_size= sets it)"
     )
 
 

@@ -144,6 +144,8 @@ def serve(folder: Path) -> None:
                 torch._dynamo.reset()
             train_and_dump(request["recipe"], request["overrides"], Path(request["out"]), request["world_size"], True)
             outcome = "ok"
+        except at.UserError as refusal:  # said by every process alike: the launch serves on (LayoutLaunches.train)
+            outcome = f"refused: {refusal}"
         except BaseException:
             outcome = traceback.format_exc()
         rank = world()[0] if outcome == "ok" else int(os.environ.get("RANK", "0"))
@@ -152,7 +154,7 @@ def serve(folder: Path) -> None:
         done.with_suffix(".tmp").replace(done)
         sys.stdout.flush()
         sys.stderr.flush()
-        if outcome != "ok":
+        if outcome != "ok" and not outcome.startswith("refused: "):
             os._exit(1)
 
 

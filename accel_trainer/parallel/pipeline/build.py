@@ -30,8 +30,14 @@ def build_pipeline(
     gives its rows).
 
     Raises:
-        LayoutError: an EMA, sync_batchnorm, fp16 or offloaded parameters, which a pipeline does not run yet.
+        LayoutError: an EMA, sync_batchnorm, fp16 or offloaded parameters, which a pipeline does not run yet, or
+            a transformers model.
     """
+    if _is_transformers_model(model):  # its forward returns a cache and an output object, takes keyword tensors
+        raise LayoutError(
+            f"a pipeline layout does not run transformers models ({type(model).__name__}) yet: torch's traced stages"
+            " pass tensors, not the cache and output objects their forward returns; use an FSDP layout"
+        )
     if recipe.cfg.ema_decay:
         raise LayoutError(
             "a pipeline layout does not keep an EMA of the weights yet: set ema_decay=0, or train on a"
@@ -65,3 +71,10 @@ def build_pipeline(
         reshard_after_forward=bool(fsdp is not None and fsdp.reshard_after_forward),
         activation_checkpointing=layout.activation_checkpointing,
     )
+
+
+def _is_transformers_model(model: Any) -> bool:
+    """A transformers `PreTrainedModel`, also inside a peft wrapper (by module name: transformers is optional)."""
+    inner = getattr(model, "base_model", model)
+    inner = getattr(inner, "model", inner) if type(inner).__module__.startswith("peft") else inner
+    return any(cls.__module__.startswith("transformers.") for cls in type(inner).__mro__)

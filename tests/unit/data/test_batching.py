@@ -63,3 +63,33 @@ def test_a_dataset_smaller_than_one_global_batch_is_a_config_error_saying_to_low
     assert "63 samples" in message
     assert "global_batch_size=64" in message
     assert "lower global_batch_size" in message
+
+
+@pytest.mark.parametrize(
+    ("global_batch_size", "default", "num_processes", "fitted"),
+    [(64, 64, 2, 32), (32, 16, 8, 4), (64, 24, 1, 16), (48, 32, 3, 16), (64, 32, 2, 32)],
+)
+def test_a_recipe_s_default_micro_batch_becomes_the_largest_not_above_it_that_splits_the_global_batch(
+    global_batch_size, default, num_processes, fitted
+):
+    plan = plan_batches(global_batch_size, default, num_processes, fit=True)
+    assert plan.micro_batch_size == fitted
+    assert plan.fitted_from == (default if fitted != default else 0)  # what the header says
+
+
+def test_a_micro_batch_the_user_set_is_never_changed_and_one_that_cannot_split_is_refused():
+    with pytest.raises(ConfigError, match="global_batch_size=64 is not a multiple of micro_batch_size=64 x 2"):
+        plan_batches(64, 64, 2)
+    with pytest.raises(ConfigError, match="global_batch_size=63 is not a multiple"):  # no micro-batch splits 63 over 2
+        plan_batches(63, 8, 2, fit=True)
+
+
+def test_micro_batch_size_counts_as_set_in_an_override_or_the_config_file_only(tmp_path):
+    from accel_trainer.config.train_config import micro_batch_size_given
+
+    config = tmp_path / "run.yaml"
+    config.write_text("micro_batch_size: 8\n")
+    assert micro_batch_size_given(None, {"micro_batch_size": 8}) and micro_batch_size_given(config, {})
+    assert not micro_batch_size_given(None, {"lr": 0.1})
+    config.write_text("lr: 0.1\n")
+    assert not micro_batch_size_given(config, {})

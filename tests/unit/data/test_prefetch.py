@@ -155,7 +155,8 @@ def test_a_stream_read_ahead_trains_bitwise_as_read_in_the_step_and_resumes_wher
     stream = dict(stream="datasets", random_collate=True)  # the collate draws: in the step, as without a thread
     train(tmp_path / "inline", **stream)
     train(tmp_path / "ahead", num_prefetch_batches=4, save_every_steps=14, keep_last=0, **stream)
-    assert "  data: a stream, read ahead on a thread, 2 step(s) at most (data/streams.py)" in capsys.readouterr().out
+    said = capsys.readouterr().out  # 4 shards: read as readers (data/stream_split.py), ahead
+    assert "  data: a stream of 4 shards read as 4 readers" in said and "ahead on a thread, 2 step(s) at most" in said
     assert len(losses(tmp_path / "inline")) == 23
     assert_same_training(tmp_path / "inline", tmp_path / "ahead")
 

@@ -18,7 +18,7 @@ def test_a_run_prints_a_header_and_records_each_start(tmp_path, capsys):
     at.train("vae", max_steps=4, save_every_steps=2, keep_last=0, output_dir=str(tmp_path), show_progress_bar=False)
     out = capsys.readouterr().out
     assert "accel-trainer: recipe vae, 171,088 parameters" in out
-    assert "batch: 64 per step = 32 per micro-batch x 1 process(es) x 2 accumulation step(s)" in out
+    assert "batch: 64 per step = 32 per micro-batch x 1 process(es) x 2 accumulation step(s)\n" in out
 
     at.train("vae", max_steps=6, save_every_steps=2, keep_last=0, output_dir=str(tmp_path), show_progress_bar=False)
 
@@ -52,3 +52,13 @@ def test_the_header_names_the_strategy_in_the_docs_words(distributed_type, proce
     accelerator = SimpleNamespace(distributed_type=distributed_type, num_processes=processes, process_index=0,
                                   parallelism_config=config)  # fmt: skip
     assert _strategy(accelerator) == words
+
+
+def test_the_header_says_when_the_recipe_s_default_micro_batch_was_lowered_to_split_the_global_batch(tmp_path, capsys):
+    at.train("vae", max_steps=1, global_batch_size=48, output_dir=str(tmp_path), show_progress_bar=False, report=False)
+    assert (
+        "batch: 48 per step = 24 per micro-batch x 1 process(es) x 2 accumulation step(s) (the recipe's micro-batch"
+        " of 32 does not split 48 over 1 rank(s): 24, the largest below it that does; micro_batch_size= sets it)"
+    ) in capsys.readouterr().out
+    with pytest.raises(at.ConfigError, match="global_batch_size=48 is not a multiple of micro_batch_size=32"):
+        at.train("vae", max_steps=1, global_batch_size=48, micro_batch_size=32, output_dir=str(tmp_path / "set"))
