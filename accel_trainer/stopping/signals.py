@@ -18,6 +18,11 @@ gets the default action at once (KeyboardInterrupt, or death by the signal): nev
 there before, which in a forked worker is torch's launcher handler and turned the copy into an error.
 `max_time` (e.g. 2h30m) is a wall-clock budget counted from the start of the run: once spent, the run stops
 the same way, so a scheduler's job can end cleanly before its allocation does and the next job continue.
+
+Python runs signal handlers in the main thread only, and installs them only there. A run in another thread (Ray
+Train's workers run the training function in one) is stopped the same way when its process's main thread
+installs the handlers (deploy/ray/train_recipe.py, from a Ray worker callback): they set the flag the run's thread
+polls. A stop asked for by something other than a signal (Ray's preemption notice) sets it with `request_stop`.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 REPEAT_WINDOW_S = 1.0
 """A stop signal this soon after the first is a copy (a launcher forwards within milliseconds), not a second press."""
 _DEFAULT_ACTIONS: dict[int, Any] = {signal.SIGINT: signal.default_int_handler}  # the others: SIG_DFL
-_received: list[Any] = ["", 0.0]  # the first stop signal's name ("" until one comes) and its time.monotonic()
+# The first stop request's name ("" until one comes), and the time.monotonic() of the first stop signal (0.0 until one).
+_received: list[Any] = ["", 0.0]
 
 
 def catch_stop_signals() -> dict[int, Any]:
@@ -53,7 +59,7 @@ def catch_stop_signals() -> dict[int, Any]:
     """
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(SIGNALS[0]) == _handle:
         return {}
-    _received[0] = ""
+    _received[:] = ["", 0.0]
     return {sig: signal.signal(sig, _handle) for sig in SIGNALS}
 
 
@@ -69,19 +75,32 @@ def stop_signals_caught() -> Iterator[None]:
 
 
 def received_signal() -> str:
-    """The name of the first stop signal this process received since its handlers were installed, or ""."""
+    """The name of the first stop signal (or `request_stop` reason) this process received since its handlers were
+    installed, or ""."""
     return str(_received[0])
+
+
+def request_stop(reason: str) -> None:
+    """Stop the run at its next step boundary, as a stop signal does, from any thread; `reason` names what asked.
+
+    For a request that is no signal: deploy/ray/train_recipe.py passes on Ray Train's preemption notice. The first
+    request or signal is the one the run reports; a signal after a request is still a first signal, not a second
+    press (a node that was given notice is then often stopped with SIGTERM while the run saves).
+    """
+    if not _received[0]:
+        _received[0] = reason
+        # Said at once, so a process stuck in its step (a hang) is still seen and says where it was; one raw
+        # write: print() here could raise into the step (BrokenPipeError when `| tee` died of the same Ctrl-C,
+        # a reentrant call on a stream the step was writing to).
+        _say(f"{reason} received during {where()}")
 
 
 def _handle(signum: int, frame: Any) -> None:
     """Record the first stop signal; ignore its copies; give a later one (a second press) its default action."""
     now = time.monotonic()
-    if not _received[0]:
-        _received[0], _received[1] = signal.Signals(signum).name, now
-        # Said at once, so a process stuck in its step (a hang) is still seen and says where it was; one raw
-        # write: print() here could raise into the step (BrokenPipeError when `| tee` died of the same Ctrl-C,
-        # a reentrant call on a stream the step was writing to).
-        _say(f"{signal.Signals(signum).name} received during {where()}")
+    if not _received[1]:
+        _received[1] = now
+        request_stop(signal.Signals(signum).name)
     elif now - _received[1] >= REPEAT_WINDOW_S:
         _say(f"a second {signal.Signals(signum).name}: stopping at once, without a checkpoint")
         signal.signal(signum, _DEFAULT_ACTIONS.get(signum, signal.SIG_DFL))

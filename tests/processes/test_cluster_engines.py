@@ -7,25 +7,40 @@ PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT), as two "nodes" on loopback: th
 one process trains.
 
 Ray Train: deploy/ray/train_recipe.py, a local Ray with two CPU workers on layout=cpu_fsdp, trains what one
-process trains. SLURM: test_slurm.py.
+process trains; on cpu_ddp, a worker killed mid-run is restarted with its group, which continues exactly, and a
+SIGTERM to one worker stops every worker at one step, saved (one Ray run for both: a Ray start costs 20-40 s).
+SLURM: test_slurm.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import logging
+import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
+import launches
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 import accel_trainer as at
+from accel_trainer.checkpoint import files
+from accel_trainer.observe.events import read_events
+from accel_trainer.stopping.signals import EXIT_PREEMPTED, PreemptionWatcher, request_stop, stop_signals_caught
 from conftest import LAUNCH_TIMEOUT_S, REPO, clean_env, final_parameters, free_port, reset_accelerate_state
 
 MANIFEST = REPO / "deploy" / "kubernetes" / "pytorchjob.yaml"
+RAY_ENTRY = REPO / "deploy" / "ray" / "train_recipe.py"
 TINY_GPT = dict(n_layer=2, d_model=32, n_head=2, block_size=32, max_steps=3, max_source_bytes=100_000,
                 eval_every_steps=0, show_progress_bar=False, report=False)  # fmt: skip
 
@@ -92,6 +107,162 @@ def test_ray_trains_workers_sharded_by_the_layout_as_one_process_trains(one_proc
     assert "LOAD_CONST" not in output  # no bytecode: Ray's print patch is off (the canary below)
 
     assert_weights_of_one_process(one_process, tmp_path / "ray")
+
+
+SURVIVING = {**TINY_GPT, "max_steps": 40, "warmup_steps": 5}  # steps for the kill and the signal to come before the end
+SAVE_EVERY = 3
+
+
+@pytest.fixture(scope="module")
+def one_process_every_step(tmp_path_factory):
+    """The uninterrupted run a restarted Ray group must continue exactly: one process, a checkpoint at every step."""
+    folder = tmp_path_factory.mktemp("one_process_every_step")
+    at.train("gpt", output_dir=str(folder), save_every_steps=1, keep_last=0, **SURVIVING)
+    reset_accelerate_state()
+    return folder
+
+
+def ray_workers(driver: subprocess.Popen) -> list[int]:
+    """The pids of the Ray Train workers of this driver's local cluster (they carry its launch tag)."""
+    workers = []
+    for pid in launches.tagged(lambda tags: driver.launch_tag in tags):  # type: ignore[attr-defined]
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            if cmdline.read().startswith(b"ray::RayTrainWorker"):
+                workers.append(pid)
+    return sorted(workers)
+
+
+def wait_for(condition, driver: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while not condition():
+        if driver.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"exit status {driver.returncode}\n{log.read_text(errors='replace')[-20000:]}")
+        time.sleep(0.05)
+
+
+def saved_after_a_restart(run_dir: Path) -> bool:
+    """Whether the run folder's events say a second attempt started and saved a checkpoint."""
+    events = [event["event"] for event in read_events(run_dir)]
+    return "start" in events[1:] and "checkpoint" in events[events.index("start", 1) :]
+
+
+@pytest.mark.multiprocess
+def test_ray_restarts_a_group_whose_worker_was_killed_exactly_and_a_signal_saves_every_worker_at_one_step(
+    one_process_every_step, tmp_path
+):
+    """One Ray run, two faults. SIGKILL to a worker once the first checkpoint is written: Ray restarts the group
+    (--max_failures 1) and resume=auto continues it. Then, once the new group has saved a checkpoint of its own,
+    SIGTERM to one of its workers: every worker saves at one agreed step, the run ends and the script exits 75.
+    That checkpoint holds the weights and the optimizer state of the uninterrupted run at its step, bitwise (2 DDP
+    processes train exactly what one does here), and it is the checkpoint Ray was told of last."""
+    pytest.importorskip("ray.train")
+    out, log = tmp_path / "ray", tmp_path / "ray.log"
+    words = [sys.executable, str(RAY_ENTRY), "gpt", "layout=cpu_ddp", f"output_dir={out}", "--max_failures", "1",
+             f"save_every_steps={SAVE_EVERY}", "keep_last=0", "collective_timeout_s=60",
+             *[f"{key}={value}" for key, value in SURVIVING.items()]]  # fmt: skip
+    with open(log, "w") as output:
+        driver = subprocess.Popen(words, env=clean_env(), cwd=tmp_path, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        wait_for((out / "checkpoints" / files.step_folder_name(SAVE_EVERY) / files.MANIFEST).is_file, driver, log)
+        first = ray_workers(driver)
+        assert len(first) == 2
+        os.kill(first[0], signal.SIGKILL)
+        wait_for(lambda: saved_after_a_restart(out), driver, log)
+        second = [pid for pid in ray_workers(driver) if pid not in first]
+        assert len(second) == 2  # a new group
+        os.kill(second[1], signal.SIGTERM)
+        driver.wait(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        driver.kill()
+    output = log.read_text(errors="replace")
+    assert driver.returncode == EXIT_PREEMPTED, output[-20000:]
+    (line,) = [line for line in output.splitlines() if line.startswith("accel-trainer: stopped by ")]
+    step = int(line.split(" after step ")[1].split(";")[0])
+    saved = files.final_folder(out, step)
+    assert line.endswith(f"after step {step}; checkpoint {saved}; rerun the same command to continue")
+    assert f"Ray's newest checkpoint: {saved}\n" in output and "SIGTERM received" in output
+
+    events = read_events(out)
+    resumed = [event["step"] for event in events if event["event"] == "start"]
+    assert resumed[0] == 0 and SAVE_EVERY <= resumed[1] < resumed[1] + SAVE_EVERY < step  # restarted, trained on
+    assert [(event["event"], event["step"]) for event in events][-2:] == [("checkpoint", step), ("preempted", step)]
+    files.verify(saved)  # complete
+    assert {"rng_rank0.safetensors", "rng_rank1.safetensors"} <= {path.name for path in saved.iterdir()}  # both
+    assert files.recorded_step(files.complete_checkpoints(out)[-1]) == step
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        expected = load_file(files.final_folder(one_process_every_step, step) / name)
+        actual = load_file(saved / name)
+        assert actual.keys() == expected.keys()
+        for key in expected:
+            torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=0)
+
+
+def ray_entry():
+    """deploy/ray/train_recipe.py, a script, imported as a module."""
+    spec = importlib.util.spec_from_file_location("ray_train_recipe", RAY_ENTRY)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("words", "said"),
+    [
+        (["--max_failures", "-1"], "--max_failures: expected a whole number of restarts (0 or more), not '-1'"),
+        (["--max_failures=x"], "--max_failures: expected a whole number of restarts (0 or more), not 'x'"),
+        (["--max_failures"], "--max_failures: expected a whole number of restarts (0 or more), not ''"),
+    ],
+    ids=["negative", "not a number", "missing"],
+)
+def test_ray_refuses_a_max_failures_that_is_no_count_in_one_line(words, said):
+    pytest.importorskip("ray.train")
+    with pytest.raises(SystemExit, match=f"^{re.escape(said)}$"):
+        ray_entry().main(["gpt", "layout=cpu_ddp", "output_dir=out", *words])
+
+
+def test_ray_needs_an_output_dir_that_every_attempt_writes_to():
+    pytest.importorskip("ray.train")
+    with pytest.raises(SystemExit, match="^output_dir= is required on Ray"):
+        ray_entry().main(["gpt", "layout=cpu_ddp", "max_steps=3"])
+
+
+def test_ray_refuses_resume_none_on_a_folder_that_holds_a_run_before_ray_starts(one_process, capsys):
+    """A restarted group continues whatever `resume` says (resume=none becomes auto in the workers), so the one
+    attempt that resume=none refuses is said by the driver, once."""
+    pytest.importorskip("ray.train")
+    with pytest.raises(SystemExit) as stop:
+        ray_entry().main(["gpt", "layout=cpu_ddp", f"output_dir={one_process}", "resume=none"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith(f"accel-trainer: error: output_dir {one_process} already holds a run")
+
+
+def test_a_stop_requested_from_another_thread_stops_the_run_as_a_signal_does():
+    """What deploy/ray/train_recipe.py does with Ray's preemption notice, from a thread beside the training."""
+    try:
+        with stop_signals_caught():
+            watcher = PreemptionWatcher(num_processes=1, timeout_s=60)
+            assert not watcher.should_stop()
+            requester = threading.Thread(target=request_stop, args=("Ray's preemption notice",))
+            requester.start()
+            requester.join()
+            assert watcher.should_stop() and watcher.signal_name == "Ray's preemption notice"
+    finally:
+        with stop_signals_caught():  # installing them again forgets the request
+            pass
+
+
+def test_canary_ray_train_runs_the_training_function_in_a_thread():
+    """Python installs signal handlers only in the main thread, so deploy/ray/train_recipe.py installs them from
+    a worker callback (`StopSignalsInTheWorker`) that Ray runs in the worker's main thread. Fails the day Ray Train
+    runs the training function in the main thread, and the callback can go."""
+    thread_runner = pytest.importorskip("ray.train.v2._internal.execution.worker_group.thread_runner")
+    threads: list[threading.Thread] = []
+    runner = thread_runner.ThreadRunner()
+    runner.run(lambda: threads.append(threading.current_thread()))
+    while runner.is_running():
+        time.sleep(0.01)
+    assert threads and threads[0] is not threading.main_thread()
 
 
 def test_canary_ray_trains_print_patch_logs_what_a_library_captured():
