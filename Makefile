@@ -21,7 +21,7 @@ NODE_FLAGS = --machine_rank $(NODE_RANK) --main_process_ip $(MAIN_ADDR) --main_p
 
 .PHONY: install train train-cpu-ddp train-cpu-fsdp train-gpu train-4gpu train-8gpu train-4gpu-fsdp train-8gpu-fsdp \
 	train-4gpu-powersgd train-2node train-2node-cpu train-cpu-tp train-cpu-fsdp-tp train-cpu-hsdp train-8gpu-fsdp-tp \
-	train-2node-hsdp train-cpu-pp train-cpu-pp-fsdp train-8gpu-pp-fsdp train-8gpu-fsdp-cp test test-slow bench lint docs clean
+	train-2node-hsdp train-cpu-pp train-cpu-pp-fsdp train-8gpu-pp-fsdp train-8gpu-fsdp-cp test test-slow test-matrix bench lint docs clean
 
 install: $(VENV)/.installed
 
@@ -97,11 +97,14 @@ train-2node-hsdp: install  ## on each node: make train-2node-hsdp NODE_RANK=r MA
 train-2node-cpu: install  ## the CPU twin; both node ranks may run on one machine with MAIN_ADDR=127.0.0.1
 	$(LAUNCH) --config_file accelerate_configs/2node_cpu.yaml $(NODE_FLAGS) $(RUN_RECIPE) layout=accelerate_configs/2node_cpu.yaml
 
-test: install  ## everything but the slow tier, on three pytest workers (tests/conftest.py says how)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
+test: install  ## everything but the slow tier and the matrix, on three pytest workers (tests/conftest.py says how)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "not slow and not matrix" $(PYTEST_ARGS)
 
 test-slow: install  ## the slow tier: the tests that wait out a timeout
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+test-matrix: install  ## every shipped recipe at its defaults over every layout (tests/layouts/test_defaults.py; 8 min)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m matrix tests/layouts/test_defaults.py $(PYTEST_ARGS)
 
 bench: install  ## per-step overhead against a plain loop, checkpoint throughput, 1 -> 2 process scaling, split streams, background sharded saves, packed attention, DPO against TRL (docs/benchmarks.md)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/overhead.py

@@ -283,3 +283,11 @@ def declared_defaults(config_cls: type) -> dict[str, Any]:
         elif field.default is not dataclasses.MISSING:
             defaults[field.name] = field.default
     return {k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()}
+
+
+def micro_batch_size_given(config_file: str | Path | None, overrides: Mapping[str, Any] | None) -> bool:
+    """Whether the user set micro_batch_size (in the config file or an override), rather than leaving the recipe's
+    default, which follows the layout (data/batching.py)."""
+    return "micro_batch_size" in (overrides or {}) or (
+        config_file is not None and "micro_batch_size" in load_config_file(config_file)
+    )

@@ -163,14 +163,6 @@ def resolve_settings(
     return config, layout
 
 
-def micro_batch_size_given(config_file: str | Path | None, overrides: Mapping[str, Any] | None) -> bool:
-    """Whether the user set micro_batch_size (in the config file or an override), rather than leaving the recipe's
-    default, which follows the layout (data/batching.py)."""
-    return "micro_batch_size" in (overrides or {}) or (
-        config_file is not None and "micro_batch_size" in load_config_file(config_file)
-    )
-
-
 def resolve_config(
     config_cls: type[TrainConfig],
     config_file: str | Path | None = None,

@@ -20,7 +20,8 @@ import warnings
 from dataclasses import replace
 from typing import Any
 
-from accel_trainer.config.train_config import micro_batch_size_given, resolve_settings
+from accel_trainer.config.fields import micro_batch_size_given
+from accel_trainer.config.train_config import resolve_settings
 from accel_trainer.data.batching import plan_batches
 from accel_trainer.errors import EstimateCrashed, RecipeError, UserError, describe_crash
 from accel_trainer.estimate.advice import USABLE, advice

@@ -128,7 +128,7 @@ def prepared(recipe: Recipe, cfg: Any, layout: LayoutSettings, accelerator: Acce
         # cannot carry (and a fake tensor cannot read): the estimate needs no loss, so it says there are none.
         pipeline._term_names, pipeline._counts_items = [], False
         return model, Optimizers(inner), functools.partial(pipeline.train, batch)
-    phases = [phase.name for phase in built.phases] if built.alternate else [None]
+    phases: list[str | None] = [phase.name for phase in built.phases] if built.alternate else [None]
     step = functools.partial(_forward_backward, recipe, model, batch, accelerator, ranks.context_parallel, phases)
     return model, Optimizers(inner), step
 
@@ -142,10 +142,9 @@ def _forward_backward(
     if cp > 1:
         batch = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
     with sequence_slices(accelerator, recipe, batch, cp):
+        compute: Any = recipe.compute_loss  # an alternating recipe's takes its phase (Recipe.alternate_optimizers)
         for phase in phases:
-            loss = (
-                recipe.compute_loss(model, batch) if phase is None else recipe.compute_loss(model, batch, phase=phase)
-            )
+            loss = compute(model, batch) if phase is None else compute(model, batch, phase=phase)
             accelerator.backward(read_loss_output(loss).loss)
 
 

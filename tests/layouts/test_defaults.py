@@ -4,8 +4,8 @@ docs walk (a base trained by hf_causal_lm, hf_finetune and sft_chat on it, dpo o
 defaults; and `estimate` plans every recipe on every GPU layout or refuses it in the same line a run would.
 
 The micro-batch size a recipe defaults to follows the layout (data/batching.py): the gan's 64 of 64 on 2
-processes, the GPT's 16 of 32 on 8. The two walks train or plan about 200 runs (7 minutes on 2 cores): they are
-in the slow tier, which CI runs beside `make test`.
+processes, the GPT's 16 of 32 on 8. The two walks train or plan about 200 runs (8 minutes on 2 cores): `make
+test-matrix` runs them (CI, within its 25 minutes, does not yet); `make test` checks the batches alone.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def chain(tmp_path_factory) -> dict[str, list[str]]:
     return {"hf_finetune": [base], "sft_chat": [base], "dpo": [sft], **{recipe: [] for recipe in STANDALONE}}
 
 
-@pytest.mark.slow
+@pytest.mark.matrix
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", CPU_LAYOUTS)
 def test_every_recipe_trains_at_its_defaults_on_each_cpu_layout_or_is_refused_in_one_line(layout, chain, tmp_path):
@@ -105,7 +105,7 @@ def examples_of(recipe: str, recipe_cls, cfg) -> list:
     return _EXAMPLES[recipe]
 
 
-@pytest.mark.slow
+@pytest.mark.matrix
 @pytest.mark.parametrize("layout", GPU_LAYOUTS)
 def test_estimate_plans_every_recipe_at_its_defaults_on_each_gpu_layout_or_refuses_it_as_a_run_would(layout, chain):
     """The first rank of each (every rank of a layout is planned alike: test_estimate.py)."""
@@ -124,7 +124,7 @@ def test_estimate_plans_every_recipe_at_its_defaults_on_each_gpu_layout_or_refus
         assert 0 < planned.params_bytes <= planned.peak_bytes, f"{recipe} on {layout}: {planned}"
 
 
-@pytest.mark.slow
+@pytest.mark.matrix
 def test_the_chain_the_docs_walk_keeps_its_commands(chain):
     """docs/preference.md's chain: the same recipes, each on the last one's final/."""
     walked = (REPO / "docs" / "preference.md").read_text()

@@ -103,18 +103,18 @@ def test_a_scenario_trained_after_others_in_one_launch_equals_a_fresh_launch_bit
             assert torch.equal(later_parameters[name], tensor), name
 
 
-def test_a_failed_scenario_fails_its_test_with_the_error_and_the_next_request_gets_a_fresh_launch(tmp_path):
+def test_a_refused_scenario_is_said_and_served_on_while_a_failed_one_fails_its_test_and_gets_a_fresh_launch(tmp_path):
     launches = LayoutLaunches()
     try:
-        out = tmp_path / "bad"
-        with pytest.raises(AssertionError, match="micro_batch_size"):
-            launches.train(
-                "cpu_ddp",
-                out,
-                "vae",
-                [f"output_dir={out}", "max_steps=2", "global_batch_size=32", "micro_batch_size=7", *TEST_OVERRIDES],
-                world_size=2,
-            )
+        out = tmp_path / "refused"
+        refusal = launches.train("cpu_ddp", out, "vae", [f"output_dir={out}", "max_steps=2", "global_batch_size=32",
+                                 "micro_batch_size=7", *TEST_OVERRIDES], world_size=2)  # fmt: skip
+        assert refusal is not None and "micro_batch_size=7" in refusal and "\n" not in refusal
+        assert launches.launches  # every process refused alike: the launch serves the next scenario
+        out = tmp_path / "crashed"
+        with pytest.raises(AssertionError, match="failed on cpu_ddp"):
+            launches.train("cpu_ddp", out, "vae_crash_once", [f"output_dir={out}", "max_steps=2",
+                           "crash_at_micro_batch=1", *TEST_OVERRIDES], world_size=2)  # fmt: skip
         assert not launches.launches
         good = tmp_path / "good"
         launches.train("cpu_ddp", good, "vae", [f"output_dir={good}", "max_steps=2", *TEST_OVERRIDES], world_size=2)

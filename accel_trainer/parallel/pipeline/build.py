@@ -33,11 +33,7 @@ def build_pipeline(
         LayoutError: an EMA, sync_batchnorm, fp16 or offloaded parameters, which a pipeline does not run yet, or
             a transformers model.
     """
-    if _is_transformers_model(model):  # its forward returns a cache and an output object, takes keyword tensors
-        raise LayoutError(
-            f"a pipeline layout does not run transformers models ({type(model).__name__}) yet: torch's traced stages"
-            " pass tensors, not the cache and output objects their forward returns; use an FSDP layout"
-        )
+    _refuse_transformers(model)
     if recipe.cfg.ema_decay:
         raise LayoutError(
             "a pipeline layout does not keep an EMA of the weights yet: set ema_decay=0, or train on a"
@@ -73,8 +69,14 @@ def build_pipeline(
     )
 
 
-def _is_transformers_model(model: Any) -> bool:
-    """A transformers `PreTrainedModel`, also inside a peft wrapper (by module name: transformers is optional)."""
+def _refuse_transformers(model: Any) -> None:
+    """Refuse a transformers `PreTrainedModel`, also inside a peft wrapper (found by module name: transformers is
+    optional): its forward returns a cache and an output object, and takes keyword tensors, which torch's
+    schedules hand to every stage."""
     inner = getattr(model, "base_model", model)
     inner = getattr(inner, "model", inner) if type(inner).__module__.startswith("peft") else inner
-    return any(cls.__module__.startswith("transformers.") for cls in type(inner).__mro__)
+    if any(cls.__module__.startswith("transformers.") for cls in type(inner).__mro__):
+        raise LayoutError(
+            f"a pipeline layout does not run transformers models ({type(model).__name__}) yet: torch's traced stages"
+            " pass tensors, not the cache and output objects their forward returns; use an FSDP layout"
+        )

@@ -85,7 +85,7 @@ def test_a_micro_batch_the_user_set_is_never_changed_and_one_that_cannot_split_i
 
 
 def test_micro_batch_size_counts_as_set_in_an_override_or_the_config_file_only(tmp_path):
-    from accel_trainer.config.train_config import micro_batch_size_given
+    from accel_trainer.config.fields import micro_batch_size_given
 
     config = tmp_path / "run.yaml"
     config.write_text("micro_batch_size: 8\n")
