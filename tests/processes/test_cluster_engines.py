@@ -1,10 +1,15 @@
 """Cluster engines start the workers, `layout=` gives them the layout (parallel/layout_file.py).
 
-Kubernetes: the pods of deploy/kubernetes/pytorchjob.yaml, each run with the variables the Kubeflow training
-operator sets (training-operator's pkg/controller.v1/pytorch/envvar.go and master.go: MASTER_ADDR/PORT,
-WORLD_SIZE = replicas x nprocPerNode, RANK = the pod's node rank, and torchrun's PET_NNODES, PET_NPROC_PER_NODE,
-PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT), as two "nodes" on loopback: they form one job and train what
-one process trains.
+Kubernetes: the pods of deploy/kubernetes/trainjob.yaml (Kubeflow Trainer v2) and pytorchjob.yaml (the v1 training
+operator), each with the variables its operator sets. Trainer's torch plugin (kubeflow/trainer's
+pkg/runtime/framework/plugins/torch/torch.go) sets torchrun's PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK (the
+Job's completion index), PET_MASTER_ADDR (`<trainjob>-node-0-0.<trainjob>`) and PET_MASTER_PORT (29500), and
+nothing else; the v1 operator (training-operator's pkg/controller.v1/pytorch/envvar.go and master.go) the same PET_*
+(node 0 `<job>-master-0`, port 23456) and MASTER_ADDR/PORT, WORLD_SIZE = replicas x nprocPerNode and RANK = the
+pod's node rank, which torchrun sets anew in each worker's environment. torchrun makes of each pod's command and
+environment the job the manifest describes, and waits for a stop's save as long as accel-trainer's own launcher,
+within the pod's grace period. Run as two "nodes" on loopback (once for both: their workers see the same
+environment), the pods form one job and train what one process trains.
 
 Ray Train: deploy/ray/train_recipe.py, a local Ray with two CPU workers on layout=cpu_fsdp, trains what one
 process trains; on cpu_ddp, a worker killed mid-run is restarted with its group, which continues exactly, and a
@@ -36,10 +41,17 @@ from safetensors.torch import load_file
 import accel_trainer as at
 from accel_trainer.checkpoint import files
 from accel_trainer.observe.events import read_events
+from accel_trainer.processes import SHUTDOWN_TIMEOUT_S
 from accel_trainer.stopping.signals import EXIT_PREEMPTED, PreemptionWatcher, request_stop, stop_signals_caught
 from conftest import LAUNCH_TIMEOUT_S, REPO, clean_env, final_parameters, free_port, reset_accelerate_state
 
-MANIFEST = REPO / "deploy" / "kubernetes" / "pytorchjob.yaml"
+PYTORCHJOB = REPO / "deploy" / "kubernetes" / "pytorchjob.yaml"
+TRAINJOB = REPO / "deploy" / "kubernetes" / "trainjob.yaml"
+GRACE_MARGIN_S = 30
+"""Seconds of a pod's grace period after torchrun's shutdown timeout: for it to kill its workers and exit."""
+TORCHRUN_SETS_FOR_EACH_WORKER = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"}
+"""Set anew in every worker's environment by torchrun's agent (torch/distributed/elastic/agent/server/
+local_elastic_agent.py, `_start_workers`): a pod's own values of them never reach a worker."""
 RAY_ENTRY = REPO / "deploy" / "ray" / "train_recipe.py"
 TINY_GPT = dict(n_layer=2, d_model=32, n_head=2, block_size=32, max_steps=3, max_source_bytes=100_000,
                 eval_every_steps=0, show_progress_bar=False, report=False)  # fmt: skip
@@ -61,34 +73,96 @@ def assert_weights_of_one_process(one_process, run_dir) -> None:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6)
 
 
-def operator_environment(job: dict, replica_type: str, index: int, port: int) -> dict[str, str]:
-    """What the training operator puts in a pod's environment (a fixed-size job: no elastic policy)."""
-    nproc = int(job["spec"]["nprocPerNode"])
-    replicas = sum(spec["replicas"] for spec in job["spec"]["pytorchReplicaSpecs"].values())
-    rank = index + (1 if replica_type == "Worker" else 0)
-    master = "127.0.0.1"  # the master pod's service, `<job>-master-0`, on loopback
-    return {"PYTHONUNBUFFERED": "0", "MASTER_ADDR": master, "MASTER_PORT": str(port), "PET_MASTER_ADDR": master,
-            "PET_MASTER_PORT": str(port), "WORLD_SIZE": str(replicas * nproc), "RANK": str(rank),
-            "PET_NPROC_PER_NODE": str(nproc), "PET_NODE_RANK": str(rank), "PET_NNODES": str(replicas)}  # fmt: skip
+def container_env(container: dict) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in container.get("env", [])}
+
+
+def pytorchjob_pods(loopback_port: int | None = None) -> list[tuple[dict, list[str], dict[str, str]]]:
+    """Each pod of deploy/kubernetes/pytorchjob.yaml by node rank: its spec, its command, and its environment, the
+    manifest's and what the v1 training operator adds (a fixed-size job: no elastic policy). Node 0 is the master
+    pod `<job>-master-0` on port 23456, or 127.0.0.1 on `loopback_port`."""
+    job = yaml.safe_load(PYTORCHJOB.read_text())
+    nproc, replicas = int(job["spec"]["nprocPerNode"]), job["spec"]["pytorchReplicaSpecs"]
+    nodes = sum(spec["replicas"] for spec in replicas.values())
+    master, port = ("127.0.0.1", loopback_port) if loopback_port else (f"{job['metadata']['name']}-master-0", 23456)
+    pods = []
+    for replica_type, spec in replicas.items():  # Master, then Worker: node ranks 0, 1
+        (container,) = spec["template"]["spec"]["containers"]
+        for index in range(spec["replicas"]):
+            rank = index + (1 if replica_type == "Worker" else 0)
+            operator = {"PYTHONUNBUFFERED": "1", "MASTER_ADDR": master, "MASTER_PORT": str(port),
+                        "PET_MASTER_ADDR": master, "PET_MASTER_PORT": str(port), "WORLD_SIZE": str(nodes * nproc),
+                        "RANK": str(rank), "PET_NPROC_PER_NODE": str(nproc), "PET_NODE_RANK": str(rank),
+                        "PET_NNODES": str(nodes)}  # fmt: skip
+            command = [*container["command"], *container.get("args", [])]
+            pods.append((spec["template"]["spec"], command, {**container_env(container), **operator}))
+    return pods
+
+
+def trainjob_pods(loopback_port: int | None = None) -> list[tuple[dict, list[str], dict[str, str]]]:
+    """Each pod of deploy/kubernetes/trainjob.yaml by node rank: the TrainingRuntime's pod spec, the TrainJob's
+    command, and the environment of the runtime's container `node`, the TrainJob's and what Trainer's torch plugin
+    adds. Node 0 is the first pod of the replicated job `node`, `<trainjob>-node-0-0.<trainjob>` on port 29500, or
+    127.0.0.1 on `loopback_port`."""
+    runtime, job = yaml.safe_load_all(TRAINJOB.read_text())
+    assert job["spec"]["runtimeRef"] == {"name": runtime["metadata"]["name"], "kind": runtime["kind"]}
+    (replicated,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    assert replicated["name"] == "node"
+    assert replicated["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+    spec = replicated["template"]["spec"]["template"]["spec"]
+    trainer, name = job["spec"]["trainer"], job["metadata"]["name"]
+    (container,) = [container for container in spec["containers"] if container["name"] == "node"]
+    master, port = ("127.0.0.1", loopback_port) if loopback_port else (f"{name}-node-0-0.{name}", 29500)
+    plugin = {"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+              "PET_MASTER_ADDR": master, "PET_MASTER_PORT": str(port)}  # fmt: skip
+    env = {**container_env(container), **container_env(trainer), **plugin}
+    command = [*trainer["command"], *trainer.get("args", [])]
+    return [(spec, command, {**env, "PET_NODE_RANK": str(rank)}) for rank in range(trainer["numNodes"])]
+
+
+@pytest.mark.parametrize("pods", [pytorchjob_pods, trainjob_pods], ids=["pytorchjob", "trainjob"])
+def test_each_pods_torchrun_joins_the_job_and_gives_a_stop_its_save_within_the_grace_period(
+    pods, tmp_path, monkeypatch
+):
+    """What torchrun makes of each pod's command and environment (its own argument parsing): the node count, its node
+    rank, node 0's address; after a stop signal its workers get SHUTDOWN_TIMEOUT_S to save before it kills them
+    (accel-trainer's own launcher's 120 s, not torch's 30 s), and the pod's grace period GRACE_MARGIN_S more."""
+    from torch.distributed.run import config_from_args, parse_args
+
+    for name in [name for name in os.environ if name.startswith(("PET_", "TORCH_ELASTIC_"))]:
+        monkeypatch.delenv(name)
+    nodes = pods()
+    for rank, (spec, command, env) in enumerate(nodes):
+        assert command[0] == "torchrun"
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        config, _, _ = config_from_args(parse_args(["--log-dir", str(tmp_path), *command[1:]]))
+        assert (config.min_nodes, config.max_nodes, config.rdzv_configs["rank"]) == (len(nodes), len(nodes), rank)
+        assert config.rdzv_endpoint == f"{env['PET_MASTER_ADDR']}:{env['PET_MASTER_PORT']}"
+        assert config.shutdown_timeout == SHUTDOWN_TIMEOUT_S
+        assert spec["terminationGracePeriodSeconds"] >= SHUTDOWN_TIMEOUT_S + GRACE_MARGIN_S
 
 
 @pytest.mark.multiprocess
-def test_the_pytorchjob_pods_form_one_job_that_trains_as_one_process_does(one_process, tmp_path):
-    job, port = yaml.safe_load(MANIFEST.read_text()), free_port()
-    overrides = [f"{key}={value}" for key, value in TINY_GPT.items()]
-    pods = []
-    for replica_type, spec in job["spec"]["pytorchReplicaSpecs"].items():
-        (container,) = spec["template"]["spec"]["containers"]
-        command = [*container["command"], *container.get("args", [])]
+def test_the_trainjob_and_pytorchjob_pods_form_one_job_that_trains_as_one_process_does(one_process, tmp_path):
+    """One launch for both manifests: their pods run one command, and a PyTorchJob pod's environment is the
+    TrainJob pod's plus variables that torchrun sets anew in each worker's, so their workers see the same."""
+    port, overrides = free_port(), [f"{key}={value}" for key, value in TINY_GPT.items()]
+    pods = trainjob_pods(port)
+    for (_, command, env), (_, v1_command, v1_env) in zip(pods, pytorchjob_pods(port), strict=True):
+        assert v1_command == command and {name: v1_env.get(name) for name in env} == env
+        assert v1_env.keys() - env.keys() <= TORCHRUN_SETS_FOR_EACH_WORKER | {
+            "PYTHONUNBUFFERED"
+        }  # =1, as the image sets
+    processes = []
+    for _, command, env in pods:
         assert command[0] == "torchrun"  # the image's; here this Python's
-        for index in range(spec["replicas"]):
-            words = [sys.executable, "-m", "torch.distributed.run", *command[1:], f"output_dir={tmp_path / 'job'}",
-                     *overrides]  # fmt: skip
-            env = {**clean_env(), **operator_environment(job, replica_type, index, port)}
-            pods.append(subprocess.Popen(words, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True))  # fmt: skip
-    outputs = [pod.communicate(timeout=LAUNCH_TIMEOUT_S) for pod in pods]
-    assert [pod.returncode for pod in pods] == [0, 0], outputs
+        words = [sys.executable, "-m", "torch.distributed.run", *command[1:], f"output_dir={tmp_path / 'job'}",
+                 *overrides]  # fmt: skip
+        processes.append(subprocess.Popen(words, env={**clean_env(), **env}, cwd=tmp_path, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))  # fmt: skip
+    outputs = [process.communicate(timeout=LAUNCH_TIMEOUT_S) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], outputs
     assert "layout: 2 process(es) on cpu, DDP" in outputs[0][0]
 
     assert_weights_of_one_process(one_process, tmp_path / "job")
