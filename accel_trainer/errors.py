@@ -11,8 +11,10 @@ of several processes that the command started, a refusal every process makes is 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -82,13 +84,23 @@ ERROR_LINES_VARIABLE = "ACCEL_TRAINER_ERROR_LINES"
 def say_user_error(line: str) -> None:
     """A refusal's line, in one write. A process of a layout this command started leaves it for the starting
     process, which says each distinct line once the processes have ended (`say_error_lines_left`): the same
-    refusal was printed by every process. Alone, or under a plain `accelerate launch`, it goes to stderr."""
+    refusal was printed by every process. Alone, or under a plain `accelerate launch`, it goes to stderr.
+
+    Under a plain `accelerate launch` or `torchrun`, whose launcher (torch's agent, in the launching process, out
+    of a worker's reach) prints its `ChildFailedError` table after any worker exits non-zero, the line also goes
+    to the error file torch's agent gives each worker (TORCHELASTIC_ERROR_FILE), in the plain-message form it
+    reads, so that the table's root cause is this line, not "To enable traceback see: ..."."""
     folder = os.environ.get(ERROR_LINES_VARIABLE)
     if folder:
         with contextlib.suppress(OSError):
             Path(folder, os.environ.get("RANK", "0")).write_text(line)
             return
     sys.stderr.write(line)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):
+            message = {"message": line.strip(), "timestamp": int(time.time())}
+            Path(error_file).write_text(json.dumps(message))
 
 
 def say_error_lines_left(folder: Path) -> None:

@@ -213,6 +213,8 @@ def test_a_pipeline_layout_refuses_several_optimizers_in_one_line(tmp_path):
     assert result.returncode != 0 and "exitcode: 2" in output  # each worker's one-line refusal, exit 2
     assert "several optimizers cannot run with a pipeline, tensor-parallel, HSDP or context-parallel layout" in output
     assert "Traceback" not in output.split("ChildFailedError")[0].split("elastic")[0]
+    # torch's table after it (the launcher's own, out of the workers' reach) names the line as the root cause
+    assert "traceback : accel-trainer: error: several optimizers cannot run with a pipeline" in output
 
 
 def test_canary_torch_refuses_a_stateless_optimizer_beside_another():

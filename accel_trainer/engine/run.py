@@ -73,7 +73,7 @@ class Run:
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
         (run_dir / "layout.yaml").write_text(layout_to_yaml(ran))
         (run_dir / "model_summary.txt").write_text(self.model_summary)
-        write_run_info(run_dir, accelerator, ran, self.progress.step, held)
+        write_run_info(run_dir, accelerator, ran, self.progress.step, held, self.data.plan)
         drop_records_after(run_dir, self.progress.step)
         data_path = self.data.describe(self.recipe)
         frozen = frozen_count(self.checkpointer.trained.frozen)

@@ -127,9 +127,10 @@ def _strategy(accelerator: Accelerator) -> str:
 
 
 def write_run_info(
-    run_dir: Path, accelerator: Accelerator, layout: LayoutSettings, start_step: int, held: list[int]
+    run_dir: Path, accelerator: Accelerator, layout: LayoutSettings, start_step: int, held: list[int], plan: BatchPlan
 ) -> None:
-    """Append this start to `run_info.json` (main process)."""
+    """Append this start to `run_info.json` (main process), with the batches it trains: config.yaml keeps the
+    micro-batch size as asked (`auto`, or the recipe's default that follows the layout), this the size taken."""
     path = run_dir / "run_info.json"
     try:
         starts = json.loads(path.read_text())["starts"] if path.is_file() else []
@@ -153,6 +154,13 @@ def write_run_info(
                 **layout_to_dict(layout),
             },
             "parameters_held_per_process": held,
+            "batch": {
+                "global_batch_size": plan.global_batch_size,
+                "micro_batch_size": plan.micro_batch_size,
+                "data_parallel_ranks": plan.num_processes,
+                "accumulation_steps": plan.accumulation_steps,
+                "fitted_from": plan.fitted_from or None,
+            },
         }
     )
     path.write_text(json.dumps({"starts": starts}, indent=1))

@@ -60,5 +60,9 @@ def test_the_header_says_when_the_recipe_s_default_micro_batch_was_lowered_to_sp
         "batch: 48 per step = 24 per micro-batch x 1 process(es) x 2 accumulation step(s) (the recipe's micro-batch"
         " of 32 does not split 48 over 1 rank(s): 24, the largest below it that does; micro_batch_size= sets it)"
     ) in capsys.readouterr().out
+    (start,) = json.loads((tmp_path / "run_info.json").read_text())["starts"]
+    assert start["batch"] == {"global_batch_size": 48, "micro_batch_size": 24, "data_parallel_ranks": 1,
+                              "accumulation_steps": 2, "fitted_from": 32}  # fmt: skip
+    assert "micro_batch_size: 32" in (tmp_path / "config.yaml").read_text()  # as asked: it follows the next layout
     with pytest.raises(at.ConfigError, match="global_batch_size=48 is not a multiple of micro_batch_size=32"):
         at.train("vae", max_steps=1, global_batch_size=48, micro_batch_size=32, output_dir=str(tmp_path / "set"))
