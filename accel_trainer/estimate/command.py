@@ -52,7 +52,7 @@ def estimate_command(arguments: EstimateArguments) -> None:
     said = None
     if device_gb is not None:
         again = functools.partial(worst_rank, recipe_name, layout, line, examples)
-        said = advice(estimated, device_gb, int(cfg.micro_batch_size), lambda **changed: again(changed))
+        said = advice(estimated, device_gb, estimated[0].micro_batch_size, lambda **changed: again(changed))
     if as_json:
         answer: dict[str, Any] = {"world_size": layout.num_processes, "per_rank": [r.as_dict() for r in estimated]}
         if said is not None and device_gb is not None:

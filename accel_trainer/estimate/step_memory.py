@@ -52,6 +52,8 @@ class RankMemory:
     optimizer_bytes: int
     activations_bytes: int
     peak_bytes: int
+    micro_batch_size: int = 0
+    """The micro-batch estimated: the recipe's default fitted to the layout's data-parallel ranks, unless set."""
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -82,7 +84,8 @@ def rank_memory(
     held_bytes = _by_kind(held)
     params, grads, states = (held_bytes[kind] for kind in ("param", "grad", "opt"))
     total = _by_kind(peak)["total"] + buckets
-    return RankMemory(rank, params, grads + buckets, states, total - params - grads - buckets - states, total)
+    activations = total - params - grads - buckets - states
+    return RankMemory(rank, params, grads + buckets, states, activations, total, len(examples))
 
 
 def tracked_steps(model: Any, optimizer: Optimizers, step: Callable[[], None]) -> tuple[dict, dict]:

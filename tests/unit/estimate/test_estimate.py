@@ -119,6 +119,14 @@ def test_a_device_too_small_gets_the_setting_that_would_fit():
     assert answer["fits"] is False and answer["device_memory_gb"] == 0.0075 and "fits with" in answer["advice"]
 
 
+def test_the_advice_halves_the_micro_batch_the_layout_fitted_not_the_recipe_s_default():
+    """The GPT's default micro-batch of 16 does not split 24: 12 is estimated, and the advice tries 6, 3, 1."""
+    words = ["n_layer=2", "d_model=64", "global_batch_size=24", "--device_memory_gb", "0.0075", "--json"]
+    answer = json.loads(estimate("gpt", "layout=cpu", *words).stdout)
+    assert answer["per_rank"][0]["micro_batch_size"] == 12
+    assert "micro_batch_size=6 " in answer["advice"] and "micro_batch_size=8" not in answer["advice"]
+
+
 def test_canary_torch_cannot_move_a_module_of_fake_tensors_to_its_own_device():
     """estimate/fake_world.py skips such moves; when this fails, torch moves them and the workaround can go."""
     with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(RuntimeError, match="Couldn't swap"):
