@@ -121,6 +121,27 @@ def test_estimate_plans_a_gguf_base_from_its_shapes_without_dequantizing_it():
     assert pretrained.base_source(model) == str(real_gguf())
 
 
+def test_a_gguf_base_built_for_its_shapes_reads_no_weight_and_its_metadata_once_per_process(monkeypatch):
+    """A run builds its model several times (the FLOP count on the meta device, the final save): each used to parse
+    and dequantize the whole file (25 s apiece on a CPU core for this 135M model, 4 a run). On the meta device the
+    base's config builds it; the config, whose reading parses the file's metadata, is read once per process."""
+    from transformers import modeling_gguf_pytorch_utils
+
+    pretrained._gguf_config.cache_clear()
+    weights_read, read = [], modeling_gguf_pytorch_utils.load_gguf_checkpoint
+
+    def reading(path, return_tensors=False, **options):
+        weights_read.extend([path] if return_tensors else [])
+        return read(path, return_tensors=return_tensors, **options)
+
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", reading)
+    with torch.device("meta"):  # as the FLOP count builds it
+        model = at.load_base_model(str(real_gguf()))
+    assert {parameter.device.type for parameter in model.parameters()} == {"meta"} and not weights_read
+    assert pretrained.base_config(str(real_gguf())) is not pretrained.base_config(str(real_gguf()))  # copies
+    assert pretrained._gguf_config.cache_info().misses == 1
+
+
 # --- data= ---------------------------------------------------------------------------------------------------
 
 

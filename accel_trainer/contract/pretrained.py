@@ -8,6 +8,8 @@ process only)."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import os
 import sys
@@ -89,21 +91,44 @@ def check_base(base: str) -> str:
 
 def load_base_model(base: str, **options: Any) -> Any:
     """`AutoModelForCausalLM.from_pretrained` of a checked base: a GGUF file dequantized (transformers' GGUF
-    loading) and recorded under its path, so checkpoints and FSDP's loading know where it came from."""
+    loading) and recorded under its path, so checkpoints and FSDP's loading know where it came from. Built for its
+    shapes alone (`estimate`'s fake tensors, or a meta default device: the FLOP count), the base's config makes it
+    and no weight is read: a GGUF's dequantizing needs real memory (and 20 s for a 135M model on a CPU core), and
+    transformers compares tied weights' values, which fake tensors do not have."""
     from torch._guards import detect_fake_mode
     from transformers import AutoModelForCausalLM
 
     folder, gguf_file = _files(base)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
-    if detect_fake_mode() is not None:  # `estimate`: shapes alone (a GGUF's dequantizing needs real memory, and
-        # transformers compares tied weights' values, which fake tensors do not have)
-        from transformers import AutoConfig
-
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, **extra))
+    config = base_config(base)
+    if detect_fake_mode() is not None or torch.get_default_device().type == "meta":
+        model = AutoModelForCausalLM.from_config(config)
         model.config._name_or_path = base
         return model
-    model = AutoModelForCausalLM.from_pretrained(folder, **extra, **options)
+    model = AutoModelForCausalLM.from_pretrained(folder, config=config, **extra, **options)
     return plain_after_gguf(model, base) if gguf_file else model
+
+
+def base_config(base: str) -> Any:
+    """The base's `AutoConfig`, a fresh copy each call (a model owns and changes its config). A GGUF file's is read
+    once per process: transformers parses the whole file's metadata for it (its tokenizer's 49k tokens and merges
+    included: 8 s a read on a CPU core for SmolLM2-135M), and a run builds its model several times (the FLOP count,
+    the final save)."""
+    folder, gguf_file = _files(base)
+    if gguf_file is None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(folder)
+    stat = Path(folder, gguf_file).stat()
+    return copy.deepcopy(_gguf_config(folder, gguf_file, stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_config(folder: str, gguf_file: str, mtime_ns: int, size: int) -> Any:
+    """A GGUF file's config, by its path and its modification time and size (a file rewritten is read anew)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
 
 
 def plain_after_gguf(model: Any, base: str) -> Any:
