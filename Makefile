@@ -104,7 +104,7 @@ test-slow: install  ## the slow tier: the tests that wait out a timeout
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 test-matrix: install  ## every shipped recipe at its defaults over every layout (tests/layouts/test_defaults.py; 8 min)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m matrix tests/layouts/test_defaults.py $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/layouts/test_defaults.py $(PYTEST_ARGS)
 
 bench: install  ## per-step overhead against a plain loop, checkpoint throughput, 1 -> 2 process scaling, split streams, background sharded saves, packed attention, DPO against TRL (docs/benchmarks.md)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/overhead.py

@@ -5,7 +5,9 @@ defaults; and `estimate` plans every recipe on every GPU layout or refuses it in
 
 The micro-batch size a recipe defaults to follows the layout (data/batching.py): the gan's 64 of 64 on 2
 processes, the GPT's 16 of 32 on 8. The two walks train or plan about 200 runs (8 minutes on 2 cores): `make
-test-matrix` runs them (CI, within its 25 minutes, does not yet); `make test` checks the batches alone.
+test-matrix` runs them all. `make test` (and so CI, within its 25 minutes) checks every layout's batches and walks
+one layout of each: every recipe trained on cpu_ddp (where the gan's defaults were refused) and planned on
+8gpu_fsdp (where the GPT's were), with the chain the docs walk.
 """
 
 from __future__ import annotations
@@ -75,9 +77,13 @@ def chain(tmp_path_factory) -> dict[str, list[str]]:
     return {"hf_finetune": [base], "sft_chat": [base], "dpo": [sft], **{recipe: [] for recipe in STANDALONE}}
 
 
-@pytest.mark.matrix
+def walked_in(layouts: list[str], in_make_test: str) -> list:
+    """`layouts` as test parameters: `in_make_test` in every run of the suite, the others under `make test-matrix`."""
+    return [layout if layout == in_make_test else pytest.param(layout, marks=pytest.mark.matrix) for layout in layouts]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", CPU_LAYOUTS)
+@pytest.mark.parametrize("layout", walked_in(CPU_LAYOUTS, "cpu_ddp"))
 def test_every_recipe_trains_at_its_defaults_on_each_cpu_layout_or_is_refused_in_one_line(layout, chain, tmp_path):
     outcomes = {
         recipe: refusal_on_layout(
@@ -105,8 +111,7 @@ def examples_of(recipe: str, recipe_cls, cfg) -> list:
     return _EXAMPLES[recipe]
 
 
-@pytest.mark.matrix
-@pytest.mark.parametrize("layout", GPU_LAYOUTS)
+@pytest.mark.parametrize("layout", walked_in(GPU_LAYOUTS, "8gpu_fsdp"))
 def test_estimate_plans_every_recipe_at_its_defaults_on_each_gpu_layout_or_refuses_it_as_a_run_would(layout, chain):
     """The first rank of each (every rank of a layout is planned alike: test_estimate.py)."""
     spec = read_layout(str(REPO / "accelerate_configs" / f"{layout}.yaml"))
@@ -124,7 +129,6 @@ def test_estimate_plans_every_recipe_at_its_defaults_on_each_gpu_layout_or_refus
         assert 0 < planned.params_bytes <= planned.peak_bytes, f"{recipe} on {layout}: {planned}"
 
 
-@pytest.mark.matrix
 def test_the_chain_the_docs_walk_keeps_its_commands(chain):
     """docs/preference.md's chain: the same recipes, each on the last one's final/."""
     walked = (REPO / "docs" / "preference.md").read_text()
