@@ -114,7 +114,9 @@ def check_compatible(
                 f" {saved.get(name, 'absent')} in the checkpoint and {current.get(name, 'absent')} here"
             )
     if changed and warn:
-        stretched = "; the LR schedule is stretched to the new max_steps from here" if "max_steps" in changed else ""
+        old_end, new_end = changed.get("max_steps", (0, 0))
+        decays = cfg.lr_schedule != "constant" and isinstance(old_end, int) and new_end > old_end
+        stretched = "; the LR schedule is stretched to the new max_steps from here" if decays else ""
         described = ", ".join(listed.values())
         warnings.warn(f"accel-trainer: config keys changed since the checkpoint: {described}{stretched}", stacklevel=2)
 

@@ -76,12 +76,14 @@ class Optimizers:
         """Restore the schedules `scheduler_states` stored (a KeyError when the checkpoint has another set)."""
         if not self.several:
             self.phases[0].scheduler.load_state_dict(stored["scheduler"])
+            _lr_of_the_next_step(self.phases[0].scheduler)
             return
         schedules = stored.get("schedulers") or {}
         for phase in self.phases:
             if phase.name not in schedules:
                 raise KeyError(f"no schedule for optimizer {phase.name!r} (it has: {', '.join(schedules) or 'one'})")
             phase.scheduler.load_state_dict(schedules[phase.name])
+            _lr_of_the_next_step(phase.scheduler)
 
     def current_lrs(self) -> dict[str, float]:
         """Every group's LR of every optimizer, by log key; `lr` is always there (the first group's)."""
@@ -169,3 +171,18 @@ def _check_disjoint(built: Mapping[str, torch.optim.Optimizer], model: torch.nn.
                         f" {names.get(id(parameter), '?')}: give each parameter to one optimizer"
                     )
                 owner[id(parameter)] = name
+
+
+def _lr_of_the_next_step(scheduler: Any) -> None:
+    """Each group's LR for the step after the restored one, from a `LambdaLR`'s own function (the built-in schedule's).
+
+    The optimizer's state restores each group's LR as the checkpoint's schedule left it, and torch's scheduler sets
+    a new one only after the next step: a run extended to a larger max_steps trained its first step at the old
+    schedule's end (0 under cosine decay), then jumped to the new schedule. Unchanged, the value is the same float.
+    """
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return
+    lrs = [base * schedule(scheduler.last_epoch) for base, schedule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() answers, and the run logs

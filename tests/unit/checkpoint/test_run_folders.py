@@ -12,6 +12,7 @@ import dataclasses
 import os
 import shutil
 import signal
+import warnings
 
 import pytest
 
@@ -20,6 +21,7 @@ from accel_trainer.checkpoint import files as checkpoint_files
 from accel_trainer.checkpoint.files import CheckpointError
 from accel_trainer.checkpoint.run_folder import identity
 from accel_trainer.errors import UserError
+from accel_trainer.optim.schedules import lr_multiplier
 from accel_trainer.stopping.signals import Preempted
 from conftest import read_metrics
 
@@ -99,6 +101,32 @@ def test_a_longer_max_steps_extends_the_run(tmp_path):
 
     assert result.metrics["step"] == 6
     assert logged_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+def test_an_extended_run_trains_each_new_step_at_the_new_schedule_s_lr(tmp_path):
+    """Step 5 of a cosine run extended from 4 to 6 steps trains at the 6-step schedule's LR for its step, as
+    every step after it does (it trained at the 4-step schedule's end, min_lr_ratio x lr, then jumped)."""
+    cosine = {**QUICK, "lr_schedule": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.0, "log_every_steps": 1}
+    at.train("vae", output_dir=str(tmp_path), **cosine)
+    with pytest.warns(UserWarning, match="max_steps 4 -> 6; the LR schedule is stretched to the new max_steps"):
+        at.train("vae", output_dir=str(tmp_path), **{**cosine, "max_steps": 6})
+
+    lrs = {record["step"]: record["lr"] for record in read_metrics(tmp_path) if "lr" in record}
+    four_steps = dataclasses.replace(at.get_recipe("vae").Config(), **cosine)
+    six_steps = dataclasses.replace(four_steps, max_steps=6)
+    expected = {step: four_steps.lr * lr_multiplier(step - 1, four_steps) for step in (1, 2, 3, 4)}
+    expected |= {step: six_steps.lr * lr_multiplier(step - 1, six_steps) for step in (5, 6)}
+    assert lrs == pytest.approx(expected, rel=1e-6) and lrs[5] > 0  # each step's LR as it trained
+
+
+def test_a_constant_schedule_extended_or_a_finished_run_shortened_is_not_said_to_stretch(tmp_path):
+    at.train("vae", output_dir=str(tmp_path), **{**QUICK, "lr_schedule": "constant"})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        at.train("vae", output_dir=str(tmp_path), **{**QUICK, "lr_schedule": "constant", "max_steps": 6})
+        at.train("vae", output_dir=str(tmp_path), **{**QUICK, "lr_schedule": "constant", "max_steps": 5})
+    changes = [str(warning.message) for warning in said if "config keys changed" in str(warning.message)]
+    assert len(changes) == 2 and not any("stretched" in change for change in changes), changes
 
 
 def test_resume_none_into_a_folder_holding_a_run_is_refused(tmp_path):
