@@ -182,7 +182,8 @@ def _lr_of_the_next_step(scheduler: Any) -> None:
     """
     if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
         return
-    lrs = [base * schedule(scheduler.last_epoch) for base, schedule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    step, pairs = scheduler.last_epoch, zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    lrs = [base * schedule(step) for base, schedule in pairs]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
     scheduler._last_lr = lrs  # what get_last_lr() answers, and the run logs
