@@ -221,7 +221,8 @@ def test_a_refusal_every_process_of_a_started_layout_makes_is_said_once_and_leav
         "accel-trainer: error: stream_split=shards: the training stream has 1 shard(s), so 1 reader(s) (their greatest"
         " common divisor with global_batch_size=16), which do not split over 2 data-parallel process(es); give it a"
         " shard count whose greatest common divisor with global_batch_size is a multiple of 2 (files, or"
-        " to_iterable_dataset(num_shards=...)), or set stream_split=auto to read it whole on every process"
+        " to_iterable_dataset(num_shards=...)), or set stream_split=auto: each process then reads the readers its"
+        " share of a step spans (neighbours share an edge one), and one reader is read whole"
     ]
     assert not (tmp_path / "run").exists()  # its config.yaml, run_info.json, ... went with it
 

@@ -88,8 +88,9 @@ class TrainConfig:
     Building a batch must draw nothing from global random generators (a draw in each epoch's first batches is
     refused) nor read training state; 0: built in the step."""
     stream_split: Literal["auto", "shards", "off"] = "auto"
-    """A sharded training stream: each process reads only its shards (auto: when they divide over the processes;
-    shards: always, else an error), in an order of its own; off: every process reads it all, in 1 process's order."""
+    """A sharded training stream: auto reads it as gcd(shards, global_batch_size) logical readers, each process the
+    readers its share of a step spans, the same batches on any process count (one reader: read whole); shards: each
+    process its own readers, else an error; off: every process reads it all, in another order than auto's."""
     early_stop_metric: str = ""
     """Stop when this eval metric (e.g. eval/loss) has not improved for early_stop_patience evaluations; the run
     saves a checkpoint and ends normally. Empty: never stop early."""

@@ -51,6 +51,12 @@ def plan_batches(global_batch_size: int, micro_batch_size: int, num_processes: i
             f"global_batch_size={global_batch_size} and micro_batch_size={micro_batch_size} must be positive"
         )
     per_step = micro_batch_size * num_processes
+    if fit and global_batch_size % num_processes:  # no micro-batch size splits it: the ranks do not divide it
+        above = global_batch_size + num_processes - global_batch_size % num_processes
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} does not split over {num_processes} data-parallel rank(s):"
+            f" pick a multiple of {num_processes} (such as {above})"
+        )
     if global_batch_size % per_step:
         raise ConfigError(
             f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size={micro_batch_size}"

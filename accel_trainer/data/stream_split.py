@@ -74,8 +74,8 @@ def splits(dataset: Any, setting: str, plan: BatchPlan) -> bool:
     raise ConfigError(
         f"stream_split=shards: the training stream {why}, which do not split over {plan.num_processes} data-parallel"
         f" process(es); give it a shard count whose greatest common divisor with global_batch_size is a multiple of"
-        f" {wanted} (files, or to_iterable_dataset(num_shards=...)), or set stream_split=auto to read it whole on"
-        " every process"
+        f" {wanted} (files, or to_iterable_dataset(num_shards=...)), or set stream_split=auto: each process then"
+        " reads the readers its share of a step spans (neighbours share an edge one), and one reader is read whole"
     )
 
 

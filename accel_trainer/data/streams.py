@@ -124,8 +124,10 @@ def whole_position(saved: Any) -> tuple[int, int]:
         return 0, 0
     if isinstance(saved, dict):
         raise ConfigError(
-            "the checkpoint read the training stream as readers of its shards (stream_split=auto or shards) and this"
-            " run reads it whole: resume with the stream_split, stream and global_batch_size it was trained with"
+            f"the checkpoint read the training stream as {len(saved.get('readers', []))} readers of its shards"
+            " (stream_split=auto or shards) and this run reads it whole (stream_split=off, or a shard count that"
+            " shares no divisor with global_batch_size: files added or removed?): resume with the stream_split,"
+            " stream and global_batch_size it was trained with"
         )
     epoch, read = saved
     return epoch, read

@@ -80,7 +80,14 @@ def test_a_recipe_s_default_micro_batch_becomes_the_largest_not_above_it_that_sp
 def test_a_micro_batch_the_user_set_is_never_changed_and_one_that_cannot_split_is_refused():
     with pytest.raises(ConfigError, match="global_batch_size=64 is not a multiple of micro_batch_size=64 x 2"):
         plan_batches(64, 64, 2)
-    with pytest.raises(ConfigError, match="global_batch_size=63 is not a multiple"):  # no micro-batch splits 63 over 2
+    with pytest.raises(ConfigError, match=r"global_batch_size=63 is not a multiple of micro_batch_size=8 x 2"):
+        plan_batches(63, 8, 2)
+
+
+def test_a_global_batch_no_micro_batch_splits_names_the_ranks_not_the_recipe_s_default():
+    """The default micro-batch follows the layout, so the refusal is about the ranks (found by a new-user trial)."""
+    with pytest.raises(ConfigError, match=r"^global_batch_size=63 does not split over 2 data-parallel rank\(s\):"
+                                          r" pick a multiple of 2 \(such as 64\)$"):  # fmt: skip
         plan_batches(63, 8, 2, fit=True)
 
 
