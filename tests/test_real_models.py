@@ -98,12 +98,20 @@ def test_a_base_is_a_folder_a_cached_hub_id_or_a_gguf_file_and_anything_else_is_
         at.check_base(str(tmp_path / "empty"))
 
 
-def test_a_gguf_base_loads_dequantized_as_a_plain_model_with_its_own_tokenizer_and_template(real_tokenizer):
+@pytest.fixture(scope="module")
+def real_model():
+    """The real model as transformers reads its GGUF file, with how transformers marked it, then as
+    `at.load_base_model` hands it out (plain): read once for the module (a dequantizing read: 16 s on a core)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(real_gguf().parent, gguf_file=GGUF_NAME)
+    marked = model.is_quantized, model.config.quantization_config.quant_method
+    return pretrained.plain_after_gguf(model, str(real_gguf())), marked  # as at.load_base_model does
+
+
+def test_a_gguf_base_loads_dequantized_as_a_plain_model_with_its_own_tokenizer_and_template(real_model, real_tokenizer):
     """With a canary: transformers leaves a dequantized GGUF model marked quantized (its Trainer and TRL refuse to
     train it), which `pretrained.plain_after_gguf` undoes; fails the day transformers unmarks it itself."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(real_gguf().parent, gguf_file=GGUF_NAME)
-    assert model.is_quantized and model.config.quantization_config.quant_method == "gguf"  # the canary
-    model = pretrained.plain_after_gguf(model, str(real_gguf()))  # as at.load_base_model does
+    model, marked = real_model
+    assert marked == (True, "gguf")  # the canary
     assert model.config.model_type == "llama" and model.dtype == torch.float32
     assert not hasattr(model.config, "quantization_config") and not model.is_quantized
     assert pretrained.base_source(model) == str(real_gguf())  # where it came from, for checkpoints
@@ -442,7 +450,7 @@ def greedy_answers(model, tokenizer, rows: list[dict]) -> list[str]:
 
 
 def test_the_real_model_before_training_scores_trls_eval_loss_then_learns_the_held_out_answers_style(
-    real_tokenizer, tmp_path
+    real_model, real_tokenizer, tmp_path
 ):
     """SmolLM2-135M-Instruct from its GGUF file, LoRA on 40 prompt/completion rows, 8 held out. The step-0
     evaluation (the untrained model) equals TRL's SFTTrainer.evaluate() on the same model, rows and template within
@@ -450,10 +458,9 @@ def test_the_real_model_before_training_scores_trls_eval_loss_then_learns_the_he
     train = write_jsonl(tmp_path / "train.jsonl", pirate_rows(range(40)))
     held_out_rows = pirate_rows(range(40, 48))
     held_out = write_jsonl(tmp_path / "held_out.jsonl", held_out_rows)
-    model = at.load_base_model(str(real_gguf()))
+    model, _ = real_model  # at.load_base_model's
     before = greedy_answers(model, real_tokenizer, held_out_rows[:5])
     trl_loss = trl_eval_loss(model, real_tokenizer, held_out_rows)
-    del model
     at.train("sft_chat", base=str(real_gguf()), data=str(train), eval_data=str(held_out),
              output_dir=str(tmp_path / "run"), max_steps=8, eval_every_steps=8, global_batch_size=8,
              micro_batch_size=8, lr=3e-3, warmup_steps=1, block_size=64, lora_r=8, show_progress_bar=False,

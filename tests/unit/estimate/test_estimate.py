@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch._subclasses import FakeTensorMode
 
+import accel_trainer as at
 from tests.conftest import BIN, WORKERS, accelerate_launch, assert_one_line_error, clean_env, run_command
 
 SMALL_GPT = ["n_layer=2", "d_model=64", "micro_batch_size=4", "global_batch_size=8"]
@@ -23,6 +24,21 @@ WIDE_GPT = [
 
 def estimate(*words: str, check: bool = True) -> subprocess.CompletedProcess:
     return run_command([BIN / "accel-trainer", "estimate", *words], env=clean_env(), check=check)
+
+
+def planned_in_this_process(recipe: str, layout: str, words: list[str]) -> dict:
+    """What `accel-trainer estimate RECIPE layout=LAYOUT WORDS --json` prints, without starting the command (its
+    imports cost a CPU-bound test 5 s)."""
+    from accel_trainer.estimate.command import estimate as estimate_ranks
+    from accel_trainer.estimate.step_memory import first_examples
+    from accel_trainer.parallel.accelerator import settings_on_layout
+    from accel_trainer.parallel.layout_file import read_layout
+
+    spec, overrides = read_layout(layout), dict(word.split("=", 1) for word in words)
+    recipe_cls = at.get_recipe(recipe)
+    cfg, _ = settings_on_layout(recipe_cls.Config, spec, None, overrides)
+    ranks = estimate_ranks(recipe, spec, overrides, None, None, first_examples(recipe_cls(cfg), cfg))
+    return {"world_size": spec.num_processes, "per_rank": [memory.as_dict() for memory in ranks]}
 
 
 LOGITS_BYTES = 4 * 64 * 257 * 4  # the small GPT's logits: micro-batch x block x vocabulary, float32
@@ -50,7 +66,7 @@ def test_the_estimate_of_a_cpu_layout_is_what_its_real_processes_hold(layout, mo
     the issue's 20% there. Under TP alone the same two late tensors came in a loaded CI run (+526,336 bytes, two
     logits exactly, on rank 1): the real side may hold them above the 2%."""
     accelerate_launch(layout, WORKERS / "estimate_truth.py", "gpt", str(tmp_path), *model)
-    planned = json.loads(estimate("gpt", f"layout={layout}", *model, "--json").stdout)
+    planned = planned_in_this_process("gpt", layout, model)  # the command's figures (its --json: tests below)
     assert planned["world_size"] == len(list(tmp_path.glob("rank*.json")))
     for rank, memory in enumerate(planned["per_rank"]):
         real = json.loads((tmp_path / f"rank{rank}.json").read_text())
