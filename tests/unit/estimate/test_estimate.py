@@ -81,10 +81,8 @@ def test_the_estimate_of_a_cpu_layout_is_what_its_real_processes_hold(layout, mo
 
 
 def test_an_eight_gpu_layout_is_planned_on_this_cpu_with_each_rank_holding_an_eighth():
-    whole = json.loads(estimate("gpt", "layout=cpu", *SMALL_GPT, "--json").stdout)["per_rank"][0]
-    sharded = json.loads(
-        estimate("gpt", "layout=8gpu_fsdp", "n_layer=2", "d_model=64", "micro_batch_size=1", "--json").stdout
-    )
+    whole = planned_in_this_process("gpt", "cpu", SMALL_GPT)["per_rank"][0]
+    sharded = planned_in_this_process("gpt", "8gpu_fsdp", ["n_layer=2", "d_model=64", "micro_batch_size=1"])
     assert sharded["world_size"] == 8 and len(sharded["per_rank"]) == 8
     for memory in sharded["per_rank"]:  # fp32 shards (FSDP keeps fp32 master weights under bf16), padded
         assert whole["params_bytes"] / 8 <= memory["params_bytes"] < whole["params_bytes"] / 8 * 1.05
@@ -99,19 +97,16 @@ def test_context_parallelism_holds_each_process_to_its_slice_of_the_sequences():
     """8gpu_fsdp_cp (dp_shard 4 x cp 2) against 8gpu_fsdp at the same micro-batch: the same shards of the model,
     about half the activations (each process its half of every sequence, plus the ring's received slices)."""
     model = ["n_layer=1", "d_model=64", "block_size=256", "pad_to_block_size=true", "micro_batch_size=4"]
-    ring = json.loads(estimate("gpt", "layout=8gpu_fsdp_cp", *model, "global_batch_size=16", "--json").stdout)
-    whole = json.loads(estimate("gpt", "layout=8gpu_fsdp", *model, "global_batch_size=32", "--json").stdout)
+    ring = planned_in_this_process("gpt", "8gpu_fsdp_cp", [*model, "global_batch_size=16"])
+    whole = planned_in_this_process("gpt", "8gpu_fsdp", [*model, "global_batch_size=32"])
     for sliced, unsliced in zip(ring["per_rank"], whole["per_rank"], strict=True):
         assert sliced["params_bytes"] == unsliced["params_bytes"]  # FSDP shards over dp_shard x cp = 8
         assert 0.4 < sliced["activations_bytes"] / unsliced["activations_bytes"] < 0.7
 
 
 def test_a_pipeline_over_fsdp_on_eight_gpus_gives_each_stage_its_own_figures():
-    planned = json.loads(
-        estimate(
-            "gpt", "layout=8gpu_pp_fsdp", *SMALL_GPT[:2], "micro_batch_size=4", "pad_to_block_size=true", "--json"
-        ).stdout
-    )["per_rank"]
+    words = [*SMALL_GPT[:2], "micro_batch_size=4", "pad_to_block_size=true"]
+    planned = planned_in_this_process("gpt", "8gpu_pp_fsdp", words)["per_rank"]
     first_stage, last_stage = planned[:4], planned[4:]
     for stage in (first_stage, last_stage):  # alike, but for FSDP's padding of the last shards
         peaks = [memory["peak_bytes"] for memory in stage]
