@@ -41,22 +41,20 @@ class BatchPlan:
 def plan_batches(global_batch_size: int, micro_batch_size: int, num_processes: int, *, fit: bool = False) -> BatchPlan:
     """Derive accumulation steps, or explain which sizes to change when they do not divide; `fit`: the micro-batch
     size is the recipe's default, which may be lowered to the largest that divides (the module's docstring)."""
-    asked = micro_batch_size
-    if fit and global_batch_size > 0 and micro_batch_size > 0:
-        micro_batch_size = next(
-            (m for m in range(asked, 0, -1) if global_batch_size % (m * num_processes) == 0), micro_batch_size
-        )
     if global_batch_size <= 0 or micro_batch_size <= 0:
         raise ConfigError(
             f"global_batch_size={global_batch_size} and micro_batch_size={micro_batch_size} must be positive"
         )
+    asked = micro_batch_size
+    if fit:
+        if global_batch_size % num_processes:  # no micro-batch size splits it: the ranks do not divide it
+            above = global_batch_size + num_processes - global_batch_size % num_processes
+            raise ConfigError(
+                f"global_batch_size={global_batch_size} does not split over {num_processes} data-parallel rank(s):"
+                f" pick a multiple of {num_processes} (such as {above})"
+            )
+        micro_batch_size = next(m for m in range(asked, 0, -1) if global_batch_size % (m * num_processes) == 0)
     per_step = micro_batch_size * num_processes
-    if fit and global_batch_size % num_processes:  # no micro-batch size splits it: the ranks do not divide it
-        above = global_batch_size + num_processes - global_batch_size % num_processes
-        raise ConfigError(
-            f"global_batch_size={global_batch_size} does not split over {num_processes} data-parallel rank(s):"
-            f" pick a multiple of {num_processes} (such as {above})"
-        )
     if global_batch_size % per_step:
         raise ConfigError(
             f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size={micro_batch_size}"

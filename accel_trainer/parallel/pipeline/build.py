@@ -70,11 +70,10 @@ def build_pipeline(
 
 
 def _refuse_transformers(model: Any) -> None:
-    """Refuse a transformers `PreTrainedModel`, also inside a peft wrapper (found by module name: transformers is
-    optional): its forward returns a cache and an output object, and takes keyword tensors, which torch's
-    schedules hand to every stage."""
-    inner = getattr(model, "base_model", model)
-    inner = getattr(inner, "model", inner) if type(inner).__module__.startswith("peft") else inner
+    """Refuse a transformers `PreTrainedModel`, also inside a peft wrapper (peft's `get_base_model`; found by module
+    name: transformers is optional): its forward returns a cache and an output object, and takes keyword tensors,
+    which torch's schedules hand to every stage."""
+    inner = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
     if any(cls.__module__.startswith("transformers.") for cls in type(inner).__mro__):
         raise LayoutError(
             f"a pipeline layout does not run transformers models ({type(model).__name__}) yet: torch's traced stages"
