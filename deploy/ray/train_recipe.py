@@ -45,7 +45,6 @@ cluster started with `ray start`, set RAY_worker_niceness=0 there.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -65,6 +64,7 @@ from accel_trainer.checkpoint import run_folder
 from accel_trainer.checkpoint.files import final_folder
 from accel_trainer.config.train_config import resolve_config
 from accel_trainer.observe.events import read_events
+from accel_trainer.observe.report import read_run
 from accel_trainer.parallel.layout_file import read_layout
 from accel_trainer.registry import recipe_name_of
 from accel_trainer.stopping.signals import EXIT_PREEMPTED, catch_stop_signals, request_stop
@@ -160,15 +160,12 @@ class CheckpointReports:
 
 
 def _metrics_up_to(run_dir: Path, step: int) -> dict[str, Any]:
-    """The newest value of each number metrics.jsonl records up to `step` (the training and evaluation records)."""
+    """The newest value of each number metrics.jsonl records up to `step` (the training and evaluation records, as
+    `accel-trainer report` reads them)."""
+    training, evaluations, _ = read_run(run_dir)
     metrics: dict[str, Any] = {}
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("step", step + 1) <= step:
+    for record in sorted([*training, *evaluations], key=lambda record: record.get("step", step + 1)):
+        if record.get("step", step + 1) <= step:
             metrics.update((key, value) for key, value in record.items() if isinstance(value, int | float))
     return metrics
 
