@@ -27,8 +27,21 @@ if TYPE_CHECKING:
     from accel_trainer.commands.evaluate import evaluate_saved
     from accel_trainer.config.layout import LayoutSettings
     from accel_trainer.config.train_config import TrainConfig
+    from accel_trainer.contract.lm_loss import (
+        HeadLoss,
+        lm_loss,
+        lm_token_losses,
+        measure_chunked_loss,
+        with_chunked_loss,
+    )
     from accel_trainer.contract.losses import token_cross_entropy
-    from accel_trainer.contract.preference import completion_logps, preference_loss, preference_terms
+    from accel_trainer.contract.preference import (
+        completion_logps,
+        completion_targets,
+        preference_loss,
+        preference_terms,
+        sequence_logps,
+    )
     from accel_trainer.contract.pretrained import (
         base_config_context,
         base_context,
@@ -48,6 +61,7 @@ if TYPE_CHECKING:
 # Each public name (`__all__`, spelled out below for the linters) and the module that defines it.
 _HOMES = {
     "ConfigError": "errors",
+    "HeadLoss": "contract.lm_loss",
     "LayoutError": "errors",
     "LayoutSettings": "config.layout",
     "PolicyAndReference": "contract.reference",
@@ -62,13 +76,17 @@ _HOMES = {
     "base_context": "contract.pretrained",
     "check_base": "contract.pretrained",
     "check_data": "data.sources",
-    "completion_logps": "contract.preference",
     "check_data_spec": "data.sources",
+    "completion_logps": "contract.preference",
+    "completion_targets": "contract.preference",
     "evaluate_saved": "commands.evaluate",
     "get_recipe": "registry",
+    "lm_loss": "contract.lm_loss",
+    "lm_token_losses": "contract.lm_loss",
     "load_base_model": "contract.pretrained",
     "load_base_tokenizer": "contract.pretrained",
     "main": "training",
+    "measure_chunked_loss": "contract.lm_loss",
     "policy_and_reference": "contract.reference",
     "preference_loss": "contract.preference",
     "preference_terms": "contract.preference",
@@ -76,12 +94,15 @@ _HOMES = {
     "read_data": "data.sources",
     "register_recipe": "registry",
     "registered_recipes": "registry",
+    "sequence_logps": "contract.preference",
     "token_cross_entropy": "contract.losses",
     "train": "training",
+    "with_chunked_loss": "contract.lm_loss",
 }
 
 __all__ = [
     "ConfigError",
+    "HeadLoss",
     "LayoutError",
     "LayoutSettings",
     "PolicyAndReference",
@@ -96,13 +117,17 @@ __all__ = [
     "base_context",
     "check_base",
     "check_data",
-    "completion_logps",
     "check_data_spec",
+    "completion_logps",
+    "completion_targets",
     "evaluate_saved",
     "get_recipe",
+    "lm_loss",
+    "lm_token_losses",
     "load_base_model",
     "load_base_tokenizer",
     "main",
+    "measure_chunked_loss",
     "policy_and_reference",
     "preference_loss",
     "preference_terms",
@@ -110,8 +135,10 @@ __all__ = [
     "read_data",
     "register_recipe",
     "registered_recipes",
+    "sequence_logps",
     "token_cross_entropy",
     "train",
+    "with_chunked_loss",
 ]
 
 

@@ -128,7 +128,7 @@ class DPO(at.Recipe):
         model = finetune_module.load_base(cfg, self.needs_base)
         if cfg.disable_dropout:
             disable_dropout(model)
-        model = finetune_module.with_lora(model, cfg)
+        model = at.with_chunked_loss(finetune_module.with_lora(model, cfg))
         needs_copy = cfg.lora_r == 0 and cfg.loss == "dpo" and not cfg.precompute_ref
         return at.PolicyAndReference(model) if needs_copy else model
 
@@ -147,7 +147,10 @@ class DPO(at.Recipe):
             }  # fmt: skip
             if cfg.precompute_ref:
                 batch = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 8
-                batching = f"max_length={self.max_length} truncation={cfg.truncation} dropout={not cfg.disable_dropout}"
+                batching = (
+                    f"max_length={self.max_length} truncation={cfg.truncation} dropout={not cfg.disable_dropout}"
+                    " loss=chunked"
+                )
                 base = self.build_reference(cfg)
                 splits, key = reference_logps.with_reference_logps(splits, base, self.collate, batch, batching)
                 self.data_fingerprints["reference_logps"] = key
@@ -178,17 +181,26 @@ class DPO(at.Recipe):
 
     def pair_logps(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, ...]:
         """The policy's log-probabilities of each pair's chosen and rejected completions (sums; SimPO's averages),
-        and the reference's: from its forward, precomputed in the batch, or none (SimPO)."""
+        and the reference's: from its forward, precomputed in the batch, or none (SimPO). Each from the tokens'
+        losses in chunks (at.lm_token_losses; with chunked_loss=false, from the logits)."""
         cfg, flat = self.cfg, preference_pairs.sequences(batch)
-        ids, mask = flat["input_ids"], flat["completion_mask"]
+        ids, targets = flat["input_ids"], at.completion_targets(flat["input_ids"], flat["completion_mask"])
         inputs = {"input_ids": ids, "attention_mask": flat["attention_mask"], "use_cache": False}
+        if cfg.chunked_loss:
+            inputs["head_loss"] = at.HeadLoss(targets, per_token=True)
         if cfg.loss == "simpo" or "ref_chosen_logps" in batch:  # no reference forward
             output, reference = model(**inputs), (batch.get("ref_chosen_logps"), batch.get("ref_rejected_logps"))
         else:
             output, reference_output = at.policy_and_reference(model, **inputs)
-            reference = at.completion_logps(reference_output.logits, ids, mask).chunk(2)
-        chosen, rejected = at.completion_logps(output.logits, ids, mask, average=cfg.loss == "simpo").chunk(2)
+            reference = self.logps(reference_output, targets).chunk(2)
+        chosen, rejected = self.logps(output, targets, average=cfg.loss == "simpo").chunk(2)
         return chosen, rejected, *reference
+
+    def logps(self, output: Any, targets: torch.Tensor, average: bool = False) -> torch.Tensor:
+        """Each sequence's log-probability of its targets from a forward's output: its tokens' losses
+        (chunked_loss), or its logits."""
+        losses = output if self.cfg.chunked_loss else token_losses(output.logits, targets)
+        return at.sequence_logps(losses, targets, average=average)
 
     def write_artifacts(self, model: Any, eval_dataset: Any, run_dir: Path) -> None:
         """`answers.md`: the model's greedy answers to the first held-out prompts, beside their chosen and
@@ -219,6 +231,14 @@ def resolved_max_length(cfg: DPOConfig) -> int:
     if cfg.max_length and context and cfg.max_length > context:
         raise at.RecipeError(f"max_length={cfg.max_length} is longer than the base's context, {context}: give less")
     return cfg.max_length or min(TRL_MAX_LENGTH, context or TRL_MAX_LENGTH)
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each position's cross-entropy of its target from float32 logits, 0 where ignored (shape of targets)."""
+    losses = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=preference_pairs.IGNORE_INDEX, reduction="none"
+    )
+    return losses.view(targets.shape)
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

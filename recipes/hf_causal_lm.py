@@ -6,10 +6,12 @@
 
 The data, collation and eval are the `gpt` recipe's (paragraphs of the Python standard library as bytes,
 padded at the end of each sequence); the model is `GPT2LMHeadModel`. What is specific to transformers:
-- `compute_loss` returns `at.token_cross_entropy(out.logits, targets)`: a sum over tokens with their count,
-  exact under accumulation on any layout. With `own_loss=true` it returns the model's own `out.loss` from
-  `labels`, which the loop makes exact too by passing the step's token count as `num_items_in_batch`, as the
-  HF Trainer does (accel_trainer/hf_loss.py).
+- `compute_loss` returns `at.lm_loss(model, inputs, targets)`: the output head and its cross-entropy in chunks of
+  the tokens that count, never the whole vocabulary's logits (accel_trainer/contract/lm_loss.py), a sum over
+  tokens with their count, exact under accumulation on any layout; `chunked_loss=false` takes the logits instead
+  (`at.token_cross_entropy(out.logits, targets)`, the same loss within 1e-6). With `own_loss=true` it returns the
+  model's own `out.loss` from `labels`, which the loop makes exact too by passing the step's token count as
+  `num_items_in_batch`, as the HF Trainer does (accel_trainer/hf_loss.py).
 - `pack_sequences=true` gives the model each token's position in its paragraph and keeps attention within each
   paragraph (`model_inputs`), so packed paragraphs never attend to each other, as in the GPT recipe: by the
   positions alone, or with a 4-D mask in the form the model's attention takes, the first form that a probe of the
@@ -57,7 +59,16 @@ class Packing:
 
 
 @dataclass
-class HFCausalLMConfig(ByteGPT.Config):  # type: ignore[name-defined]
+class ChunkedLossField:
+    """The loss field of every recipe of a transformers causal LM (this one, hf_finetune, sft_chat, dpo)."""
+
+    chunked_loss: bool = True
+    """The output head's loss in chunks of the tokens that count (at.lm_loss), never the whole vocabulary's
+    logits; false: from the logits (the same loss within 1e-6, more memory)."""
+
+
+@dataclass
+class HFCausalLMConfig(ChunkedLossField, ByteGPT.Config):  # type: ignore[name-defined,misc]
     n_layer: int = 2
     d_model: int = 64
     n_head: int = 2
@@ -100,7 +111,7 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
             n_head=cfg.n_head, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
             bos_token_id=PAD_ID, eos_token_id=PAD_ID, pad_token_id=PAD_ID,
         )  # fmt: skip
-        return self.packed_by_positions(transformers.GPT2LMHeadModel(config))
+        return self.packed_by_positions(self.with_chunked_loss(transformers.GPT2LMHeadModel(config)))
 
     packing: Packing = Packing()
     """How packed batches reach the model (`model_inputs`); set by `packed_by_positions`."""
@@ -118,6 +129,21 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
             self.packing = assumed_packing(model)
         return model
 
+    def with_chunked_loss(self, model: Any) -> Any:
+        """`model`, its forward taking the loss in chunks (at.with_chunked_loss), measured exact where its weights
+        are here; one line where it is not (its logits are not its head's product of its last hidden state).
+
+        Raises:
+            RecipeError: the chunked loss differs from the loss of the model's own logits.
+        """
+        model = at.with_chunked_loss(model)
+        if self.cfg.chunked_loss and at.measure_chunked_loss(model) is False:
+            raise at.RecipeError(
+                f"{type(model).__name__}'s logits are not its output head's product of its last hidden state"
+                " (measured), so its loss cannot be computed in chunks: give chunked_loss=false"
+            )
+        return model
+
     def build_tokenizer(self, cfg: Any) -> Any:
         """The model's tokenizer: each byte is its own id (0-255, as the data encodes text), 256 is padding and
         end of text. Made with `tokenizers` (GPT-2's byte-level pre-tokenizer, no merges); final/ holds it."""
@@ -127,7 +153,27 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
         # Padding is only at the end of a sequence, so causal attention never lets a real token see it.
         if self.cfg.own_loss:
             return model(**model_inputs(batch, self.packing), labels=batch["labels"]).loss
-        return at.token_cross_entropy(model(**model_inputs(batch, self.packing)).logits, batch["targets"], IGNORE_INDEX)
+        return self.token_loss(model, batch)
+
+    def token_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The summed loss of the batch's targets with their count: in chunks (at.lm_loss), or from the logits."""
+        inputs = model_inputs(batch, self.packing)
+        if self.cfg.chunked_loss:
+            return at.lm_loss(model, inputs, batch["targets"], IGNORE_INDEX)  # type: ignore[no-any-return]
+        return at.token_cross_entropy(model(**inputs).logits, batch["targets"], IGNORE_INDEX)
+
+    def sequence_losses(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each sequence's summed loss of its targets (batch,): in chunks, or from the logits."""
+        targets = batch["targets"]
+        if self.cfg.chunked_loss:
+            return at.lm_token_losses(model, model_inputs(batch, self.packing), targets, IGNORE_INDEX).sum(dim=1)
+        logits = model(**model_inputs(batch, self.packing)).logits.float()
+        # The vocabulary as the last, contiguous dimension: log-softmax over a strided one (logits.transpose(1, 2))
+        # is less exact, 1e-4 off in the mean loss of a 135M model (tests/test_real_models.py compares with TRL).
+        losses = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        )
+        return losses.view_as(targets).sum(dim=1)
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """The GPT's batch; with own_loss also transformers' `labels`: the inputs, IGNORE_INDEX at padding (the
@@ -143,17 +189,8 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
         return batch
 
     def eval_metrics(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        logits = model(**model_inputs(batch, self.packing)).logits.float()
         targets = batch["targets"]
-        # The vocabulary as the last, contiguous dimension: log-softmax over a strided one (logits.transpose(1, 2))
-        # is less exact, 1e-4 off in the mean loss of a 135M model (tests/test_real_models.py compares with TRL).
-        losses = (
-            torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-            )
-            .view_as(targets)
-            .sum(dim=1)
-        )
+        losses = self.sequence_losses(model, batch)
         tokens = (targets != IGNORE_INDEX).sum(1)
         bits = "bits_per_char" if self.byte_level else "bits_per_token"  # a byte is a character of ASCII text
         return {"loss": (losses, tokens), bits: (losses / math.log(2), tokens)}

@@ -37,8 +37,11 @@ gpt_module = sys.modules[ByteGPT.__module__]
 ByteTextConfig = gpt_module.ByteTextConfig  # the schedule and data fields, no model shape
 
 
+ChunkedLossField = sys.modules[HFCausalLM.__module__].ChunkedLossField
+
+
 @dataclass
-class PretrainedBase:
+class PretrainedBase(ChunkedLossField):  # type: ignore[valid-type,misc]
     """The fields of a fine-tune of a pretrained model (this recipe's and sft_chat's), checked when the config is
     made: a one-line error before any work, and a local base kept as an absolute path, so the run's config.yaml,
     its checkpoints and final/adapter name it from any working directory."""
@@ -125,7 +128,7 @@ class HFFinetune(HFCausalLM):  # type: ignore[valid-type,misc]
         if context and cfg.block_size > context:
             raise at.RecipeError(f"block_size={cfg.block_size} is longer than the base's context, {context}")
         self.packed_by_positions(model)
-        return with_lora(model, cfg)
+        return self.with_chunked_loss(with_lora(model, cfg))
 
 
 def load_base(cfg: PretrainedBase, needs_base: str) -> Any:

@@ -44,7 +44,6 @@ HFCausalLM = at.get_recipe("hf_causal_lm")
 HFFinetune = at.get_recipe("hf_finetune")
 PretrainedBase = sys.modules[HFFinetune.__module__].PretrainedBase  # base, lora_r, lora_alpha, lora_dropout
 gpt_module = sys.modules[at.get_recipe("gpt").__module__]
-model_inputs = sys.modules[HFCausalLM.__module__].model_inputs
 IGNORE_INDEX = -100  # as in recipes/gpt.py
 
 
@@ -129,8 +128,7 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
         return batch
 
     def compute_loss(self, model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        logits = model(**model_inputs(batch, self.packing)).logits
-        return at.token_cross_entropy(logits, batch["targets"], IGNORE_INDEX)
+        return self.token_loss(model, batch)  # type: ignore[no-any-return]
 
     def write_artifacts(self, model: Any, eval_dataset: Any, run_dir: Path) -> None:
         """`answers.md`: the model's answers (greedy, to the end-of-text token) to the first held-out prompts (each

@@ -52,7 +52,7 @@ def tiny(model_type: str, attention: str) -> torch.nn.Module:
 
 def packed_recipe_and_batch(model: torch.nn.Module) -> tuple[object, dict[str, torch.Tensor]]:
     recipe = RECIPE(RECIPE.Config(n_layer=1, n_head=2, d_model=16, block_size=16, pack_sequences=True))
-    recipe.packed_by_positions(model)  # what build_model does with the model it built
+    recipe.packed_by_positions(recipe.with_chunked_loss(model))  # what build_model does with the model it built
     return recipe, recipe.collate([{"input_ids": FIRST + SECOND, "documents": [0] * 5 + [1] * 7}])
 
 

@@ -338,8 +338,17 @@ def chat_one_process(tiny_base, chats, tmp_path_factory):
 def test_a_chat_finetune_of_your_data_trains_to_the_weights_of_one_process_on_ddp_and_fsdp(
     layout, lora_r, tiny_base, chats, chat_one_process, tmp_path
 ):
-    train_and_dump(layout, tmp_path, "sft_chat", f"base={tiny_base}", f"data={chats}", f"lora_r={lora_r}", *SFT,
-                   world_size=2)  # fmt: skip
+    """The loss in chunks (the default) trains to the weights of one process; in full, the first step's loss and
+    gradient norm are those of the whole logits on the same layout within 1e-6, the head's gradient with the
+    rest's (SmolLM2's tokenizer: 49,152 words; in-process, with several chunks: tests/test_lm_loss.py)."""
+    common = [f"base={tiny_base}", f"data={chats}", f"lora_r={lora_r}", *SFT]
+    records = train_and_dump(layout, tmp_path, "sft_chat", *common, world_size=2)
+    if lora_r == 0:
+        whole = train_and_dump(layout, tmp_path / "logits", "sft_chat", *common, "chunked_loss=false", "max_steps=1",
+                               "eval_every_steps=0", world_size=2)  # fmt: skip
+        first, expected_first = (next(r for r in run if r.get("step") == 1 and "loss" in r) for run in (records, whole))
+        for key in ("loss", "grad_norm"):
+            assert first[key] == pytest.approx(expected_first[key], rel=1e-6)
     expected, actual = final_parameters(chat_one_process[lora_r]), final_parameters(tmp_path)
     assert expected.keys() == actual.keys()
     for name in expected:

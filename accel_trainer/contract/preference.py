@@ -1,7 +1,8 @@
 """Preference tuning's quantities for `compute_loss`: each completion's log-probability, and the DPO or SimPO loss
 of chosen/rejected pairs with the metrics TRL logs, in the exact form (sums over pairs with their count).
 
-    logps = at.completion_logps(logits, batch["input_ids"], batch["completion_mask"])   # per sequence
+    targets = at.completion_targets(batch["input_ids"], batch["completion_mask"])       # the completions' tokens
+    logps = at.sequence_logps(at.lm_token_losses(model, inputs, targets), targets)      # per sequence, in chunks
     chosen, rejected = logps.chunk(2)          # a micro-batch is [chosen of each pair; rejected of each pair]
     return at.preference_loss(at.preference_terms(chosen, rejected, ref_chosen, ref_rejected, beta=0.1))
 
@@ -27,18 +28,32 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def completion_targets(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """The targets of each position, aligned with the inputs: the next token where it is the completion's (its
+    `completion_mask` set), IGNORE_INDEX elsewhere and at the last position. Shape of `input_ids`."""
+    targets = input_ids[:, 1:].masked_fill(completion_mask[:, 1:] == 0, IGNORE_INDEX)
+    return torch.cat([targets, torch.full_like(targets[:, :1], IGNORE_INDEX)], dim=1)
+
+
+def sequence_logps(token_losses: torch.Tensor, targets: torch.Tensor, *, average: bool = False) -> torch.Tensor:
+    """Each sequence's log-probability of its targets from each position's loss (0 where ignored): minus their
+    sum, or with `average` that over the targets' count (SimPO's). Shape (batch,)."""
+    logps = -token_losses.sum(dim=1)
+    return logps / (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1) if average else logps
+
+
 def completion_logps(
     logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor, *, average: bool = False
 ) -> torch.Tensor:
     """Each sequence's log-probability of its completion tokens: the sum over the tokens where `completion_mask` is
     set of log p(token | the tokens before), from logits in float32 whatever their precision; with `average`, that
-    sum over the completion's token count (SimPO's). Shape (batch,)."""
-    targets = input_ids[:, 1:].masked_fill(completion_mask[:, 1:] == 0, IGNORE_INDEX)
+    sum over the completion's token count (SimPO's). Shape (batch,). From the model itself, without its logits:
+    `sequence_logps(at.lm_token_losses(model, inputs, targets), targets)` with `completion_targets`."""
+    targets = completion_targets(input_ids, completion_mask)
     losses = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )  # the vocabulary as the last, contiguous dimension: the most exact form (recipes/hf_causal_lm.py)
-    logps = -losses.view(targets.shape).sum(dim=1)
-    return logps / (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1) if average else logps
+    return sequence_logps(losses.view(targets.shape), targets, average=average)
 
 
 def preference_terms(

@@ -25,7 +25,8 @@ import torch
 from accelerate import PartialState
 from safetensors.torch import load_file, save_file
 
-from accel_trainer.contract.preference import completion_logps
+from accel_trainer.contract.lm_loss import lm_token_losses, with_chunked_loss
+from accel_trainer.contract.preference import completion_targets, sequence_logps
 from accel_trainer.contract.pretrained import weights_digest
 from accel_trainer.data.preference_pairs import REFERENCE_COLUMNS, sequences
 
@@ -72,17 +73,18 @@ def reference_logps(
     pairs: datasets.Dataset, reference: torch.nn.Module, collate: Callable[..., Any], batch_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's completion log-probabilities of each pair, chosen and rejected, in eval mode without
-    gradients, on this process's device."""
+    gradients, on this process's device; the head's loss in chunks (at.lm_loss), never the whole logits."""
     device = PartialState().device
-    reference = reference.to(device).eval()
+    reference = with_chunked_loss(reference.to(device).eval())
     chosen, rejected = [], []
     with torch.no_grad():
         for start in range(0, len(pairs), batch_size):
             rows = pairs.select(range(start, min(start + batch_size, len(pairs))))
             batch = sequences(collate([{c: row[c] for c in TOKEN_COLUMNS} for row in rows]))
             batch = {k: v.to(device) for k, v in batch.items()}
-            logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            logps = completion_logps(logits, batch["input_ids"], batch["completion_mask"]).float().cpu()
+            targets = completion_targets(batch["input_ids"], batch["completion_mask"])
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            logps = sequence_logps(lm_token_losses(reference, inputs, targets), targets).cpu()
             chosen.append(logps[: len(rows)])
             rejected.append(logps[len(rows) :])
     return torch.cat(chosen), torch.cat(rejected)
