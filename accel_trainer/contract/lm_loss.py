@@ -46,6 +46,9 @@ CHUNK_BYTES = 32 * 2**20
 49,152 words. On the CPU 128 rows and more run as fast as the full product, 64 and fewer slower (torch's own
 `aspect_ratio` choice, 8 rows here, took twice the time); a GPU's kernels want the larger chunks too."""
 MIN_CHUNK_ROWS = 128
+TORCH_CHUNKS = hasattr(torch.nn, "LinearCrossEntropyOptions")
+"""torch's chunked `F.linear_cross_entropy` (torch 2.13 has it); an older torch keeps the logits of the counted
+tokens alone (`_loss_of_kept_logits`)."""
 SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 """Config fields of architectures whose logits are not the head's product alone (TRL's list, add_fused_lm_head)."""
 
@@ -184,7 +187,7 @@ def _loss_forward(lm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
         raise RecipeError("a forward with head_loss= computes the loss itself: give it no labels")
     kwargs.setdefault("use_cache", False)
     head = _head_of(lm)
-    if head is None or _scales_logits(lm):
+    if head is None or _scales_logits(lm) or not TORCH_CHUNKS:
         return _loss_of_kept_logits(lm, args, kwargs, loss)
     hidden = lm.base_model(*args, **kwargs).last_hidden_state  # type: ignore[operator]
     return head_cross_entropy(hidden, head, loss)
