@@ -16,10 +16,12 @@ Template: the base's own chat template (`chat_template=chatml` or a .jinja file 
 tokens are those a reply adds to the conversation before it (accel_trainer/data/chat.py), as TRL finds a
 completion's. The tokenizer with its template is saved in final/, so `sample --chat` answers in it.
 Conversations longer than block_size + 1 tokens are dropped (`long_conversations=cut` keeps their beginning
-instead), and a line counts them. Packing: conversations are packed back to back into windows of block_size + 1
-tokens: positions restart and attention stays within each conversation (hf_causal_lm's `model_inputs`), and a
-token is a target only where it is the assistant's. `eval/loss` is the held-out assistant-token loss (nats per
-token, as TRL's eval_loss); `answers.md` holds the model's answers to a few held-out prompts beside the data's.
+instead), and a line counts them. Packing: each conversation whole in a window of block_size + 1 tokens, by best
+fit decreasing over the whole split, as TRL packs (accel_trainer/data/packing.py), and a line gives each split's
+windows and their padding share; positions restart and attention stays within each conversation (hf_causal_lm's
+`model_inputs`), and a token is a target only where it is the assistant's. `eval/loss` is the held-out
+assistant-token loss (nats per token, as TRL's eval_loss); `answers.md` holds the model's answers to a few
+held-out prompts beside the data's.
 The model is hf_finetune's: LoRA through peft or every weight, from `base`.
 """
 
@@ -38,7 +40,7 @@ import torch
 from accelerate import PartialState
 
 import accel_trainer as at
-from accel_trainer.data import chat
+from accel_trainer.data import chat, packing
 
 HFCausalLM = at.get_recipe("hf_causal_lm")
 HFFinetune = at.get_recipe("hf_finetune")
@@ -107,8 +109,12 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
             columns = split.column_names
             tokens = split.map(chat.tokenize_row, with_indices=True, fn_kwargs=options, remove_columns=columns)
             tokens = fit_to_window(tokens, window, cfg.long_conversations, name)
-            return tokens.map(pack, batched=True, fn_kwargs={"window": window, "pad_id": self.pad_id},
-                              remove_columns=tokens.column_names)  # fmt: skip
+            # the whole split in one batch: best fit chooses among all its conversations (a map batch of 1,000
+            # would fit each batch apart); in Arrow, so no Python object per token
+            windows = tokens.with_format("arrow").map(pack, batched=True, batch_size=None,
+                                                      fn_kwargs={"window": window, "pad_id": self.pad_id},
+                                                      remove_columns=tokens.column_names)  # fmt: skip
+            return windows.with_format(None)
 
         with gpt_module._quiet_datasets():
             train, held_out = packed(splits["train"], "training"), packed(splits["test"], "held-out")
@@ -117,6 +123,8 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
                 f"no {'training' if len(train) == 0 else 'held-out'} conversation is left in windows of"
                 f" block_size={cfg.block_size} tokens: raise block_size (or give more conversations)"
             )
+        if PartialState().is_main_process:
+            print(packing_line({"training": train, "held-out": held_out}, window), flush=True)
         return train, held_out
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -230,27 +238,25 @@ def first_sentence(docstring: str, max_chars: int) -> str:
     return sentence
 
 
-def pack(batch: dict[str, list[Any]], window: int, pad_id: int) -> dict[str, list[list[int]]]:
-    """Conversations back to back in windows of `window` tokens, each marked with its conversation's number
-    (-1 for the padding that ends a window), none cut in two."""
-    packed: dict[str, list[list[int]]] = {"input_ids": [], "documents": [], "assistant": []}
-    current: dict[str, list[int]] = {key: [] for key in packed}
+def pack(rows: Any, window: int, pad_id: int) -> Any:
+    """A split's tokenized conversations (an Arrow table of `input_ids` and `assistant_masks`), each whole in one
+    window of `window` tokens, packed by best fit decreasing as TRL packs (accel_trainer/data/packing.py); the
+    room a window has left is padding, marked -1 in `documents` and never the assistant's."""
+    packed = packing.pack_table(rows, window, {"input_ids": pad_id, "assistant_masks": 0})
+    return packed.rename_columns({"assistant_masks": "assistant"})
 
-    def flush() -> None:
-        room = window - len(current["input_ids"])
-        for key, fill in (("input_ids", pad_id), ("documents", -1), ("assistant", 0)):
-            packed[key].append(current[key] + [fill] * room)
-            current[key] = []
 
-    for number, (ids, mask) in enumerate(zip(batch["input_ids"], batch["assistant_masks"], strict=True)):
-        if current["input_ids"] and len(current["input_ids"]) + len(ids) > window:
-            flush()
-        current["input_ids"] += ids
-        current["documents"] += [number] * len(ids)
-        current["assistant"] += mask
-    if current["input_ids"]:
-        flush()
-    return packed
+def packing_line(splits: dict[str, datasets.Dataset], window: int) -> str:
+    """One line on what packing made of each split: its conversations, its windows and their padding share."""
+    counts = []
+    for name, windows in splits.items():
+        marks = windows.with_format("arrow")["documents"]
+        counts.append(
+            f"{name} {packing.rows_packed(marks):,} into {len(windows):,} ({packing.padding_share(marks):.1%} padding)"
+        )
+    return f"accel-trainer: conversations packed whole in windows of {window} tokens (best fit decreasing): " + (
+        ", ".join(counts)
+    )
 
 
 if __name__ == "__main__":
