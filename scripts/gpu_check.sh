@@ -18,7 +18,9 @@ python3 -c "import torch, accelerate, datasets, transformers; print('torch', tor
 'accelerate', accelerate.__version__, 'datasets', datasets.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/env.txt"
 
-TESTS=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/layouts/test_gpu.py -rA --durations=0)
+# the GPU tests: the CUDA paths, and the non-finite guard's late verdict on CUDA (GPU_CHECK_FIRST=late_verdict: those first)
+TESTS=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/layouts/test_gpu.py
+       tests/unit/stopping/test_nonfinite_late_verdict.py -rA --durations=0)
 FIRST=${GPU_CHECK_FIRST:-}
 if [ -n "$FIRST" ]; then
     echo "== the GPU tests first: $FIRST"

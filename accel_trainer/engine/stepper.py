@@ -1,6 +1,7 @@
 """One optimizer step of the loop, owned by the `Stepper`: the micro-batches' forward and backward under
 `accumulate`, the exact item normalisation, then clip, step, schedule and zero grad; once, or once per phase of a
-recipe with several optimizers stepped in alternation (optim/optimizers.py).
+recipe with several optimizers stepped in alternation (optim/optimizers.py). The non-finite guard's verdict of a
+step is read at the next step wherever the optimizers can skip a step on the device (stopping/nonfinite.py).
 
 An alternating step fetches its micro-batches once and runs them through every phase in order; before each
 phase every gradient is dropped, so one phase's gradients never reach another's step. The step's loss
@@ -10,6 +11,7 @@ outputs come back merged for logging: `<phase>/loss` and `<phase>/<term>` for ea
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from accel_trainer.engine.model_calls import ModelCalls
 from accel_trainer.errors import RecipeError
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
+from accel_trainer.optim.device_skip import DeviceSkip
 from accel_trainer.optim.ema import WeightAverage
 from accel_trainer.optim.optimizers import Optimizers, Phase
 from accel_trainer.parallel.context_parallel import SequenceSlicing
@@ -67,10 +70,14 @@ class Stepper:
         self.pipeline, self.guard, self.ema = pipeline, guard, ema
         self.model_items = model_items  # passes a transformers model the step's item count (hf_loss.py)
         self.model_calls = model_calls  # whether compute_loss called the model itself (model_calls.py)
+        late = guard is not None and pipeline is None and not optimizers.alternate  # the guard may read a step late
+        phase_verbs = [phase.verbs for phase in optimizers.phases]
+        self.device_skip = DeviceSkip.of(phase_verbs, accelerator.device) if late else None
 
     def counted(self) -> bool:
-        """Whether the step just trained counts in the logged mean: a step the guard skipped does not."""
-        return self.guard is None or not self.guard.counts.nonfinite_in_a_row
+        """Whether the step just trained counts in the logged mean now: not a step the guard skipped, nor one whose
+        verdict is still pending (its loss joins the mean when the verdict is read, if it is finite)."""
+        return self.guard is None or (self.guard.pending is None and not self.guard.counts.nonfinite_in_a_row)
 
     def step(
         self, batches: Any, observer: Observer, step: int, is_log_step: bool
@@ -82,7 +89,7 @@ class Stepper:
         if not optimizers.alternate:
             epoch, outputs = self._accumulate_gradients(batches, observer, None)
             self._advance(step, epoch)
-            figures, stepped, _ = self._optimizer_step(optimizers.phases, is_log_step, outputs)
+            figures, stepped, _ = self._optimizer_step(optimizers.phases, is_log_step, outputs, observer)
             if stepped and self.ema is not None:
                 self.ema.update()
             return outputs, figures
@@ -93,7 +100,7 @@ class Stepper:
             epoch, outputs = self._accumulate_gradients(iter(fetched), observer, phase.name)
             if index == 0:
                 self._advance(step, epoch)
-            phase_figures, phase_stepped, phase_finite = self._optimizer_step((phase,), is_log_step, outputs)
+            phase_figures, phase_stepped, phase_finite = self._optimizer_step((phase,), is_log_step, outputs, observer)
             finite = finite and phase_finite
             figures.update(phase_figures)
             norms.append(phase_figures.get(f"grad_norm/{phase.name}"))
@@ -161,12 +168,15 @@ class Stepper:
                 local.mul_(scale.to(local.dtype))  # an FSDP2 shard is scaled in place like a whole gradient
 
     def _optimizer_step(
-        self, phases: tuple[Phase, ...], is_log_step: bool, outputs: list[LossOutput]
+        self, phases: tuple[Phase, ...], is_log_step: bool, outputs: list[LossOutput], observer: Observer
     ) -> tuple[dict[str, Any], bool, bool]:
         """Clip, step the `phases`' optimizers and schedules, zero the gradients; the gradient norm and (on log
-        steps) the LRs of this step by log key, whether an optimizer stepped, and whether the non-finite guard let
-        it (a step it rejects does nothing but drop the gradients)."""
+        steps) the LRs of this step by log key, whether an optimizer stepped (False for a step left pending,
+        whose EMA update is done), and whether the non-finite guard let it (a step it rejects does nothing but
+        drop the gradients)."""
         note_where("the gradient norm and optimizer step of step", self.progress.step)
+        if self.guard is not None:  # the previous step's verdict, read while this step's work runs on the device
+            self.guard.settle()  # before this step's LRs: the schedule steps for a finite step first
         grad_norm, verbs, name = None, phases[0].verbs, phases[0].name
         assert verbs is not None  # prepared phases hold their verbs
         if self.max_grad_norm > 0 or is_log_step or self.guard is not None:
@@ -181,6 +191,9 @@ class Stepper:
         if is_log_step:  # the LRs of this step, before the schedule moves them
             figures.update((key, lr) for phase in phases for key, lr in phase.lrs().items())
         every_verbs = [phase.verbs for phase in phases if phase.verbs is not None]
+        if self._may_step_late(is_log_step):
+            self._step_late(phases, outputs, grad_norm, observer)
+            return figures, False, True
         count = not self.optimizers.alternate
         if self.guard is not None and not self.guard.step_is_finite(outputs, grad_norm, count=count):
             discard_step(every_verbs)  # counted by the guard
@@ -197,6 +210,35 @@ class Stepper:
                 self.progress.skipped_steps += 1
             phase.verbs.zero_grad()
         return figures, stepped, True
+
+    def _may_step_late(self, is_log_step: bool) -> bool:
+        """Whether this step may be taken before its verdict is read (stopping/nonfinite.py says when not)."""
+        skip, guard = self.device_skip, self.guard
+        return skip is not None and guard is not None and not is_log_step and guard.may_wait() and skip.ready()
+
+    def _step_late(
+        self, phases: tuple[Phase, ...], outputs: list[LossOutput], grad_norm: Any, observer: Observer
+    ) -> None:
+        """Take the step with its verdict left on the device: the optimizers skip it there if it is not finite,
+        the BatchNorm statistics and the EMA follow it there, and the guard reads it at the next step."""
+        assert self.guard is not None and self.device_skip is not None
+        every_verbs = [phase.verbs for phase in phases if phase.verbs is not None]
+        finite = self.guard.verdict(outputs, grad_norm)
+        self.guard.wait_for(finite, functools.partial(self._taken_late, phases, outputs, observer))
+        self.before_update()
+        with self.device_skip.unless(finite):
+            step_optimizers(every_verbs)
+        for verbs in every_verbs:
+            verbs.zero_grad()
+        if self.ema is not None:  # after the statistics are put back: a weight of 0 keeps the average as it was
+            self.ema.update(taken=finite)
+
+    def _taken_late(self, phases: tuple[Phase, ...], outputs: list[LossOutput], observer: Observer) -> None:
+        """What the host does for a taken step, once its verdict is read: the schedule steps, its loss joins the
+        logged mean (before the next step's: the same sums in the same order)."""
+        for phase in phases:
+            phase.scheduler.step()
+        observer.window.add_step(outputs, self.plan.micro_batch_size)
 
     def _forward_backward(self, batch: Any, step: int, index: int, phase: str | None) -> Any:
         """Micro-batch `index`'s loss and gradients (a pipeline's schedule runs both, divided like backward's)."""

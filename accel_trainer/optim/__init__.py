@@ -2,5 +2,6 @@
 schedules and the EMA of the weights.
 
 Entry points: `optimizers.read_optimizers` (what `build_optimizer` returned, checked and scheduled),
-`schedules.recipe_scheduler`, `ema.WeightAverage`. The checkpoint package saves and restores them.
+`schedules.recipe_scheduler`, `ema.WeightAverage`, `device_skip.DeviceSkip` (a step the non-finite guard's verdict
+skips on the device). The checkpoint package saves and restores them.
 """

@@ -39,15 +39,25 @@ class WeightAverage:
             if tensor.is_floating_point() and name not in frozen  # a frozen weight is its own average
         }
         self._update = get_ema_multi_avg_fn(decay)
+        self.decay = decay
+        self._weight: torch.Tensor | None = None  # torch's lerp weight, 1 - decay, as a float32 on the device
         self._live: list[torch.Tensor] | None = None
 
-    def update(self) -> None:
-        """Move the average towards the current weights (after an optimizer step)."""
+    def update(self, taken: torch.Tensor | None = None) -> None:
+        """Move the average towards the current weights (after an optimizer step); `taken`, a device bool, for a
+        step whose non-finite verdict is read later (stopping/nonfinite.py): false leaves the average as it was."""
         if self._live is None:  # after the first forward: FSDP2 settles its sharded storage in its lazy init
             self._live = self._live_tensors()
-        live = self._live
+        live = [tensor if tensor.dtype == torch.float32 else tensor.float() for tensor in self._live]
         targets = [local_part(tensor) for tensor in self.average.values()]
-        self._update(targets, [tensor if tensor.dtype == torch.float32 else tensor.float() for tensor in live], None)
+        if taken is None:
+            self._update(targets, live, None)
+            return
+        # torch's update with its weight on the device: the same float32 (1 - decay) when taken, else 0, whose
+        # lerp leaves each entry as it was (the weights and statistics of a skipped step are those of the last).
+        if self._weight is None:  # made on the device: a copy from the host would wait for it
+            self._weight = torch.full((), 1 - self.decay, dtype=torch.float32, device=taken.device)
+        torch._foreach_lerp_(targets, live, [self._weight * taken] * len(targets))
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:

@@ -154,9 +154,10 @@ def test_mfu_is_logged_from_the_device_table_and_is_plausible(tmp_path):
     assert last["mem_allocated_gb"] > 0 and last["mem_reserved_gb"] >= last["mem_allocated_gb"]
 
 
-def test_between_log_steps_the_only_device_synchronisation_of_ours_is_the_nonfinite_guards_one_a_step(tmp_path):
-    """Without the guard the host never waits for the GPU between log steps; the guard (skip_nonfinite_steps,
-    on by default) reads one number back a step to decide whether the step may change the weights."""
+def test_between_log_steps_the_host_never_waits_for_the_gpu_guard_or_not(tmp_path):
+    """Without the guard the host never waits for the GPU between log steps; nor with it (skip_nonfinite_steps, on
+    by default): the fused optimizer skips a non-finite step on the device and the verdict is read a step late
+    from pinned memory behind an event (stopping/nonfinite.py), which torch's sync debug mode does not count."""
     import warnings
 
     import accel_trainer as at
@@ -193,7 +194,7 @@ def test_between_log_steps_the_only_device_synchronisation_of_ours_is_the_nonfin
     extra = list(with_guard)
     for sync in syncs_by_accel_trainer(3, guard=True):
         extra.remove(sync)
-    assert [sync.split("accel_trainer/")[1].split(":")[0] for sync in extra] == ["stopping/nonfinite.py"] * 5
+    assert extra == []
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism needs 2 CUDA GPUs")

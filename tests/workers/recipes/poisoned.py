@@ -2,6 +2,7 @@
 NaN) or only into the reported loss (a detached term: the gradients stay finite), on every process or one."""
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -24,6 +25,9 @@ class PoisonedConfig(BatchNormClassifier.Config):
     """input: NaN inputs; loss: a NaN added to the loss through a detached term."""
     poison_rank: int = -1
     """The only process that is poisoned; -1: all of them."""
+    optimizer_skips_on_device: bool = True
+    """False: the (fused) AdamW says it cannot skip a step on the device, so the non-finite guard reads every
+    verdict before the step (stopping/nonfinite.py): the same kernel on the guard's immediate path."""
 
 
 @at.register_recipe("poisoned")
@@ -36,15 +40,34 @@ class Poisoned(BatchNormClassifier):
         super().__init__(cfg)
         self.calls = 0
 
+    def build_optimizer(self, cfg, model):
+        """AdamW, which writes `late_steps_rank<r>.txt` into the run folder: how many of its steps were handed a
+        device verdict (`found_inf`) so far, i.e. taken before the guard read theirs."""
+        optimizer = super().build_optimizer(cfg, model)
+        if not cfg.optimizer_skips_on_device:
+            optimizer._step_supports_amp_scaling = False  # what optim/device_skip.py asks
+        late = Path(cfg.output_dir) / f"late_steps_rank{_rank()}.txt"
+        late.unlink(missing_ok=True)
+
+        def count(optimizer, *_):
+            if hasattr(optimizer, "found_inf"):
+                late.write_text(str(int(late.read_text() if late.exists() else 0) + 1))
+
+        optimizer.register_step_pre_hook(count)
+        return optimizer
+
     def compute_loss(self, model, batch):
         if batch["x"].is_meta:  # FLOP counting, not a step
             return super().compute_loss(model, batch)
         self.calls += 1
         cfg = self.cfg
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        poisoned = str(self.calls) in cfg.poison_steps.split(",") and cfg.poison_rank in (-1, rank)
+        poisoned = str(self.calls) in cfg.poison_steps.split(",") and cfg.poison_rank in (-1, _rank())
         x = batch["x"] * float("nan") if poisoned and cfg.poison == "input" else batch["x"]
         loss = super().compute_loss(model, {**batch, "x": x})
         if poisoned and cfg.poison == "loss":
             loss = loss + float("nan") * loss.detach()
         return loss
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
