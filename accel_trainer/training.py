@@ -37,6 +37,7 @@ from accel_trainer.console.closed_stdout import stdout_is_closed
 from accel_trainer.console.import_noise import drop_known_import_noise
 from accel_trainer.console.warning_lines import show_our_warnings_as_one_line
 from accel_trainer.data.batching import plan_batches, planned_micro_batch_size
+from accel_trainer.engine.heap import large_blocks_returned
 from accel_trainer.engine.loop import train_loop
 from accel_trainer.errors import LayoutError, UserError, describe_crash, say_user_error
 from accel_trainer.observe.breadcrumb import where
@@ -118,6 +119,7 @@ def _train_here(
     recipe_name: str, config_file: str | Path | None, overrides: dict[str, Any], *, keep_process_group: bool = False
 ) -> TrainResult:
     """Train in this process, or in the process group of the launcher that started it."""
+    large_blocks_returned()  # before the base is read: glibc's heap would keep the activations' freed blocks
     recipe_cls = get_recipe(recipe_name)
     cfg, layout = resolve_settings(recipe_cls.Config, config_file, overrides, launch_settings_file())
     check_trackers(cfg.trackers)
