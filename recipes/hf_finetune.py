@@ -132,12 +132,13 @@ class HFFinetune(HFCausalLM):  # type: ignore[valid-type,misc]
 
 
 def load_base(cfg: PretrainedBase, needs_base: str) -> Any:
-    """The pretrained model of `cfg.base`, or a one-line error (`needs_base` without one)."""
+    """The pretrained model of `cfg.base`, or a one-line error (`needs_base` without one). Under QLoRA its linear
+    weights are quantized as they are read (`quantize_base=nf4`: never the whole base in full precision)."""
     if not cfg.base:
         raise at.ConfigError(needs_base)
     sys.modules[HFCausalLM.__module__].quiet_padding_advice()  # its batches, padded on the right
     try:
-        model = at.load_base_model(cfg.base)
+        model = at.load_base_model(cfg.base, quantize=cfg.quantize_base)
     except OSError as error:
         raise at.RecipeError(f"base={cfg.base} cannot be loaded: {str(error).splitlines()[0]}") from None
     if getattr(model, "loss_type", "") is None:  # a base saved without one: transformers says so at each forward
@@ -147,7 +148,8 @@ def load_base(cfg: PretrainedBase, needs_base: str) -> Any:
 
 def with_lora(model: Any, cfg: PretrainedBase) -> Any:
     """peft's LoRA of `model` on every linear layer but the output head (lora_r > 0), over the base quantized as
-    `cfg.quantize_base` says (QLoRA), else `model` itself."""
+    `cfg.quantize_base` says (QLoRA: `load_base` quantized it while reading it; a base built otherwise is
+    quantized here), else `model` itself."""
     if cfg.lora_r == 0:
         return model
     model = at.quantize_base(model, cfg.quantize_base)

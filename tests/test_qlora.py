@@ -2,7 +2,8 @@
 
 The base is the tiny random Llama with SmolLM2's real tokenizer (conftest's `tiny_base`), the data a JSONL file of
 text rows. One process, DDP and FSDP2 train the same adapter (FSDP2 holding each 4-bit weight's shard, still 4-bit);
-a checkpoint holds the adapter and the base's fingerprint and resumes bitwise; `final/` is the dequantized base
+a checkpoint holds the adapter and the base's fingerprint and resumes bitwise, reading the base once (quantized
+as it is read: tests/unit/test_base_loading.py); `final/` is the dequantized base
 with the adapter merged, which transformers loads as a plain model with the logits of the 4-bit model that trained;
 `estimate` counts the base at its 4-bit size.
 """
@@ -76,8 +77,8 @@ def test_qlora_trains_the_adapter_of_one_process_on_ddp_and_on_fsdp_which_keeps_
         assert held == [whole, whole]
 
 
-def test_a_qlora_checkpoint_holds_the_adapter_and_the_4_bit_bases_fingerprint_and_resumes_bitwise(
-    tiny_base, text_rows, one_process, tmp_path
+def test_a_qlora_checkpoint_holds_the_adapter_and_the_4_bit_bases_fingerprint_and_resumes_bitwise_reading_its_base_once(
+    tiny_base, text_rows, one_process, tmp_path, monkeypatch
 ):
     checkpoint = one_process / "checkpoints" / "step_00000003"
     weights = load_file(str(checkpoint / "model.safetensors"))
@@ -86,9 +87,13 @@ def test_a_qlora_checkpoint_holds_the_adapter_and_the_4_bit_bases_fingerprint_an
     assert frozen["base"] == str(Path(tiny_base).resolve()) and len(frozen["sha256"]) == 64
     assert sum(path.stat().st_size for path in checkpoint.iterdir()) < (tiny_base / "model.safetensors").stat().st_size
     settings = dict(item.split("=") for item in QLORA)
+    reads, read = [], transformers.PreTrainedModel.from_pretrained.__func__
+    counted = classmethod(lambda cls, *args, **kwargs: reads.append(cls) or read(cls, *args, **kwargs))
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", counted)
     at.train("hf_finetune", base=str(tiny_base), data=str(text_rows), output_dir=str(tmp_path),
              resume=str(checkpoint), show_progress_bar="False", report="False", **settings)  # fmt: skip
     reset_accelerate_state()
+    assert len(reads) == 1  # the model trained: the FLOP count's copy and the final save's are built without weights
     expected, actual = adapter(one_process), adapter(tmp_path)
     assert all(torch.equal(actual[name], expected[name]) for name in expected)
     merged_expected = load_file(str(one_process / "final" / "model.safetensors"))

@@ -39,7 +39,7 @@ from accel_trainer.checkpoint.export import (
     holds_only_trainable_weights,
 )
 from accel_trainer.checkpoint.files import CheckpointError
-from accel_trainer.checkpoint.final_weights import write_model_folder
+from accel_trainer.checkpoint.final_weights import with_tied_names, write_model_folder
 from accel_trainer.checkpoint.frozen import RECORD_KEY as FROZEN_RECORD
 from accel_trainer.checkpoint.frozen import FrozenWeights, check_frozen
 from accel_trainer.checkpoint.tokenizer import RECORD_KEY as TOKENIZER_RECORD
@@ -213,6 +213,7 @@ def _loading(recipe: Recipe, saved: SavedWeights) -> Any:
             check_frozen(saved.folder, {FROZEN_RECORD: saved.frozen}, frozen)
         try:
             target = model if any(name.startswith("policy.") for name in weights) else policy_of(model)
+            weights = with_tied_names(target, weights)  # a transformers model's final/ holds a tied tensor once
             missing = target.load_state_dict(weights, strict=saved.frozen is None).missing_keys  # final/: the policy
             if frozen is not None and set(missing) - frozen.names:
                 raise RuntimeError(f"missing keys: {sorted(set(missing) - frozen.names)[:3]}")

@@ -1,13 +1,14 @@
 """Pretrained bases: where a model's weights come from and where they came from.
 
 `base=` names a `save_pretrained` folder, a hub id found in the local Hugging Face cache, or a `.gguf` file
-(transformers' GGUF loading, dequantized); `check_base` checks it when the config is made, `load_base_model` and
-`load_base_tokenizer` read it. `base_source` is the one place that reads transformers' and peft's records of where
-a built model came from (checkpoints fingerprint the base, FSDP's RAM-efficient loading reads a base on the main
-process only)."""
+(dequantized one tensor at a time: contract/loading.py); `check_base` checks it when the config is made,
+`load_base_model` and `load_base_tokenizer` read it. `base_source` is the one place that reads transformers' and
+peft's records of where a built model came from (checkpoints fingerprint the base, FSDP's RAM-efficient loading
+reads a base on the main process only)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -19,7 +20,8 @@ from typing import Any
 
 import torch
 
-from accel_trainer.contract.quantization import is_quantized, stored_parts
+from accel_trainer.contract.loading import gguf_stream, nf4_while_loading, pread_files
+from accel_trainer.contract.quantization import check_scheme, is_quantized, quantize_base, stored_parts
 from accel_trainer.errors import ConfigError
 
 
@@ -89,24 +91,78 @@ def check_base(base: str) -> str:
     return base
 
 
-def load_base_model(base: str, **options: Any) -> Any:
-    """`AutoModelForCausalLM.from_pretrained` of a checked base: a GGUF file dequantized (transformers' GGUF
-    loading) and recorded under its path, so checkpoints and FSDP's loading know where it came from. Built for its
-    shapes alone (`estimate`'s fake tensors, or a meta default device: the FLOP count), the base's config makes it
-    and no weight is read: a GGUF's dequantizing needs real memory (and 20 s for a 135M model on a CPU core), and
-    transformers compares tied weights' values, which fake tensors do not have."""
-    from torch._guards import detect_fake_mode
+def load_base_model(base: str, quantize: str = "none", **options: Any) -> Any:
+    """`AutoModelForCausalLM.from_pretrained` of a checked base, its linear weights quantized as they are read with
+    `quantize="nf4"` (QLoRA: never the whole base in full precision at once; contract/loading.py). A GGUF file is
+    dequantized one tensor at a time (contract/loading.py) and recorded under its path, so checkpoints and FSDP's
+    loading know where it came from.
+
+    Built where parameters get no memory (`estimate`'s fake tensors, a meta default device or accelerate's
+    `init_empty_weights`: the FLOP count, FSDP's other processes, the final save's copy, which are given their
+    weights afterwards), the base's config makes it and no weight is read: a GGUF's dequantizing needs real memory
+    (and 9 s for a 135M model on a CPU core), and transformers compares tied weights' values, which fake tensors
+    do not have.
+
+    Raises:
+        RecipeError: `quantize` is not a scheme (quantization.SCHEMES), or nf4 without torchao.
+    """
     from transformers import AutoModelForCausalLM
 
-    folder, gguf_file = _files(base)
-    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    quantizing = check_scheme(quantize)
     config = base_config(base)
+    if _weights_unwanted():  # eval, as from_pretrained returns a model
+        return plain_after_loading(AutoModelForCausalLM.from_config(config).eval(), base)
+    folder, gguf_file = _files(base)
+    skeleton: Any = None  # the names and shapes the weights are read into
+    if gguf_file or quantizing:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    stream = gguf_stream(str(Path(folder, gguf_file)), skeleton) if gguf_file else None
+    if gguf_file and stream is None:  # an architecture that transformers reads whole: quantized afterwards
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, gguf_file=gguf_file, **options)
+        return quantize_base(plain_after_gguf(model, base), quantize)
+    if quantizing:
+        options["quantization_config"] = nf4_while_loading(skeleton)
+    if stream is not None:  # dtype: transformers' GGUF reading's, the default one
+        model = type(skeleton).from_pretrained(
+            None, config=config, state_dict=stream, dtype=torch.get_default_dtype(), **options
+        )
+    else:
+        with pread_files() if quantizing else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(folder, config=config, **options)
+    return plain_after_loading(model, base) if quantizing or stream is not None else model
+
+
+def _weights_unwanted() -> bool:
+    """Whether a model built here would get no memory for its weights: estimate's fake tensors, a meta default
+    device, or accelerate's `init_empty_weights` (which moves each parameter to meta as it is registered)."""
+    from torch._guards import detect_fake_mode
+
     if detect_fake_mode() is not None or torch.get_default_device().type == "meta":
-        model = AutoModelForCausalLM.from_config(config)
-        model.config._name_or_path = base
-        return model
-    model = AutoModelForCausalLM.from_pretrained(folder, config=config, **extra, **options)
-    return plain_after_gguf(model, base) if gguf_file else model
+        return True
+    probe = torch.nn.Module()
+    probe.register_parameter("probe", torch.nn.Parameter(torch.empty(0, device="cpu")))
+    return bool(probe.probe.is_meta)
+
+
+def plain_after_loading(model: Any, base: str) -> Any:
+    """A model `load_base_model` built other than by `from_pretrained(folder)` (with a quantization config, from a
+    GGUF stream, from its config), as the plain model the rest of the framework sees, recorded under `base` (as
+    `plain_after_gguf` leaves transformers' own GGUF reading; peft writes it into an adapter's config as the
+    base's path): transformers marks a model it quantized while loading (`hf_quantizer`, the config's
+    `quantization_config` and `_is_quantized`), which its own `remove_quantization_config` and the line below
+    undo, so peft, TRL and final/ see the model `quantize_base` leaves, linear weights that are 4-bit tensors."""
+    from transformers import PreTrainedModel
+
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    for module in model.modules():  # where transformers' _assign_is_quantized marks them
+        if isinstance(module, PreTrainedModel):
+            vars(module.config).pop("_is_quantized", None)
+    vars(model).update(name_or_path=base)  # peft records name_or_path
+    model.config._name_or_path = base
+    return model
 
 
 def base_config(base: str) -> Any:

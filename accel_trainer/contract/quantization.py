@@ -46,29 +46,57 @@ def quantize_base(model: nn.Module, scheme: str) -> nn.Module:
 
     A weight whose size is not a multiple of 64 values stays as it is; `kept_in_full_precision` names them. A
     model on the meta device (the FLOP count's copy, a process that waits for FSDP's broadcast) stays as it is:
-    there are no values to quantize, and a 4-bit weight's matrix product counts as the full one's.
+    there are no values to quantize, and a 4-bit weight's matrix product counts as the full one's. A weight in 4
+    bits already (a base quantized while it was read: contract/loading.py) stays as it is.
 
     Raises:
         RecipeError: an unknown scheme, torchao not installed, or no linear weight to quantize.
     """
-    if scheme == "none":
+    if not check_scheme(scheme):
         return model
-    if scheme != "nf4":
-        raise RecipeError(f"quantize_base={scheme}: not a scheme accel-trainer knows; use one of {', '.join(SCHEMES)}")
-    to_nf4 = nf4_constructor()
     linear = linear_layers(model)
     if not linear:
         raise RecipeError(f"quantize_base={scheme}: the base ({type(model).__name__}) has no linear layer to quantize")
     for module in linear:
-        weight = module.weight.detach()
-        if weight.numel() % BLOCK or weight.is_meta:
-            continue
-        quantized = to_nf4(weight.contiguous(), BLOCK, scaler_block_size(weight.numel() // BLOCK))
-        if not isinstance(module, nn.Linear):
-            module.__class__ = _four_bit_class(type(module))
-        module.weight = nn.Parameter(quantized, requires_grad=False)
+        if quantizable(module.weight):
+            quantize_layer(module)
     return_freed_memory()
     return model
+
+
+def check_scheme(scheme: str) -> bool:
+    """Whether `scheme` quantizes (nf4: torchao is then importable), or not (none).
+
+    Raises:
+        RecipeError: an unknown scheme, or nf4 without torchao.
+    """
+    if scheme not in SCHEMES:
+        raise RecipeError(f"quantize_base={scheme}: not a scheme accel-trainer knows; use one of {', '.join(SCHEMES)}")
+    return scheme == "nf4" and nf4_constructor() is not None
+
+
+def quantizable(weight: torch.Tensor) -> bool:
+    """Whether a linear layer's weight is one `quantize_layer` takes: values (not meta), in full precision, a
+    multiple of the 64-value block."""
+    return not (weight.numel() % BLOCK or weight.is_meta or is_quantized(weight))
+
+
+def quantize_layer(module: Any) -> None:
+    """Replace a linear layer's weight by its NF4 form, frozen (a `Conv1D` becomes a `FourBitConv1D`): the one
+    place a weight is quantized, whether the whole base is at hand (`quantize_base`) or the weight alone (read
+    from the base's file: contract/loading.py), so both give the same 4 bits.
+
+    The freed memory goes back to the system at once (`trim_heap`): glibc keeps the full-precision weight and the
+    quantizing's temporaries (torchao's nearest-level search: over 64 bytes a value) for reuse, scattered between
+    the 4-bit weights made since, so a process grew with each weight (quantizing SmolLM2-135M after reading it
+    grew a process by 1.4 GiB; read from a folder one weight at a time, its peak was 1,072 MiB against 627 MiB)."""
+    weight = module.weight.detach()
+    quantized = nf4_constructor()(weight.contiguous(), BLOCK, scaler_block_size(weight.numel() // BLOCK))
+    if not isinstance(module, (nn.Linear, FourBitConv1D)):
+        module.__class__ = _four_bit_class(type(module))
+    module.weight = nn.Parameter(quantized, requires_grad=False)
+    del weight, quantized
+    trim_heap()
 
 
 def return_freed_memory() -> None:
@@ -77,6 +105,11 @@ def return_freed_memory() -> None:
     1,180 MiB right after quantizing (938 MiB before it, the quantizing's temporaries on top) and 571 MiB after
     `malloc_trim(0)`. Elsewhere than glibc, nothing to do."""
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """glibc's `malloc_trim(0)`: the freed blocks of its heap given back to the system (none elsewhere)."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl): its allocator does its own
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 

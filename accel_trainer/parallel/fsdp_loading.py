@@ -8,9 +8,11 @@ peft: `pretrained.base_source`) and FSDP's broadcast keeps it whole (launch_fixe
 it under accelerate's `init_empty_weights`, which keeps no weight: their frozen parameters stay on the meta device
 and their trainable ones get uninitialised memory (accelerate maps the optimizer's parameters to the shards by
 their storage, which meta tensors share), so a LoRA run's other processes hold its adapter alone until the
-broadcast, and they read nothing of the base's files but their headers (`weights_unread`). Any other model (one
-built from scratch, or one the broadcast gets wrong: launch_fixes.broadcastable) is built and loaded by every
-process, the setting turned off for it, as on one process.
+broadcast, and they read nothing of the base's files but their headers (`weights_unread`; a base read through
+`at.load_base_model` is built from its config there, its files not opened at all: a GGUF file was dequantized
+whole by every process). Any other model (one built from scratch, or one the broadcast gets wrong:
+launch_fixes.broadcastable, a 4-bit base) is built and loaded by every process, the setting turned off for it,
+as on one process.
 """
 
 from __future__ import annotations
