@@ -28,6 +28,19 @@ from accel_trainer.observe.trackers import Trackers
 from accel_trainer.observe.window import ItemsSeen, Speed, Window, log_record
 from accel_trainer.parallel.compiling import CompileWatch
 
+PEAK_KEYS = {
+    "host_rss_gb": "host {:.2f} GiB resident",
+    "mem_allocated_gb": "device {:.2f} GiB allocated",
+    "mem_reserved_gb": "{:.2f} GiB reserved",
+}
+"""The logged memory figures (observe/window.py: the largest process's peaks) whose run-long peak a run reports."""
+
+
+def peak_memory_line(peaks: dict[str, float]) -> str:
+    """`peak memory: host 2.66 GiB resident, device 9.10 GiB allocated, 9.50 GiB reserved (the largest process)`."""
+    parts = [form.format(peaks[key]) for key, form in PEAK_KEYS.items() if key in peaks]
+    return f"peak memory: {', '.join(parts)} (the largest process)"
+
 
 class Observer:
     """The run's records: built once the run's state is known (after a resume), closed when training ends."""
@@ -70,13 +83,17 @@ class Observer:
         self.profiler = StepProfiler(accelerator, run_dir, parse_steps(cfg.profile_steps))
         self.window = self._new_window()
         self.first_batch: Any = None  # the shapes of the first micro-batch (meta tensors), for counting FLOPs
+        self.peaks: dict[str, float] = {}  # the run's peak memory so far, of the largest process (PEAK_KEYS)
 
     def close(self) -> None:
         self.log.close()
 
     def finish(self) -> None:
-        """The run trained to its end: say so in events.jsonl and draw its report (unless report=false)."""
-        self.events.write("end", step=self.state.step)
+        """The run trained to its end: say so in events.jsonl with its peak memory, in one line too, and draw its
+        report (unless report=false)."""
+        self.events.write("end", step=self.state.step, **self.peaks)
+        if self.accelerator.is_main_process and self.peaks:
+            print(f"accel-trainer: {peak_memory_line(self.peaks)}", flush=True)
         if self.accelerator.is_main_process and self.cfg.report:
             write_report_or_warn(self.run_dir)
 
@@ -133,6 +150,8 @@ class Observer:
         )
         self.log.write(record)
         state.metrics.update(record)
+        for key in PEAK_KEYS.keys() & record.keys():
+            self.peaks[key] = max(self.peaks.get(key, 0.0), record[key])
         self.window = self._new_window()
 
     def _new_window(self) -> Window:

@@ -12,6 +12,7 @@ import accel_trainer as at
 from accel_trainer.observe import metrics
 from accel_trainer.observe.header import _strategy
 from accel_trainer.parallel import launch_fixes
+from conftest import read_metrics
 
 
 def test_a_run_prints_a_header_and_records_each_start(tmp_path, capsys):
@@ -19,6 +20,10 @@ def test_a_run_prints_a_header_and_records_each_start(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "accel-trainer: recipe vae, 171,088 parameters" in out
     assert "batch: 64 per step = 32 per micro-batch x 1 process(es) x 2 accumulation step(s)\n" in out
+    peak = max(record["host_rss_gb"] for record in read_metrics(tmp_path) if "host_rss_gb" in record)
+    assert f"accel-trainer: peak memory: host {peak:.2f} GiB resident (the largest process)\n" in out
+    end = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()][-1]
+    assert end["event"] == "end" and end["host_rss_gb"] == peak and "mem_allocated_gb" not in end  # no CUDA here
 
     at.train("vae", max_steps=6, save_every_steps=2, keep_last=0, output_dir=str(tmp_path), show_progress_bar=False)
 
