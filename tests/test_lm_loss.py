@@ -201,9 +201,17 @@ def test_the_forward_is_the_models_own_without_head_loss_and_a_copy_runs_its_own
     assert torch.equal(reference, at.lm_token_losses(at.with_chunked_loss(tiny_llama()), {"input_ids": ids}, targets))
 
 
-def test_a_loss_asked_of_a_model_not_made_for_it_is_one_line():
+def test_a_model_built_without_with_chunked_loss_is_given_its_forward_on_first_use():
+    """A recipe that subclasses hf_causal_lm and builds its own model (tests/workers/recipes/tiny_llama.py)."""
     ids, targets = batch()
-    with pytest.raises(at.RecipeError, match=r"at\.with_chunked_loss\(model\) in build_model"):
-        at.lm_loss(tiny_llama(), {"input_ids": ids}, targets)
+    model, made = tiny_llama(), at.with_chunked_loss(tiny_llama())
+    assert torch.equal(at.lm_loss(model, {"input_ids": ids}, targets)["loss"],
+                       at.lm_loss(made, {"input_ids": ids}, targets)["loss"])  # fmt: skip
+    assert model(input_ids=ids, head_loss=at.HeadLoss(targets))["num_items"] == 90  # its forward, from now on
+
+
+def test_a_loss_asked_of_a_model_without_a_causal_lm_is_one_line():
+    with pytest.raises(at.RecipeError, match="holds no transformers causal LM"):
+        at.lm_loss(torch.nn.Linear(2, 2), {}, torch.zeros(1, 1, dtype=torch.long))
     with pytest.raises(at.RecipeError, match="holds no transformers causal LM"):
         at.with_chunked_loss(torch.nn.Linear(2, 2))

@@ -3,6 +3,9 @@ tokens that count.
 
     model = at.with_chunked_loss(model)                        # in build_model (a transformers causal LM)
     return at.lm_loss(model, {"input_ids": ids}, targets)      # in compute_loss: {"loss": sum, "num_items": n}
+
+`at.lm_loss` gives a model built without `with_chunked_loss` its forward on first use (a recipe that subclasses
+hf_causal_lm and builds its own model), in place, as `with_chunked_loss` would.
     losses = at.lm_token_losses(model, inputs, targets)        # each token's loss, 0 where ignored: (batch, length)
 
 A plain `model(...).logits` holds (batch, length, vocabulary) scores, and the loss its float32 copy and their
@@ -71,22 +74,18 @@ def with_chunked_loss(model: nn.Module) -> nn.Module:
     Raises:
         RecipeError: no transformers causal LM is found in `model`.
     """
-    lms = causal_lms(model)
-    if not lms:
-        raise RecipeError(
-            f"at.with_chunked_loss: {type(model).__name__} holds no transformers causal LM (a model with an output"
-            " head and a base_model): compute the loss from its logits (at.token_cross_entropy)"
-        )
-    for lm in lms:
-        if not _is_patched(lm):
-            lm.forward = types.MethodType(_forward_taking_head_loss(type(lm)), lm)  # type: ignore[method-assign]
+    _with_forward(model)
     return model
 
 
 def lm_loss(model: nn.Module, inputs: dict[str, Any], targets: torch.Tensor, ignore_index: int = -100) -> Any:
     """The summed cross-entropy of `targets` and their count, `{"loss": sum, "num_items": n}`, the form the loop
-    makes exact over the whole step (as `at.token_cross_entropy` of the logits), from `model(**inputs)`."""
-    _check_patched(model)
+    makes exact over the whole step (as `at.token_cross_entropy` of the logits), from `model(**inputs)`.
+
+    Raises:
+        RecipeError: no transformers causal LM is found in `model`.
+    """
+    _with_forward(model)
     return model(**inputs, head_loss=HeadLoss(targets, ignore_index))
 
 
@@ -94,8 +93,12 @@ def lm_token_losses(
     model: nn.Module, inputs: dict[str, Any], targets: torch.Tensor, ignore_index: int = -100
 ) -> torch.Tensor:
     """Each position's cross-entropy of its target in float32, 0 where the target is `ignore_index`, shaped as
-    `targets`: per-sequence sums (preference tuning's log-probabilities, evaluation's per-sequence losses)."""
-    _check_patched(model)
+    `targets`: per-sequence sums (preference tuning's log-probabilities, evaluation's per-sequence losses).
+
+    Raises:
+        RecipeError: no transformers causal LM is found in `model`.
+    """
+    _with_forward(model)
     return model(**inputs, head_loss=HeadLoss(targets, ignore_index, per_token=True))  # type: ignore[no-any-return]
 
 
@@ -238,13 +241,18 @@ def _is_patched(lm: nn.Module) -> bool:
     return getattr(getattr(lm.__dict__.get("forward"), "__func__", None), "takes_head_loss", False)
 
 
-def _check_patched(model: nn.Module) -> None:
+def _with_forward(model: nn.Module) -> None:
+    """Every causal LM in `model` given the forward taking `head_loss` (through DDP's or compile's wrapper, whose
+    call looks the inner module's forward up at each call)."""
     lms = causal_lms(model)
-    if not lms or not all(_is_patched(lm) for lm in lms):
+    if not lms:
         raise RecipeError(
-            "at.lm_loss needs the model made by at.with_chunked_loss(model) in build_model (its forward computes"
-            " the loss in chunks); or compute the loss from the logits with at.token_cross_entropy"
+            f"at.lm_loss: {type(model).__name__} holds no transformers causal LM (a model with an output head and a"
+            " base_model): compute the loss from its logits with at.token_cross_entropy"
         )
+    for lm in lms:
+        if not _is_patched(lm):
+            lm.forward = types.MethodType(_forward_taking_head_loss(type(lm)), lm)  # type: ignore[method-assign]
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
