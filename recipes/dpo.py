@@ -39,6 +39,7 @@ import datasets
 import torch
 
 import accel_trainer as at
+from accel_trainer.contract.preference import token_losses_of_logits
 from accel_trainer.data import chat, preference_pairs, reference_logps
 
 HFFinetune = at.get_recipe("hf_finetune")
@@ -199,7 +200,7 @@ class DPO(at.Recipe):
     def logps(self, output: Any, targets: torch.Tensor, average: bool = False) -> torch.Tensor:
         """Each sequence's log-probability of its targets from a forward's output: its tokens' losses
         (chunked_loss), or its logits."""
-        losses = output if self.cfg.chunked_loss else token_losses(output.logits, targets)
+        losses = output if self.cfg.chunked_loss else token_losses_of_logits(output.logits, targets)
         return at.sequence_logps(losses, targets, average=average)
 
     def write_artifacts(self, model: Any, eval_dataset: Any, run_dir: Path) -> None:
@@ -231,14 +232,6 @@ def resolved_max_length(cfg: DPOConfig) -> int:
     if cfg.max_length and context and cfg.max_length > context:
         raise at.RecipeError(f"max_length={cfg.max_length} is longer than the base's context, {context}: give less")
     return cfg.max_length or min(TRL_MAX_LENGTH, context or TRL_MAX_LENGTH)
-
-
-def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Each position's cross-entropy of its target from float32 logits, 0 where ignored (shape of targets)."""
-    losses = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=preference_pairs.IGNORE_INDEX, reduction="none"
-    )
-    return losses.view(targets.shape)
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

@@ -112,6 +112,10 @@ def test_the_first_two_steps_log_trls_loss_and_rewards(tiny_base, text_pairs, tm
             assert mine[name] == pytest.approx(theirs[name], abs=1e-4), name
     assert ours[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)  # the policy is its reference at step 1
     assert ours[0]["rewards/accuracies"] == 0.0 and ours[1]["rewards/accuracies"] == 1.0  # strict >, as TRL's
+    logits = dpo_run(tmp_path / "logits", base=str(tiny_base), data=str(text_pairs), chunked_loss=False, **PEER)
+    for whole, chunked in zip(logits, ours, strict=True):  # the default's chunks are the whole logits' loss;
+        # the rewards are beta x differences of log-probabilities near -100: float32's 1e-7 of those, absolute
+        assert [chunked[name] for name in LOGGED] == pytest.approx([whole[name] for name in LOGGED], rel=1e-6, abs=1e-6)
 
 
 def test_pairs_are_tokenized_as_trls_dpo_trainer_tokenizes_them(

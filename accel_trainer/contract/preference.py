@@ -50,10 +50,16 @@ def completion_logps(
     sum over the completion's token count (SimPO's). Shape (batch,). From the model itself, without its logits:
     `sequence_logps(at.lm_token_losses(model, inputs, targets), targets)` with `completion_targets`."""
     targets = completion_targets(input_ids, completion_mask)
+    return sequence_logps(token_losses_of_logits(logits, targets), targets, average=average)
+
+
+def token_losses_of_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each position's cross-entropy of its target from the logits in float32, 0 where ignored (shape of targets):
+    what `at.lm_token_losses` computes without the logits."""
     losses = F.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )  # the vocabulary as the last, contiguous dimension: the most exact form (recipes/hf_causal_lm.py)
-    return sequence_logps(losses.view(targets.shape), targets, average=average)
+    return losses.view(targets.shape)
 
 
 def preference_terms(
