@@ -219,9 +219,10 @@ def _reduced(losses: torch.Tensor, loss: HeadLoss, counted: torch.Tensor, every_
 
 
 def _head_of(lm: nn.Module) -> nn.Linear | None:
-    """The model's output head where it is a plain linear layer (not a LoRA of it, not a quantized one)."""
+    """The model's output head where it is a plain linear layer (not a LoRA of it, not a quantized one). `estimate`'s
+    fake weights are FakeTensors, not Parameters: planned as the real head runs."""
     head = lm.get_output_embeddings()  # type: ignore[operator]
-    if type(head) is not nn.Linear or type(head.weight) is not nn.Parameter:
+    if type(head) is not nn.Linear or not (type(head.weight) is nn.Parameter or _is_fake(head.weight)):
         return None
     return head
 

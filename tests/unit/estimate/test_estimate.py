@@ -80,6 +80,16 @@ def test_the_estimate_of_a_cpu_layout_is_what_its_real_processes_hold(layout, mo
         assert memory["activations_bytes"] == memory["peak_bytes"] - parts > 0
 
 
+def test_a_causal_lm_is_planned_with_its_loss_in_chunks_as_it_runs():
+    """hf_causal_lm's default loss holds no logits: its plan is below the logits' plan by at least their float32
+    bytes (the fake head once took the logits' path: SmolLM2-135M's sft_chat planned 2,400 MiB where its steps
+    held 1,837, docs/memory.md)."""
+    words = ["n_layer=1", "d_model=32", "n_head=2", "block_size=32", "micro_batch_size=4", "global_batch_size=4"]
+    chunked = planned_in_this_process("hf_causal_lm", "cpu", words)["per_rank"][0]["peak_bytes"]
+    logits = planned_in_this_process("hf_causal_lm", "cpu", [*words, "chunked_loss=false"])["per_rank"][0]
+    assert logits["peak_bytes"] - chunked >= 4 * 32 * 257 * 4  # micro-batch x block x vocabulary, float32
+
+
 def test_an_eight_gpu_layout_is_planned_on_this_cpu_with_each_rank_holding_an_eighth():
     whole = planned_in_this_process("gpt", "cpu", SMALL_GPT)["per_rank"][0]
     sharded = planned_in_this_process("gpt", "8gpu_fsdp", ["n_layer=2", "d_model=64", "micro_batch_size=1"])
