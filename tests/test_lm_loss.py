@@ -208,6 +208,7 @@ def test_a_model_built_without_with_chunked_loss_is_given_its_forward_on_first_u
     assert torch.equal(at.lm_loss(model, {"input_ids": ids}, targets)["loss"],
                        at.lm_loss(made, {"input_ids": ids}, targets)["loss"])  # fmt: skip
     assert model(input_ids=ids, head_loss=at.HeadLoss(targets))["num_items"] == 90  # its forward, from now on
+    assert torch.equal(at.lm_loss(model, ids, targets)["loss"], at.lm_loss(model, {"input_ids": ids}, targets)["loss"])
 
 
 def test_a_loss_asked_of_a_model_without_a_causal_lm_is_one_line():

@@ -78,19 +78,22 @@ def with_chunked_loss(model: nn.Module) -> nn.Module:
     return model
 
 
-def lm_loss(model: nn.Module, inputs: dict[str, Any], targets: torch.Tensor, ignore_index: int = -100) -> Any:
+def lm_loss(
+    model: nn.Module, inputs: dict[str, Any] | torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+) -> Any:
     """The summed cross-entropy of `targets` and their count, `{"loss": sum, "num_items": n}`, the form the loop
-    makes exact over the whole step (as `at.token_cross_entropy` of the logits), from `model(**inputs)`.
+    makes exact over the whole step (as `at.token_cross_entropy` of the logits), from `model(**inputs)` (a tensor
+    of token ids is `{"input_ids": inputs}`).
 
     Raises:
         RecipeError: no transformers causal LM is found in `model`.
     """
     _with_forward(model)
-    return model(**inputs, head_loss=HeadLoss(targets, ignore_index))
+    return model(**_keywords(inputs), head_loss=HeadLoss(targets, ignore_index))
 
 
 def lm_token_losses(
-    model: nn.Module, inputs: dict[str, Any], targets: torch.Tensor, ignore_index: int = -100
+    model: nn.Module, inputs: dict[str, Any] | torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
 ) -> torch.Tensor:
     """Each position's cross-entropy of its target in float32, 0 where the target is `ignore_index`, shaped as
     `targets`: per-sequence sums (preference tuning's log-probabilities, evaluation's per-sequence losses).
@@ -99,7 +102,7 @@ def lm_token_losses(
         RecipeError: no transformers causal LM is found in `model`.
     """
     _with_forward(model)
-    return model(**inputs, head_loss=HeadLoss(targets, ignore_index, per_token=True))  # type: ignore[no-any-return]
+    return model(**_keywords(inputs), head_loss=HeadLoss(targets, ignore_index, per_token=True))  # type: ignore[no-any-return]
 
 
 def causal_lms(model: nn.Module) -> list[nn.Module]:
@@ -240,6 +243,10 @@ def _options(vocabulary: int, accumulate_in: torch.dtype | None) -> torch.nn.Lin
 
 def _is_patched(lm: nn.Module) -> bool:
     return getattr(getattr(lm.__dict__.get("forward"), "__func__", None), "takes_head_loss", False)
+
+
+def _keywords(inputs: dict[str, Any] | torch.Tensor) -> dict[str, Any]:
+    return {"input_ids": inputs} if isinstance(inputs, torch.Tensor) else inputs
 
 
 def _with_forward(model: nn.Module) -> None:

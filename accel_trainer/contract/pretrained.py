@@ -12,6 +12,7 @@ import contextlib
 import copy
 import functools
 import hashlib
+import importlib.metadata
 import os
 import sys
 from collections.abc import Mapping
@@ -58,6 +59,16 @@ def quiet_progress_bars() -> None:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
 
 
+def installed_file(name: str) -> str | None:
+    """The absolute path of a file called `name` that an installed distribution ships (the README's GGUF comes in
+    a package), for an error's hint; None where none does."""
+    for distribution in importlib.metadata.distributions():
+        for file in distribution.files or ():
+            if file.name == name:
+                return str(Path(str(distribution.locate_file(file))).resolve())
+    return None
+
+
 def check_base(base: str) -> str:
     """A `base=` value checked when the config is made, as the run will keep it: a `save_pretrained` folder or a
     `.gguf` file as an absolute path (the run's config.yaml and checkpoints then name it from any folder), a hub id
@@ -70,7 +81,9 @@ def check_base(base: str) -> str:
     path = Path(base).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise ConfigError(f"base={base}: no such GGUF file")
+            installed = installed_file(path.name)
+            hint = f"; the one an installed package ships is base={installed}" if installed else ""
+            raise ConfigError(f"base={base}: no such GGUF file{hint}")
         return str(path.resolve())
     if path.is_dir():
         if not (path / "config.json").is_file() and (path / "final" / "config.json").is_file():
