@@ -142,7 +142,8 @@ def count_reads_by_accel_trainer(monkeypatch) -> list[str]:
 
 def test_steps_between_log_steps_read_nothing_back_from_the_device(tmp_path, monkeypatch):
     """Without the non-finite guard nothing is read back between log steps; with it (the default), one verdict
-    per step and nothing else (stopping/nonfinite.py says why that read is worth it)."""
+    per step and nothing else: with fused AdamW it is read a step late, when the device has long finished it, so
+    it waits for nothing on a GPU (stopping/nonfinite.py)."""
     reads = count_reads_by_accel_trainer(monkeypatch)
 
     def reads_of_a_run(steps: int, guard: bool) -> list[str]:
