@@ -85,7 +85,10 @@ def train_loop(
         run.checkpointer.close()  # never leave with a checkpoint half written, preempted or not
         for written in run.checkpointer.background_writes():
             observer.event("checkpoint_written", **written)
-    run.final_weights()
+    if accelerator.is_main_process:  # a merge and a whole model's write: seconds to minutes of an otherwise quiet end
+        print(f"accel-trainer: writing the final weights and the recipe's artifacts to {run_dir / 'final'}", flush=True)
+    _, seconds = observer.timed(run.final_weights)
+    observer.event("final", step=run.progress.step, seconds=round(seconds, 3))
     observer.finish()
     return run.progress.metrics
 

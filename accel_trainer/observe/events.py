@@ -43,7 +43,8 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
 
 def time_breakdown(events: list[dict[str, Any]]) -> dict[str, float]:
     """Seconds spent in all, setting up (data, model, checkpoint: before each `start`), evaluating,
-    checkpointing, between attempts, and training (the rest)."""
+    checkpointing, writing the final weights (a LoRA merge and a whole model), between attempts, and training
+    (the rest)."""
     attempts: list[list[dict[str, Any]]] = []
     for event in events:
         if event["event"] == "start" or not attempts:
@@ -54,12 +55,14 @@ def time_breakdown(events: list[dict[str, Any]]) -> dict[str, float]:
     gaps = sum(later[0]["time"] - earlier[-1]["time"] for earlier, later in zip(attempts, attempts[1:], strict=False))
     evaluating = sum(e.get("seconds", 0.0) for e in events if e["event"] == "eval")
     saving = sum(e.get("seconds", 0.0) for e in events if e["event"] == "checkpoint")
+    final = sum(e.get("seconds", 0.0) for e in events if e["event"] == "final")
     return {
         "wall": wall + gaps + (setups[0] if setups else 0.0),
         "setup": sum(setups),
         "evaluating": evaluating,
         "checkpointing": saving,
+        "final_weights": final,
         "between_attempts": max(gaps - sum(setups[1:]), 0.0),
-        "training": max(wall - evaluating - saving, 0.0),
+        "training": max(wall - evaluating - saving - final, 0.0),
         "attempts": float(len(attempts)),
     }

@@ -152,7 +152,7 @@ def _goodput(run_dir: Path) -> str:
     wall = times["wall"] or 1.0
     parts = [
         f"{name.replace('_', ' ')} {_seconds(times[name])} s ({100 * times[name] / wall:.0f}%)"
-        for name in ("setup", "training", "evaluating", "checkpointing", "between_attempts")
+        for name in ("setup", "training", "evaluating", "checkpointing", "final_weights", "between_attempts")
     ]
     dropped = run_dir / "metrics.dropped.jsonl"
     retrained = sum('"loss"' in line for line in dropped.read_text().splitlines()) if dropped.is_file() else 0

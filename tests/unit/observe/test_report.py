@@ -114,8 +114,10 @@ def test_events_record_starts_evaluations_checkpoints_and_the_end_for_the_time_b
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     kinds = [(e["event"], e.get("step")) for e in events]
     assert kinds == [("start", 0), ("eval", 0), ("eval", 3), ("checkpoint", 3), ("eval", 6), ("checkpoint", 6),
-                     ("end", 6), ("start", 6), ("eval", 9), ("checkpoint", 9), ("end", 9)]  # fmt: skip
-    assert "over 2 attempt(s)" in (tmp_path / "report.md").read_text()
+                     ("final", 6), ("end", 6), ("start", 6), ("eval", 9), ("checkpoint", 9), ("final", 9),
+                     ("end", 9)]  # fmt: skip
+    report_text = (tmp_path / "report.md").read_text()
+    assert "over 2 attempt(s)" in report_text and "final weights " in report_text  # apart from training
 
 
 def test_the_time_breakdown_shows_a_short_share_in_hundredths(tmp_path):
@@ -127,12 +129,14 @@ def test_the_time_breakdown_shows_a_short_share_in_hundredths(tmp_path):
 
 def test_the_time_breakdown_counts_setup_and_keeps_a_restarts_setup_out_of_the_gap():
     events = [{"event": "start", "time": 10.0, "setup_s": 4.0}, {"event": "eval", "time": 11.0, "seconds": 1.0},
-              {"event": "checkpoint", "time": 14.0, "seconds": 2.0}, {"event": "end", "time": 20.0},
+              {"event": "checkpoint", "time": 14.0, "seconds": 2.0}, {"event": "final", "time": 19.5, "seconds": 1.5},
+              {"event": "end", "time": 20.0},
               {"event": "start", "time": 35.0, "setup_s": 5.0}, {"event": "end", "time": 40.0}]  # fmt: skip
 
     times = time_breakdown(events)
 
     assert times["wall"] == 4 + 10 + 15 + 5  # first setup, first attempt, gap (with the second setup), second
     assert (times["setup"], times["between_attempts"], times["evaluating"], times["checkpointing"]) == (9, 10, 1, 2)
-    assert times["training"] == 15 - 1 - 2
-    assert sum(times[k] for k in ("setup", "training", "evaluating", "checkpointing", "between_attempts")) == 34
+    assert times["final_weights"] == 1.5 and times["training"] == 15 - 1 - 2 - 1.5
+    parts = ("setup", "training", "evaluating", "checkpointing", "final_weights", "between_attempts")
+    assert sum(times[k] for k in parts) == 34
