@@ -30,6 +30,7 @@ from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.engine.evaluator import Evaluator
 from accel_trainer.engine.heap import setup_left_out_of_collections
 from accel_trainer.engine.preparation import prepare_run
+from accel_trainer.engine.run import Run
 from accel_trainer.engine.stepper import Stepper
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
@@ -85,12 +86,21 @@ def train_loop(
         run.checkpointer.close()  # never leave with a checkpoint half written, preempted or not
         for written in run.checkpointer.background_writes():
             observer.event("checkpoint_written", **written)
-    if accelerator.is_main_process:  # a merge and a whole model's write: seconds to minutes of an otherwise quiet end
-        print(f"accel-trainer: writing the final weights and the recipe's artifacts to {run_dir / 'final'}", flush=True)
-    _, seconds = observer.timed(run.final_weights)
-    observer.event("final", step=run.progress.step, seconds=round(seconds, 3))
+    _write_final_weights(run, observer, accelerator.is_main_process)
     observer.finish()
     return run.progress.metrics
+
+
+def _write_final_weights(run: Run, observer: Observer, main_process: bool) -> None:
+    """final/, announced as it begins (a LoRA merge and a whole model's write: seconds to minutes of an otherwise
+    quiet end) and timed in events.jsonl, where the report sets it apart from training."""
+    if main_process:
+        print(
+            f"accel-trainer: writing the final weights and the recipe's artifacts to {run.run_dir / 'final'}",
+            flush=True,
+        )
+    _, seconds = observer.timed(run.final_weights)
+    observer.event("final", step=run.progress.step, seconds=round(seconds, 3))
 
 
 def _train_steps(
