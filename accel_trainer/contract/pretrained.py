@@ -46,7 +46,7 @@ def weights_digest(named: Mapping[str, torch.Tensor]) -> str:
         kind = "|nf4" if is_quantized(tensor) else ""
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}{kind}|".encode())
         for part in stored_parts(tensor) if tensor.device.type != "meta" else ():
-            digest.update(part.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # its bytes, not a copy
+            digest.update(part.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)  # its buffer: no copy
     return digest.hexdigest()
 
 
