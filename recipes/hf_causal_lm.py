@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 import accel_trainer as at
+from accel_trainer.contract.preference import token_losses_of_logits
 
 ByteGPT = at.get_recipe("gpt")
 PAD_ID, VOCAB_SIZE, IGNORE_INDEX = 256, 257, -100  # as in recipes/gpt.py
@@ -167,13 +168,8 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
         targets = batch["targets"]
         if self.cfg.chunked_loss:
             return at.lm_token_losses(model, model_inputs(batch, self.packing), targets, IGNORE_INDEX).sum(dim=1)
-        logits = model(**model_inputs(batch, self.packing)).logits.float()
-        # The vocabulary as the last, contiguous dimension: log-softmax over a strided one (logits.transpose(1, 2))
-        # is less exact, 1e-4 off in the mean loss of a 135M model (tests/test_real_models.py compares with TRL).
-        losses = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-        )
-        return losses.view_as(targets).sum(dim=1)
+        logits = model(**model_inputs(batch, self.packing)).logits
+        return token_losses_of_logits(logits, targets).sum(dim=1)  # -100 is IGNORE_INDEX there too
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """The GPT's batch; with own_loss also transformers' `labels`: the inputs, IGNORE_INDEX at padding (the

@@ -58,7 +58,8 @@ def token_losses_of_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch
     what `at.lm_token_losses` computes without the logits."""
     losses = F.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    )  # the vocabulary as the last, contiguous dimension: the most exact form (recipes/hf_causal_lm.py)
+    )  # the vocabulary as the last, contiguous dimension: a strided one (logits.transpose(1, 2)) is 1e-4 off in the
+    # mean loss of a 135M model (tests/test_real_models.py compares with TRL)
     return losses.view(targets.shape)
 
 
