@@ -27,10 +27,19 @@ from accel_trainer.console.import_noise import drop_known_import_noise
 from accel_trainer.console.warning_lines import show_our_warnings_as_one_line
 from accel_trainer.errors import EstimateCrashed, UserError
 from accel_trainer.estimate.arguments import parse_estimate_arguments
+from accel_trainer.host.allocator import run_under_fast_allocator
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The `accel-trainer` command; a closed stdout (`accel-trainer list | head -3`) ends it quietly."""
+    """The `accel-trainer` command; a closed stdout (`accel-trainer list | head -3`) ends it quietly. As the
+    process's command, one that runs a model first replaces itself with the same command under tcmalloc or
+    jemalloc where one is installed (host/allocator.py)."""
+    if argv is None and sys.argv[1:2] in (["train"], ["evaluate"], ["sample"]):
+        try:
+            run_under_fast_allocator()
+        except UserError as error:
+            print(f"accel-trainer: error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
     show_our_warnings_as_one_line()
     drop_known_import_noise()
     with exit_quietly_when_stdout_closes():

@@ -114,14 +114,21 @@ def run_ours(base: Path, data: Path, extra: list[str]) -> dict[str, object]:
 def child(trainer: str, base: Path, data: Path, extra: list[str]) -> None:
     import torch
 
+    from accel_trainer.host.allocator import in_use
+
     torch.set_num_threads(THREADS)
     figures = (run_trl if trainer == "trl" else run_ours)(base, data, extra)
     figures["peak_rss_mib"] = peak_rss_mib()
+    figures["allocator"] = in_use()
     print(json.dumps(figures))
 
 
 def measure(trainer: str, folder: Path, extra: list[str]) -> dict[str, object]:
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false"}
+    if trainer == "ours":  # on the allocator the `accel-trainer` command runs on: tcmalloc where installed
+        from accel_trainer.host.allocator import preload_environment
+
+        env = preload_environment(env) or env
     command = [sys.executable, __file__, "--child", trainer, str(folder), *extra]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -157,7 +164,8 @@ def main() -> None:
         assert isinstance(times, list)
         print(
             f"{name:9} median step {statistics.median(times[2:]):.3f} s  peak RSS"
-            f" {results[name]['peak_rss_mib']:,.0f} MiB  losses {[round(x, 4) for x in results[name]['losses'][:3]]}"
+            f" {results[name]['peak_rss_mib']:,.0f} MiB  allocator {results[name]['allocator']}"
+            f"  losses {[round(x, 4) for x in results[name]['losses'][:3]]}"
         )
     for name in (name for name in results if name != "trl" and "trl" in results):
         ratio_memory = results[name]["peak_rss_mib"] / results["trl"]["peak_rss_mib"]  # type: ignore[operator]

@@ -19,6 +19,7 @@ from conftest import REPO
 PACKAGE = REPO / "accel_trainer"
 LAYERS = [  # bottom first; a unit is a top-level module or a whole package
     {"errors", "console"},
+    {"host"},
     {"config"},
     {"contract"},
     {"recipe"},

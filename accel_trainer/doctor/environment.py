@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from accel_trainer.host import allocator
+
 _VARIABLES = (
     "MASTER_ADDR",
     "MASTER_PORT",
@@ -29,6 +31,8 @@ _VARIABLES = (
     "TORCH_DISTRIBUTED_DEBUG",
     "TORCH_CPP_LOG_LEVEL",
     "ACCEL_TRAINER_FULL_TRACEBACK",
+    "ACCEL_TRAINER_ALLOCATOR",
+    "LD_PRELOAD",
 )
 _PREFIXES = ("NCCL_", "TORCH_NCCL_", "ACCELERATE_")
 _LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -56,6 +60,7 @@ def environment_report(path: Path) -> str:
         f"  versions: Python {platform.python_version()}, {versions}",
         f"  platform: {facts.get('Platform')}; {_accelerate_command(facts.get('accelerate bash location'))}",
         f"  devices: {devices}; {os.cpu_count()} CPUs ({usable} usable), {facts.get('System RAM')} RAM",
+        f"  host allocator: {allocator.for_the_command()}",
         "  variables: " + (" ".join(f"{k}={v}" for k, v in sorted(variables.items())) or "none of the launch ones set"),
         f"  layout {path}: " + _layout_summary(facts.get("Accelerate configs")),
     ]

@@ -18,7 +18,9 @@ at its peak and 6.4 GiB of resident memory, growing over its first three steps. 
 threshold at 1 MiB (`mallopt(M_MMAP_THRESHOLD)`, as the environment variable MALLOC_MMAP_THRESHOLD_=1048576
 would): a block of 1 MiB or more is mapped when made and unmapped when freed, and the same run peaks at 2.7 GiB
 (benchmarks/sft_vs_trl.py; docs/memory.md). The price is the kernel's zeroing of the pages each new block touches.
-A threshold the user set (MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES) is kept; elsewhere than glibc, nothing to do.
+A threshold the user set (MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES) is kept; elsewhere than glibc, nothing to do,
+and nothing either where the `accel-trainer` command runs on tcmalloc or jemalloc (host/allocator.py), which reuse
+freed blocks by size without either cost.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import gc
 import os
 import sys
 from collections.abc import Iterator
+
+from accel_trainer.host import allocator
 
 M_MMAP_THRESHOLD = -3
 """mallopt's parameter number (glibc's malloc.h)."""
@@ -51,7 +55,7 @@ def large_blocks_returned() -> bool:
     from now on in this process (see the module's docstring); whether the threshold was set here. A threshold the
     user chose in the environment is kept."""
     chosen = "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")
-    if chosen or not sys.platform.startswith("linux"):
+    if chosen or not sys.platform.startswith("linux") or allocator.in_use() != "glibc":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from accel_trainer.config.layout import LayoutSettings, layout_to_dict
 from accel_trainer.contract.quantization import is_quantized, kept_in_full_precision, storage_bytes
 from accel_trainer.data.batching import BatchPlan
+from accel_trainer.host import allocator
 from accel_trainer.parallel.mesh import data_ranks, describe_mesh
 from accel_trainer.parallel.sharding import pipeline_size
 
@@ -143,6 +144,7 @@ def write_run_info(
             "argv": sys.argv,
             "host": platform.node(),
             "python": platform.python_version(),
+            "host_allocator": allocator.in_use(),
             "versions": {name: _version(name) for name in _PACKAGES},
             "git_commit": _git_commit(Path.cwd()),
             "devices": _devices(accelerator),
