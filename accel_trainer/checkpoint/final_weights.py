@@ -30,7 +30,7 @@ from accelerate.utils import gather_object
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from accel_trainer.checkpoint import files, state_files
+from accel_trainer.checkpoint import files, merged_weights, state_files
 from accel_trainer.checkpoint.tokenizer import save_tokenizer
 from accel_trainer.config.train_config import TrainConfig, config_to_yaml
 from accel_trainer.contract.pretrained import base_source
@@ -151,16 +151,18 @@ def with_tied_names(model: torch.nn.Module, weights: dict[str, torch.Tensor]) ->
 
 
 def write_model_folder(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
-    """Write `model` into `folder` as its kind is loaded; returns the model the folder holds.
+    """Write `model` into `folder` as its kind is loaded; returns the model the folder holds (a peft model's: the
+    model itself, its adapter unmerged, where its merge is written one weight at a time).
 
     A transformers model: `save_pretrained` (model.safetensors, config.json), for `from_pretrained(folder)`. A peft
     model: its adapter in `folder/adapter` (`PeftModel.from_pretrained(base, folder / "adapter")`), and the base
-    with the adapter merged in `folder` itself, so the folder loads as a plain transformers model. A 4-bit base
+    with the adapter merged in `folder` itself, so the folder loads as a plain transformers model; merged one
+    weight at a time (merged_weights.py) where it holds LoRA layers alone, else all at once. A 4-bit base
     (QLoRA) is merged as the full-precision weights its 4 bits stand for: the model that trained, whose logits
-    the adapter's evaluation measured. A
-    `PolicyAndReference` (a preference tune): its policy alone, as the above. Anything else:
-    `model.safetensors`. Every name of tied weights is written (as copies), so `load_state_dict` takes the file,
-    but those a transformers model's config ties, which `from_pretrained` ties again (written once).
+    the adapter's evaluation measured. A `PolicyAndReference` (a preference tune): its policy alone, as the above.
+    Anything else: `model.safetensors`. Every name of tied weights is written (as copies), so `load_state_dict`
+    takes the file, but those a transformers model's config ties, which `from_pretrained` ties again (written
+    once).
     """
     from safetensors.torch import save_file
 
@@ -170,6 +172,11 @@ def write_model_folder(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
             if str(base_source(model)).endswith(".gguf"):  # peft looks for a config.json beside the base, in vain
                 warnings.filterwarnings("ignore", message="Could not find a config file in")
             model.save_pretrained(folder / "adapter")  # type: ignore[operator]
+        if merged_weights.streamable(model):  # one merged weight held at a time
+            base: Any = model.get_base_model()  # type: ignore[operator]
+            base.save_pretrained(folder, state_dict={})  # transformers' config.json and generation_config.json
+            merged_weights.write_merged(model, folder / "model.safetensors", left_out=tied_by_config(base))
+            return model
         model = merged(model)
     if hasattr(model, "save_pretrained"):
         tied = tied_by_config(model)

@@ -6,7 +6,8 @@ model with `model.load_state_dict(load_file(...))`, strictly. A transformers mod
 (GPT-2's `lm_head.weight` is `transformer.wte.weight`) is written without the tied copy: `from_pretrained` loads it
 to the same model, and `with_tied_names` gives `load_state_dict` the name left out. An export of the run's checkpoint
 is a plain state dict with every name. The final save builds its copy of the model without weights and hands it the
-trained ones: no base is read again.
+trained ones: no base is read again. A LoRA (or QLoRA) model's final/ holds peft's merge, bit for bit, written one
+merged weight at a time (checkpoint/merged_weights.py), the whole merge never held beside the trained model.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from safetensors.torch import load_file
 
 import accel_trainer as at
 from accel_trainer.checkpoint.export import export
-from accel_trainer.checkpoint.final_weights import model_holding, with_tied_names, write_model_folder
+from accel_trainer.checkpoint.final_weights import merged, model_holding, with_tied_names, write_model_folder
 from accel_trainer.config.train_config import resolve_config
+from accel_trainer.contract.quantization import is_quantized
 
 TINY = {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 32, "max_source_bytes": 50_000, "max_steps": 1,
         "global_batch_size": 4, "micro_batch_size": 4, "eval_every_steps": 0, "show_progress_bar": False}  # fmt: skip
@@ -94,31 +96,57 @@ def test_the_final_saves_model_is_built_without_weights_and_holds_the_trained_te
     assert all(not buffer.is_meta for buffer in model.buffers())
 
 
+def tiny_llama(transformers):
+    shape = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**shape, num_key_value_heads=2, tie_word_embeddings=True)
+    )
+
+
+def tiny_gpt2(transformers):
+    shape = dict(n_layer=1, n_head=2, n_embd=64, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape))
+
+
 @needs_transformers
-def test_a_lora_export_merges_into_copies_and_leaves_the_models_own_weights_as_they_were(tmp_path):
+@pytest.mark.parametrize(
+    ("build", "bits"),
+    [(tiny_llama, None), (tiny_llama, "nf4"), (tiny_gpt2, "nf4")],
+    ids=["lora", "qlora", "qlora-conv1d"],
+)
+def test_a_lora_export_writes_peft_s_merge_one_weight_at_a_time_and_leaves_the_models_own_weights_as_they_were(
+    tmp_path, build, bits
+):
     import peft
     import transformers
 
+    if bits:
+        pytest.importorskip("torchao")
     torch.manual_seed(0)
-    shape = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
-    config = transformers.LlamaConfig(**shape, num_key_value_heads=2, tie_word_embeddings=True)
-    lora = peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights="gaussian")
-    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
+    base = build(transformers)
+    conv1d = build is tiny_gpt2
+    at.quantize_base(base, bits or "none")
+    lora = peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights="gaussian", fan_in_fan_out=conv1d)
+    model = peft.get_peft_model(base, lora)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0, 0.1)  # an adapter that changes the weights it merges into
     weights = dict(model.named_parameters())  # the trained model's own tensors, which the export must not change
-    before = {name: tensor.detach().clone() for name, tensor in weights.items()}
+    before = {name: tensor.detach().clone() for name, tensor in weights.items() if not is_quantized(tensor)}
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model.eval()(input_ids=ids).logits
 
-    merged = write_model_folder(model, tmp_path / "final")
+    exported = write_model_folder(model, tmp_path / "final")
 
-    assert all(torch.equal(tensor, before[name]) for name, tensor in weights.items())
+    assert exported is model  # the model that trained, its adapter unmerged: what the recipe's artifacts use
+    assert all(torch.equal(weights[name], tensor) for name, tensor in before.items())
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
-        assert torch.equal(loaded(input_ids=ids).logits, merged(input_ids=ids).logits)
-    assert "lm_head.weight" not in load_file(str(tmp_path / "final" / "model.safetensors"))
+    written = load_file(str(tmp_path / "final" / "model.safetensors"))
+    whole = merged(model).state_dict()  # peft's merge_and_unload of the whole model at once, into copies
+    head = "lm_head.weight"
+    assert written.keys() == whole.keys() - {head} and head in whole  # the head tied to the embedding: once
+    assert all(torch.equal(written[name], whole[name]) for name in written), "not peft's merge, bit for bit"
