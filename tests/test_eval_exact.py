@@ -162,9 +162,12 @@ def test_an_eval_metrics_error_after_training_keeps_the_training_in_a_checkpoint
     assert files.recorded_step(saved) == 3
 
 
-def test_a_broken_eval_metric_is_one_line_before_training_and_sanity_eval_false_skips_the_check(tmp_path, monkeypatch):
+def test_a_broken_eval_metric_or_eval_loss_is_one_line_naming_it_before_training_and_sanity_eval_false_skips_the_check(
+    tmp_path, monkeypatch
+):
     """sanity_eval (on by default): eval_metrics runs on the first eval batch before step 1, so a metric that fails
-    is refused in one line naming it and where, before the run folder holds a run."""
+    is refused in one line naming it and where, before the run folder holds a run; a recipe without eval_metrics
+    evaluates its compute_loss, which the line names instead."""
 
     class BrokenMetric(at.get_recipe("mlp")):
         def eval_metrics(self, model, batch):
@@ -180,3 +183,15 @@ def test_a_broken_eval_metric_is_one_line_before_training_and_sanity_eval_false_
     with pytest.raises(Exception, match="label"):  # unchecked, it fails in the evaluation after the training
         at.train("mlp_with_a_broken_metric", output_dir=str(tmp_path / "unchecked"), sanity_eval=False, **options)
     assert (tmp_path / "unchecked" / "metrics.jsonl").is_file()
+
+    class BrokenLoss(at.get_recipe("mlp")):
+        eval_metrics = at.Recipe.eval_metrics  # the default: the eval loss, from compute_loss
+
+        def compute_loss(self, model, batch):
+            return model(batch["label"]).mean()
+
+    monkeypatch.setitem(at.registry._recipes, "mlp_with_a_broken_loss", BrokenLoss)
+    with pytest.raises(RecipeError, match=r"^compute_loss \(the eval loss: the recipe has no eval_metrics of its own\)"
+                                          r" fails on the first eval batch, before training: KeyError: 'label' "
+                                          r"\(.*test_eval_exact.py:\d+ in compute_loss\)"):  # fmt: skip
+        at.train("mlp_with_a_broken_loss", output_dir=str(tmp_path / "loss"), **options)

@@ -28,6 +28,7 @@ from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
 from accel_trainer.optim.ema import WeightAverage
 from accel_trainer.parallel.batchnorm import average_running_stats
+from accel_trainer.recipe import Recipe
 
 EvalMetrics = Callable[[torch.nn.Module, Any], Any]  # a recipe's eval_metrics, or a pipeline's
 
@@ -179,8 +180,14 @@ class Evaluator:
             raise RecipeError("the eval set holds no example: give it some (or build_datasets may return None as eval)")
         with _said_in_one_line("collate fails on the first eval examples"):
             batch = send_to_device(self.data.collate(examples), self.accelerator.device)
-        with _said_in_one_line("eval_metrics fails on the first eval batch"), rng_untouched():
+        with _said_in_one_line(f"{self._what_evaluates()} fails on the first eval batch"), rng_untouched():
             evaluate(self.accelerator, self.eval_metrics, self.model, [batch], padded=False)
+
+    def _what_evaluates(self) -> str:
+        """The recipe function an evaluation runs: its eval_metrics, or, where it keeps Recipe's, compute_loss
+        (Recipe.eval_metrics reports its loss), so that a bug in compute_loss is not blamed on eval_metrics."""
+        default = getattr(self.eval_metrics, "__func__", None) is Recipe.eval_metrics
+        return "compute_loss (the eval loss: the recipe has no eval_metrics of its own)" if default else "eval_metrics"
 
 
 @contextlib.contextmanager
