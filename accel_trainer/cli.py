@@ -19,8 +19,10 @@ without importing torch, accelerate or datasets (`accel-trainer --help` took 3.3
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from accel_trainer.console.closed_stdout import exit_quietly_when_stdout_closes
 from accel_trainer.console.import_noise import drop_known_import_noise
@@ -40,10 +42,19 @@ def main(argv: list[str] | None = None) -> None:
         except UserError as error:
             print(f"accel-trainer: error: {error}", file=sys.stderr)
             raise SystemExit(2) from None
+        signal.signal(signal.SIGINT, interrupted_while_starting)  # until a run's stop handlers replace it
     show_our_warnings_as_one_line()
     drop_known_import_noise()
     with exit_quietly_when_stdout_closes():
         _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def interrupted_while_starting(signum: int, frame: Any) -> None:
+    """A Ctrl-C before a run's stop handlers are installed (the first seconds: importing torch): one line and exit
+    130, where Python's KeyboardInterrupt printed a traceback from whatever module was importing. Nothing has
+    trained yet; from the handlers on, a Ctrl-C saves a checkpoint (stopping/signals.py)."""
+    print("accel-trainer: interrupted while starting, before anything trained", file=sys.stderr, flush=True)
+    raise SystemExit(130)
 
 
 def _parser() -> argparse.ArgumentParser:

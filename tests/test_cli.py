@@ -146,6 +146,21 @@ def test_the_command_gives_the_callers_signal_handlers_back_however_it_ends(argu
     assert {sig: signal.getsignal(sig) for sig in before} == before  # else a later run inherits a stale signal
 
 
+def test_a_ctrl_c_while_the_command_starts_is_one_line_and_exit_130_not_an_import_traceback(monkeypatch, capsys):
+    installed = {}
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: installed.setdefault(signum, handler))
+    monkeypatch.setattr(cli, "run_under_fast_allocator", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["accel-trainer", "train", "--help"])
+    with contextlib.suppress(SystemExit):
+        cli.main()  # as the process's command: the handler goes in before torch is imported
+
+    assert installed[signal.SIGINT] is cli.interrupted_while_starting
+    with pytest.raises(SystemExit) as stopped:
+        cli.interrupted_while_starting(signal.SIGINT, None)
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.endswith("accel-trainer: interrupted while starting, before anything trained\n")
+
+
 def test_an_unwritable_output_dir_exits_2_with_one_line_on_stderr(capsys, tmp_path):
     (tmp_path / "a_file").write_text("not a folder")
 

@@ -91,9 +91,10 @@ def test_a_base_is_a_folder_a_cached_hub_id_or_a_gguf_file_and_anything_else_is_
         at.check_base("someone/other")
     with pytest.raises(at.ConfigError, match=r"no such GGUF file$"):
         at.check_base(str(tmp_path / "missing.gguf"))
+    assert at.check_base(real_gguf().name) == str(real_gguf().resolve())  # the README's command, from any folder
     shipped = re.escape(f"no such GGUF file; the one an installed package ships is base={real_gguf().resolve()}")
     with pytest.raises(at.ConfigError, match=shipped):
-        at.check_base(real_gguf().name)  # the README's command, from a folder without the file
+        at.check_base(str(tmp_path / real_gguf().name))  # a folder named: that folder's file, or an error
     with pytest.raises(at.ConfigError, match="no such folder or file"):
         at.check_base(str(tmp_path / "not" / "there"))
     (tmp_path / "empty").mkdir()

@@ -61,7 +61,7 @@ def quiet_progress_bars() -> None:
 
 def installed_file(name: str) -> str | None:
     """The absolute path of a file called `name` that an installed distribution ships (the README's GGUF comes in
-    a package), for an error's hint; None where none does."""
+    a package); None where none does."""
     for distribution in importlib.metadata.distributions():
         for file in distribution.files or ():
             if file.name == name:
@@ -71,7 +71,8 @@ def installed_file(name: str) -> str | None:
 
 def check_base(base: str) -> str:
     """A `base=` value checked when the config is made, as the run will keep it: a `save_pretrained` folder or a
-    `.gguf` file as an absolute path (the run's config.yaml and checkpoints then name it from any folder), a hub id
+    `.gguf` file as an absolute path (the run's config.yaml and checkpoints then name it from any folder; a bare
+    file name that is not here, the file of that name an installed package ships: the README's), a hub id
     as it is, once it is in the local Hugging Face cache (or may be fetched: HF_HUB_OFFLINE unset).
 
     Raises:
@@ -80,11 +81,13 @@ def check_base(base: str) -> str:
     """
     path = Path(base).expanduser()
     if path.suffix == ".gguf":
-        if not path.is_file():
-            installed = installed_file(path.name)
-            hint = f"; the one an installed package ships is base={installed}" if installed else ""
-            raise ConfigError(f"base={base}: no such GGUF file{hint}")
-        return str(path.resolve())
+        if path.is_file():
+            return str(path.resolve())
+        installed = installed_file(path.name)
+        if installed and str(path) == path.name:  # a bare file name, not here: the one a package ships (README)
+            return installed
+        hint = f"; the one an installed package ships is base={installed}" if installed else ""
+        raise ConfigError(f"base={base}: no such GGUF file{hint}")
     if path.is_dir():
         if not (path / "config.json").is_file() and (path / "final" / "config.json").is_file():
             raise ConfigError(f"base={base} is a run folder; its model is base={path / 'final'}")
