@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,13 @@ from conftest import (
 pytestmark = pytest.mark.multiprocess
 
 
+def stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (state T): a SIGSTOP is delivered after killpg returns, and
+    a thread still running may publish the save between the check and the kill (seen once in CI)."""
+    stats = [Path(f"/proc/{pid}/task/{task}/stat").read_text() for task in os.listdir(f"/proc/{pid}/task")]
+    return all(stat.rpartition(")")[2].split()[0] in ("T", "t") for stat in stats)
+
+
 def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     run = ["max_steps=1000", "save_every_steps=5", "keep_last=1", "log_every_steps=1", "eval_every_steps=0"]
     worker = subprocess.Popen(
@@ -49,6 +57,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable
         for step in range(10, 1000, 5):
             if (files.temporary_folder(tmp_path, step) / "model.safetensors").exists():
                 os.killpg(worker.pid, signal.SIGSTOP)  # frozen where it is: did it publish in between?
+                wait_for(lambda: stopped(worker.pid), timeout_s=30)  # SIGSTOP lands later than killpg returns
                 if files.temporary_folder(tmp_path, step).exists() and not files.final_folder(tmp_path, step).exists():
                     killed_at.append(step)
                     return True
