@@ -22,8 +22,6 @@ scale blocks that 8 processes (else 4, else 2) split evenly under FSDP2.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 from typing import Any
 
@@ -32,6 +30,7 @@ from torch import nn
 
 from accel_trainer.console.import_noise import drop_known_import_noise
 from accel_trainer.errors import RecipeError
+from accel_trainer.host.allocator import release_free_memory
 
 SCHEMES: tuple[str, ...] = ("none", "nf4")
 BLOCK = 64
@@ -86,32 +85,27 @@ def quantize_layer(module: Any) -> None:
     place a weight is quantized, whether the whole base is at hand (`quantize_base`) or the weight alone (read
     from the base's file: contract/loading.py), so both give the same 4 bits.
 
-    The freed memory goes back to the system at once (`trim_heap`): glibc keeps the full-precision weight and the
-    quantizing's temporaries (torchao's nearest-level search: over 64 bytes a value) for reuse, scattered between
-    the 4-bit weights made since, so a process grew with each weight (quantizing SmolLM2-135M after reading it
-    grew a process by 1.4 GiB; read from a folder one weight at a time, its peak was 1,072 MiB against 627 MiB)."""
+    The freed memory goes back to the system at once (`release_free_memory`): an allocator keeps the full-precision
+    weight and the quantizing's temporaries (torchao's nearest-level search: over 64 bytes a value) for reuse,
+    scattered between the 4-bit weights made since, so a process grew with each weight (on glibc, quantizing
+    SmolLM2-135M after reading it grew a process by 1.4 GiB; read from a folder one weight at a time, its peak
+    was 1,072 MiB against 627 MiB)."""
     weight = module.weight.detach()
     quantized = nf4_constructor()(weight.contiguous(), BLOCK, scaler_block_size(weight.numel() // BLOCK))
     if not isinstance(module, (nn.Linear, FourBitConv1D)):
         module.__class__ = _four_bit_class(type(module))
     module.weight = nn.Parameter(quantized, requires_grad=False)
     del weight, quantized
-    trim_heap()
+    release_free_memory()
 
 
 def return_freed_memory() -> None:
     """Give the memory of the freed full-precision weights back to the system. glibc's allocator keeps freed
     blocks for reuse, so a process's memory did not shrink when its weights went to 4 bits: SmolLM2-135M held
     1,180 MiB right after quantizing (938 MiB before it, the quantizing's temporaries on top) and 571 MiB after
-    `malloc_trim(0)`. Elsewhere than glibc, nothing to do."""
+    `malloc_trim(0)`; tcmalloc and jemalloc are told the same (host/allocator.py)."""
     gc.collect()
-    trim_heap()
-
-
-def trim_heap() -> None:
-    """glibc's `malloc_trim(0)`: the freed blocks of its heap given back to the system (none elsewhere)."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl): its allocator does its own
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    release_free_memory()
 
 
 def linear_layers(model: nn.Module) -> list[Any]:

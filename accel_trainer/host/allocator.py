@@ -24,7 +24,9 @@ blocks). run_info.json records the allocator each start ran on (`host_allocator`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
+import functools
 import glob
 import os
 import sys
@@ -45,14 +47,34 @@ TRIED = "ACCEL_TRAINER_ALLOCATOR_TRIED"
 """Set in the replaced process, so that a library the linker refused to preload is not tried again."""
 
 
+@functools.cache
 def in_use() -> str:
     """The allocator this process runs on: "tcmalloc" or "jemalloc" where one is loaded, else "glibc" (the C
-    library's own, on Linux, and whatever other systems have)."""
+    library's own, on Linux, and whatever other systems have). An allocator cannot change in a running process,
+    so the answer is read once."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "glibc"
     return next((name for name in LIBRARIES if f"lib{name}" in maps), "glibc")
+
+
+def release_free_memory() -> None:
+    """Give the memory the allocator keeps for reuse back to the system: glibc's `malloc_trim(0)`, tcmalloc's
+    `MallocExtension_ReleaseFreeMemory()`, jemalloc's purge of every arena (`arena.<MALLCTL_ARENAS_ALL>.purge`).
+
+    For a phase whose freed blocks the next one cannot reuse: quantizing a base to 4 bits frees each weight's
+    full-precision values and the quantizer's temporaries (over 64 bytes a value), sizes training never asks for
+    again. On tcmalloc, releasing them as each weight is quantized lowered a QLoRA run's peak while it loaded
+    (SmolLM2-135M from a folder: 828-905 MiB, three runs, to 789 MiB; from its GGUF file: 1,014 to 971 MiB)."""
+    with contextlib.suppress(AttributeError, OSError, TypeError):  # no such function or library in this process
+        process = ctypes.CDLL(None)
+        if in_use() == "tcmalloc":
+            process.MallocExtension_ReleaseFreeMemory()
+        elif in_use() == "jemalloc":
+            process.mallctl(b"arena.4096.purge", None, None, None, 0)
+        else:
+            process.malloc_trim(0)
 
 
 def installed(name: str) -> str | None:

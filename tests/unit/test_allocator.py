@@ -83,3 +83,31 @@ def test_a_run_of_the_command_trains_on_the_installed_allocator_and_records_it(t
 
     start = json.loads((tmp_path / "run_info.json").read_text())["starts"][-1]
     assert start["host_allocator"] == (EXPECTED if choice == "auto" else "glibc")
+
+
+RELEASE_PROBE = """
+from accel_trainer.host import allocator
+def resident_mib():
+    return next(int(line.split()[1]) // 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+before = resident_mib()
+blocks = [bytearray(1 << 20) for _ in range(300)]
+del blocks
+kept = resident_mib()
+allocator.release_free_memory()
+print(allocator.in_use(), before, kept, resident_mib())
+"""
+
+
+@pytest.mark.parametrize("name", ["glibc", *allocator.LIBRARIES])
+def test_memory_freed_in_a_phase_goes_back_to_the_system_on_every_allocator(name):
+    library = None if name == "glibc" else allocator.installed(name)
+    if name != "glibc" and library is None:
+        pytest.skip(f"{name} is not installed here")
+    environment = {key: value for key, value in os.environ.items() if key != "LD_PRELOAD"}
+    environment.update(allocator.QUIET.get(name, {}), **({"LD_PRELOAD": library} if library else {}))
+    probe = subprocess.run([sys.executable, "-c", RELEASE_PROBE], env=environment, check=True, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+
+    running, before, kept, released = probe.stdout.split()
+    assert running == name
+    assert int(released) < int(before) + 50, f"300 MiB freed, {kept} MiB held, {released} MiB after the release"
