@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         with_chunked_loss,
     )
     from accel_trainer.contract.losses import token_cross_entropy
+    from accel_trainer.contract.policy_gradient import group_advantages, policy_gradient_loss
     from accel_trainer.contract.preference import (
         completion_logps,
         completion_targets,
@@ -81,6 +82,7 @@ _HOMES = {
     "completion_targets": "contract.preference",
     "evaluate_saved": "commands.evaluate",
     "get_recipe": "registry",
+    "group_advantages": "contract.policy_gradient",
     "lm_loss": "contract.lm_loss",
     "lm_token_losses": "contract.lm_loss",
     "load_base_model": "contract.pretrained",
@@ -88,6 +90,7 @@ _HOMES = {
     "main": "training",
     "measure_chunked_loss": "contract.lm_loss",
     "policy_and_reference": "contract.reference",
+    "policy_gradient_loss": "contract.policy_gradient",
     "preference_loss": "contract.preference",
     "preference_terms": "contract.preference",
     "quantize_base": "contract.quantization",
@@ -122,6 +125,7 @@ __all__ = [
     "completion_targets",
     "evaluate_saved",
     "get_recipe",
+    "group_advantages",
     "lm_loss",
     "lm_token_losses",
     "load_base_model",
@@ -129,6 +133,7 @@ __all__ = [
     "main",
     "measure_chunked_loss",
     "policy_and_reference",
+    "policy_gradient_loss",
     "preference_loss",
     "preference_terms",
     "quantize_base",
