@@ -14,6 +14,8 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
     build_scheduler(cfg, optimizer) -> optional; any torch LR scheduler, stepped once per optimizer step
     eval_metrics(model, batch)  -> optional; per-sample metric tensors, batch means or (sums, num_items)
     collate(examples)           -> optional; how a list of examples becomes a batch
+    rollout(model, batches, step) -> optional; the step's micro-batches made into what compute_loss trains on,
+                                   with the current weights (online RL samples completions here)
     wrap_classes                -> optional class attribute: the block classes FSDP shards as units
     tp_plan                     -> optional class attribute: how tensor parallelism splits modules
     pipeline_split              -> optional class attribute: the modules that begin a pipeline stage
@@ -157,6 +159,24 @@ class Recipe:
     def collate(self, examples: list[Any]) -> Any:
         """Stack a list of examples (dicts, tuples or tensors) into a batch."""
         return default_collate(examples)
+
+    def rollout(self, model: torch.nn.Module, batches: list[Batch], step: int) -> list[Batch]:
+        """Optional: turn optimizer step `step`'s micro-batches (this process's, in order) into the micro-batches
+        `compute_loss` trains on, one for one, with the weights as they are before the step: an online RL recipe
+        samples completions of the batches' prompts here and scores them (recipes/grpo.py).
+
+        The loop calls it once a step, before any of the step's forwards, without gradients, every process at
+        once (a collective over the step's values is allowed: the deviation of all its rewards, say). `model` is
+        the trained model without DDP's wrapper, its weights sharded where the layout shards them (FSDP2: each
+        forward gathers them, so every process must run as many forwards). Whatever it does with the model's
+        mode is undone before the step's forwards. Not on pipeline layouts, nor with alternating optimizers.
+        """
+        raise NotImplementedError  # never called: the loop calls a recipe's own rollout only
+
+    @classmethod
+    def rolls_out(cls) -> bool:
+        """Whether the recipe defines its own `rollout`."""
+        return cls.rollout is not Recipe.rollout
 
     def write_artifacts(self, model: torch.nn.Module, eval_dataset: Any, run_dir: Path) -> None:
         """Write pictures or reports into the run folder after training (main process, unwrapped model)."""

@@ -24,6 +24,7 @@ from accel_trainer.engine.evaluator import Evaluator
 from accel_trainer.engine.model_calls import ModelCalls
 from accel_trainer.engine.run import Run
 from accel_trainer.engine.stepper import Stepper
+from accel_trainer.errors import RecipeError
 from accel_trainer.observe.flops import peak_for_mfu
 from accel_trainer.observe.window import ItemsSeen
 from accel_trainer.optim.ema import WeightAverage
@@ -98,6 +99,7 @@ def _stepper(
     return Stepper(
         accelerator=accelerator,
         compute_loss=recipe.compute_loss,
+        rollout=_rollout(recipe, pipeline, optimizers),
         slicing=SequenceSlicing.of(recipe, data.ranks.context_parallel),
         model=model,
         optimizers=optimizers,
@@ -113,6 +115,18 @@ def _stepper(
         model_items=model_items_passed(accelerator, model, data.plan, data.ranks, pipeline),
         model_calls=ModelCalls(model) if pipeline is None else None,
     )
+
+
+def _rollout(recipe: Recipe, pipeline: Pipeline | None, optimizers: Optimizers) -> Any:
+    """The recipe's rollout, where it defines one; refused in one line where a step cannot run it first."""
+    if not type(recipe).rolls_out():
+        return None
+    name = type(recipe).__name__
+    if pipeline is not None:
+        raise RecipeError(f"{name} defines rollout, which a pipeline layout cannot run: use cpu_ddp, cpu_fsdp, ...")
+    if optimizers.alternate:
+        raise RecipeError(f"{name} defines rollout and alternates optimizers: a step has one rollout; step one")
+    return recipe.rollout
 
 
 def _compiled(accelerator: Accelerator, model: Any) -> bool:

@@ -61,6 +61,7 @@ class Stepper:
         ema: WeightAverage | None = None,
         model_items: ModelItems | None = None,
         model_calls: ModelCalls | None = None,
+        rollout: Callable[[Any, list[Any], int], list[Any]] | None = None,
     ) -> None:
         self.accelerator, self.model, self.optimizers = accelerator, model, optimizers
         self.compute_loss, self.slicing = compute_loss, slicing  # the recipe's loss; its sequences under cp
@@ -70,6 +71,7 @@ class Stepper:
         self.pipeline, self.guard, self.ema = pipeline, guard, ema
         self.model_items = model_items  # passes a transformers model the step's item count (hf_loss.py)
         self.model_calls = model_calls  # whether compute_loss called the model itself (model_calls.py)
+        self.rollout = rollout  # the recipe's, run on the step's micro-batches before their forwards
         late = guard is not None and pipeline is None and not optimizers.alternate  # the guard may read a step late
         phase_verbs = [phase.verbs for phase in optimizers.phases]
         self.device_skip = DeviceSkip.of(phase_verbs, accelerator.device) if late else None
@@ -86,6 +88,8 @@ class Stepper:
         step's figures by log key: the gradient norm(s) when measured, and on log steps the LRs (lr, lr/1, ...;
         for several optimizers lr/<name>, lr/<name>/1, ..., and grad_norm/<name> for alternating phases)."""
         optimizers = self.optimizers
+        if self.rollout is not None:
+            batches = self._rolled_out(batches, observer, step)
         if not optimizers.alternate:
             epoch, outputs = self._accumulate_gradients(batches, observer, None)
             self._advance(step, epoch)
@@ -273,6 +277,20 @@ class Stepper:
         fetched = [next(batches) for _ in range(self.plan.accumulation_steps)]
         observer.waited_for_data(time.perf_counter() - waited)
         return fetched
+
+    def _rolled_out(self, batches: Any, observer: Observer, step: int) -> Any:
+        """The step's micro-batches through the recipe's rollout (recipe.py), as the step then reads them."""
+        assert self.rollout is not None
+        fetched = self._fetch(batches, observer, step)
+        note_where("the rollout of step", step)
+        model, training = self.accelerator.unwrap_model(self.model, keep_torch_compile=False), self.model.training
+        with torch.no_grad():
+            made = self.rollout(model, [batch for _, batch in fetched], step)
+        self.model.train(training)
+        if not isinstance(made, list) or len(made) != len(fetched):
+            got = f"{len(made)} micro-batches" if isinstance(made, list) else type(made).__name__
+            raise RecipeError(f"rollout returned {got} for the step's {len(fetched)}: return one for each, in a list")
+        return iter([(epoch, batch) for (epoch, _), batch in zip(fetched, made, strict=True)])
 
     def _advance(self, step: int, epoch: int) -> None:
         progress = self.progress
