@@ -2,7 +2,7 @@
 
 Extra terms are logged with the loss's own normalisation: over a log window that spans exactly one epoch,
 a data-only term must equal its dataset mean (a plain mean, or a sum over items divided by the item count)
-on 1 process and on 2 processes with accumulation.
+on 1 process and on 2 processes with accumulation; a term returned as (sum, count), over its own counts.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ def test_a_scalar_is_a_batch_mean_and_a_mapping_carries_items_and_terms():
 
     assert int(output.num_items) == 7
     assert output.terms.keys() == {"recon"} and not output.terms["recon"].requires_grad
+
+    counted = read_loss_output({"loss": SCALAR, "reward": (torch.tensor(3.0), 4)})
+
+    assert float(counted.terms["reward"]) == 3.0 and int(counted.counts["reward"]) == 4
 
 
 @pytest.mark.parametrize(
@@ -88,3 +92,4 @@ def test_extra_terms_are_logged_with_the_losss_normalisation(layout, world_size,
     assert [r["step"] for r in logged] == [4, 8]
     for record in logged:
         assert record[name] == pytest.approx(float(expected), rel=1e-6)
+        assert record["n_mean"] == pytest.approx(float(data["n"].mean()), rel=1e-6)  # a term with its own count

@@ -7,15 +7,17 @@ A recipe's `compute_loss` returns either
                                              on every process, so the gradient is that of one big batch;
                                              without "num_items", `s` and each `t` are batch means.
 Extra terms (reconstruction, KL, task A/B) are logged beside `loss` with the same normalisation and are read
-back to the host only on log steps. Anything else (a tuple, a non-scalar loss, a term named like a logged
-framework key) is a one-line `RecipeError` naming the fix: a tuple used to be read as `(loss_sum,
+back to the host only on log steps. A term given as a pair `(sum, count)` is a figure with its own count (GRPO's
+mean reward over completions, where the loss counts tokens): logged as the log window's sums over its counts, on
+every process together, as eval_metrics' pairs are. Anything else (a tuple, a non-scalar loss, a term named like
+a logged framework key) is a one-line `RecipeError` naming the fix: a tuple used to be read as `(loss_sum,
 num_items)`, so `return loss, recon` silently divided the gradients by the reconstruction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,11 +47,13 @@ _FORM = 'return a scalar mean loss, or a mapping {"loss": loss_sum, "num_items":
 
 @dataclass
 class LossOutput:
-    """One micro-batch's loss, its item count (None: `loss` is a batch mean) and its extra terms (detached)."""
+    """One micro-batch's loss, its item count (None: `loss` is a batch mean), its extra terms (detached), and the
+    counts of the terms that came with their own (`(sum, count)`)."""
 
     loss: torch.Tensor
     num_items: torch.Tensor | None
     terms: dict[str, torch.Tensor]
+    counts: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def read_loss_output(output: Any) -> LossOutput:
@@ -68,7 +72,7 @@ def read_loss_output(output: Any) -> LossOutput:
     if "loss" not in output:
         raise RecipeError(f"compute_loss returned a mapping without 'loss' (keys: {', '.join(map(str, output))})")
     num_items = output.get("num_items")
-    terms = {}
+    terms, counts = {}, {}
     for name, value in output.items():
         if name in ("loss", "num_items"):
             continue
@@ -77,10 +81,12 @@ def read_loss_output(output: Any) -> LossOutput:
                 f"compute_loss term {name!r} collides with a key the loop logs ({', '.join(sorted(FRAMEWORK_KEYS))},"
                 " lr/*, eval/*): rename it"
             )
+        if isinstance(value, tuple) and len(value) == 2:  # (sum, count): a figure with its own count
+            value, counts[name] = value[0], _scalar(f"term {name!r}'s count", torch.as_tensor(value[1])).detach()
         terms[name] = _scalar(f"term {name!r}", torch.as_tensor(value)).detach()
     if num_items is not None:
         num_items = _scalar("num_items", torch.as_tensor(num_items))
-    return LossOutput(_scalar("the loss", output["loss"]), num_items, terms)
+    return LossOutput(_scalar("the loss", output["loss"]), num_items, terms, counts)
 
 
 def token_cross_entropy(

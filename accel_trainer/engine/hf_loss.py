@@ -70,7 +70,8 @@ class ModelItems:
             return output
         items, total = self.counts[index], self.total
         assert items is not None and total is not None  # passed only with both
-        return LossOutput(output.loss * total, items, {name: term * items for name, term in output.terms.items()})
+        terms = {name: term if name in output.counts else term * items for name, term in output.terms.items()}
+        return LossOutput(output.loss * total, items, terms, output.counts)
 
     def _pass_total(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
         if self.current is None or ("labels" not in kwargs and "shift_labels" not in kwargs):

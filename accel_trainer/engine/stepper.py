@@ -302,8 +302,10 @@ def _merged(per_phase: list[tuple[str | None, list[LossOutput]]]) -> list[LossOu
     merged = []
     for outputs in zip(*(outputs for _, outputs in per_phase), strict=True):
         terms: dict[str, torch.Tensor] = {}
+        counts: dict[str, torch.Tensor] = {}
         for (name, _), output in zip(per_phase, outputs, strict=True):
             terms[f"{name}/loss"] = output.loss.detach()
             terms.update({f"{name}/{term}": value for term, value in output.terms.items()})
-        merged.append(LossOutput(torch.stack([o.loss.detach() for o in outputs]).sum(), None, terms))
+            counts.update({f"{name}/{term}": count for term, count in output.counts.items()})
+        merged.append(LossOutput(torch.stack([o.loss.detach() for o in outputs]).sum(), None, terms, counts))
     return merged

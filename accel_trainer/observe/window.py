@@ -29,6 +29,7 @@ class Window:
     num_host_items: int = 0  # items of mean-loss recipes, known on the host without a sync
     num_steps: int = 0
     term_sums: dict[str, torch.Tensor] = field(default_factory=dict)  # the recipe's extra terms, like loss_sum
+    term_counts: dict[str, torch.Tensor] = field(default_factory=dict)  # of the terms with counts of their own
     started: float = field(default_factory=time.perf_counter)
     items_banked: float = 0.0  # items of this window already counted in the run's items_seen (by a save)
     data_wait_s: float = 0.0  # time spent waiting for the next micro-batch
@@ -39,12 +40,16 @@ class Window:
         return cls(torch.zeros((), device=device), torch.zeros((), device=device))
 
     def add(self, output: LossOutput, weight: float = 1.0) -> None:
-        """Add a micro-batch's loss and terms, each multiplied by `weight` (the batch size for batch means)."""
+        """Add a micro-batch's loss and terms, each multiplied by `weight` (the batch size for batch means); a term
+        with its own count is added as it is, and its count beside it."""
         self.loss_sum.add_(output.loss.detach().float(), alpha=weight)
         for name, value in output.terms.items():
             if name not in self.term_sums:
                 self.term_sums[name] = torch.zeros_like(self.loss_sum)
-            self.term_sums[name].add_(value.float(), alpha=weight)
+            count = output.counts.get(name)
+            self.term_sums[name].add_(value.float(), alpha=weight if count is None else 1.0)
+            if count is not None:
+                self.term_counts.setdefault(name, torch.zeros_like(self.loss_sum)).add_(count.float())
 
     def add_step(self, outputs: list[LossOutput], micro_batch_size: int) -> None:
         """Add the loss outputs of one step's micro-batches: item sums, or batch means weighted by their size.
@@ -118,15 +123,18 @@ def log_record(
     process). Returns the record and the window's items not yet counted in the run's items_seen.
     """
     names = sorted(window.term_sums)  # the same terms on every process: the gather needs equal shapes
+    counted = sorted(window.term_counts)
     local = [window.elapsed(), window.data_wait_s, *_memory_gb(accelerator.device)]
     sums = [window.loss_sum, window.num_items.float(), *(window.term_sums[name] for name in names)]
+    sums += [window.term_counts[name] for name in counted]
     stacked = torch.cat([torch.stack(sums), torch.tensor(local, device=window.loss_sum.device)])
     rows = accelerator.gather(stacked.double()).view(accelerator.num_processes, -1).tolist()
     ranks = data_ranks(accelerator)  # tensor-parallel ranks hold copies of their data-parallel rank's sums
     totals = [sum(column) / ranks.replicas for column in zip(*rows, strict=True)]
     loss_sum, num_items = totals[:2]
     num_items += window.num_host_items * ranks.size  # every data-parallel rank ran equal micro-batches
-    terms = dict(zip(names, totals[2 : len(sums)], strict=True))
+    terms = dict(zip(names, totals[2 : 2 + len(names)], strict=True))
+    counts = dict(zip(counted, totals[2 + len(names) : len(sums)], strict=True))
     timing = {name: [row[len(sums) + i] for row in rows] for i, name in enumerate(_PER_PROCESS)}
     elapsed = max(timing["elapsed"])
     samples_per_s = window.num_steps * cfg.global_batch_size / elapsed
@@ -134,7 +142,7 @@ def log_record(
         "step": step,
         "epoch": epoch,
         "loss": loss_sum / num_items if num_items else None,  # None: every step of the window was non-finite
-        **{name: total / num_items if num_items else None for name, total in terms.items()},
+        **{name: _mean(total, counts.get(name, num_items)) for name, total in terms.items()},
         **_optimizer_figures(figures),
         "samples_per_s": samples_per_s,
         "items_per_s": num_items / elapsed,
@@ -148,6 +156,11 @@ def log_record(
     }
     record.update(_device_figures(accelerator, timing, speed, samples_per_s))
     return record, num_items - window.items_banked
+
+
+def _mean(total: float, count: float) -> float | None:
+    """A logged term: its sum over its count, None where nothing was counted (every step non-finite)."""
+    return total / count if count else None
 
 
 def _device_figures(

@@ -37,7 +37,7 @@ from torch.distributed.pipelining import (
 from accel_trainer.contract.batch_rows import select_rows
 from accel_trainer.contract.eval_outputs import metric_sums
 from accel_trainer.contract.losses import LossOutput, read_loss_output
-from accel_trainer.errors import ConfigError
+from accel_trainer.errors import ConfigError, RecipeError
 from accel_trainer.parallel.pipeline.gradients import PipelineGradients
 from accel_trainer.parallel.pipeline.recipe_calls import StageOutput, batch_size, model_inputs
 from accel_trainer.parallel.pipeline.sharding import (
@@ -240,10 +240,17 @@ class Pipeline:
     def _shared_loss(self) -> LossOutput:
         """Combine the slices' losses on the last stage and give every process the result."""
         losses = self._step.losses
-        if self._term_names is None:  # once: the recipe's terms, and whether its loss counts items
-            shape: list[Any] = [(sorted(losses[0].terms), losses[0].num_items is not None) if losses else None]
+        if self._term_names is None:  # once: the recipe's terms, whether its loss counts items, whether a term does
+            first = losses[0] if losses else None
+            shape: list[Any] = [
+                (sorted(first.terms), first.num_items is not None, bool(first.counts)) if first else None
+            ]
             dist.broadcast_object_list(shape, src=self._last_process, group=self.place.group)
-            self._term_names, self._counts_items = shape[0]
+            self._term_names, self._counts_items, counted = shape[0]
+            if counted:  # on every stage at once: none waits for a broadcast that never comes
+                raise RecipeError(
+                    "compute_loss returned a term with a count of its own: pipeline layouts do not log one"
+                )
         terms = self._term_names
         packed = torch.zeros(2 + len(terms), device=self.device)
         if losses:

@@ -3,6 +3,7 @@
 The terms depend on the data only, so a log window that spans exactly one epoch must report their dataset
 means whatever the order, the layout or the accumulation: `x_mean` as a batch mean (`per_item=false`), or
 `weight` as a sum over a variable number of items per sample (`per_item=true`, each sample counting `n` items).
+`n_mean` comes with a count of its own, the batch's samples: the samples' mean of `n` whatever the loss counts.
 """
 
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ class TermsRecipe(at.Recipe):
 
     def compute_loss(self, model, batch):
         errors = (model(batch["x"]) - batch["y"]).pow(2).squeeze(1)
+        n_mean = (batch["n"].sum(), len(batch["n"]))
         if self.cfg.per_item:
-            return {"loss": (errors * batch["n"]).sum(), "num_items": batch["n"].sum(), "weight": batch["w"].sum()}
-        return {"loss": errors.mean(), "x_mean": batch["x"].mean()}
+            return {"loss": (errors * batch["n"]).sum(), "num_items": batch["n"].sum(), "weight": batch["w"].sum(),
+                    "n_mean": n_mean}  # fmt: skip
+        return {"loss": errors.mean(), "x_mean": batch["x"].mean(), "n_mean": n_mean}
