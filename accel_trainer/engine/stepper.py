@@ -25,6 +25,7 @@ from accel_trainer.contract.losses import LossOutput, read_loss_output
 from accel_trainer.data.batching import BatchPlan
 from accel_trainer.engine.hf_loss import ModelItems
 from accel_trainer.engine.model_calls import ModelCalls
+from accel_trainer.engine.rollouts import rolled_out
 from accel_trainer.errors import RecipeError
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
@@ -89,7 +90,8 @@ class Stepper:
         for several optimizers lr/<name>, lr/<name>/1, ..., and grad_norm/<name> for alternating phases)."""
         optimizers = self.optimizers
         if self.rollout is not None:
-            batches = self._rolled_out(batches, observer, step)
+            fetched = self._fetch(batches, observer, step)
+            batches = rolled_out(self.rollout, self.accelerator, self.model, fetched, step)
         if not optimizers.alternate:
             epoch, outputs = self._accumulate_gradients(batches, observer, None)
             self._advance(step, epoch)
@@ -277,20 +279,6 @@ class Stepper:
         fetched = [next(batches) for _ in range(self.plan.accumulation_steps)]
         observer.waited_for_data(time.perf_counter() - waited)
         return fetched
-
-    def _rolled_out(self, batches: Any, observer: Observer, step: int) -> Any:
-        """The step's micro-batches through the recipe's rollout (recipe.py), as the step then reads them."""
-        assert self.rollout is not None
-        fetched = self._fetch(batches, observer, step)
-        note_where("the rollout of step", step)
-        model, training = self.accelerator.unwrap_model(self.model, keep_torch_compile=False), self.model.training
-        with torch.no_grad():
-            made = self.rollout(model, [batch for _, batch in fetched], step)
-        self.model.train(training)
-        if not isinstance(made, list) or len(made) != len(fetched):
-            got = f"{len(made)} micro-batches" if isinstance(made, list) else type(made).__name__
-            raise RecipeError(f"rollout returned {got} for the step's {len(fetched)}: return one for each, in a list")
-        return iter([(epoch, batch) for (epoch, _), batch in zip(fetched, made, strict=True)])
 
     def _advance(self, step: int, epoch: int) -> None:
         progress = self.progress

@@ -1,0 +1,33 @@
+"""A recipe's `rollout` (accel_trainer/recipe.py) run on an optimizer step's micro-batches before their forwards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from accel_trainer.errors import RecipeError
+from accel_trainer.observe.breadcrumb import note_where
+
+
+def rolled_out(
+    rollout: Callable[[Any, list[Any], int], list[Any]],
+    accelerator: Accelerator,
+    model: Any,
+    fetched: list[tuple[int, Any]],
+    step: int,
+) -> Iterator[tuple[int, Any]]:
+    """The step's `fetched` (epoch, micro-batch) pairs with each micro-batch the rollout made of it, as the step
+    then reads them. The rollout sees the model without DDP's wrapper (its forwards need no gradient
+    synchronisation) and without gradients; the model's mode is put back after it."""
+    note_where("the rollout of step", step)
+    training = model.training
+    with torch.no_grad():
+        made = rollout(accelerator.unwrap_model(model, keep_torch_compile=False), [batch for _, batch in fetched], step)
+    model.train(training)
+    if not isinstance(made, list) or len(made) != len(fetched):
+        got = f"{len(made)} micro-batches" if isinstance(made, list) else type(made).__name__
+        raise RecipeError(f"rollout returned {got} for the step's {len(fetched)}: return one for each, in a list")
+    return iter([(epoch, batch) for (epoch, _), batch in zip(fetched, made, strict=True)])
