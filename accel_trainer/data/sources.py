@@ -139,17 +139,19 @@ def check_data(data: str, eval_data: str) -> tuple[str, str]:
     return (check_data_spec(data) if data else "", check_data_spec(eval_data) if eval_data else "")
 
 
-def read_data(spec: str, columns: list[dict[str, str]], streaming: bool, seed: int) -> Any:
+def read_data(spec: str, columns: list[dict[str, str]], streaming: bool, seed: int, *, others: bool = False) -> Any:
     """The rows of a `data=` spec with the given columns only, renamed: `columns` lists the forms a source may
     take, each a map of new names to a source's column names (`[{"text": text_column}]` keeps the text column as
-    "text"), and each source is read in the first form whose columns it has. A `datasets.Dataset`, or an
-    `IterableDataset` with `streaming`.
+    "text"), and each source is read in the first form whose columns it has; with `others`, its other columns
+    too (GRPO's reward functions read them). A `datasets.Dataset`, or an `IterableDataset` with `streaming`.
 
     Raises:
         ConfigError: a source in none of the forms (naming the columns it has), or one that cannot be read.
     """
     sources = parse_spec(spec)
-    tables = [_columns(_read(source, streaming), _forms_of(source, columns), source.where) for source in sources]
+    tables = [
+        _columns(_read(source, streaming), _forms_of(source, columns), source.where, others) for source in sources
+    ]
     if len(tables) == 1:
         return tables[0]
     weights = [source.weight or 1.0 for source in sources]
@@ -201,14 +203,15 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-def _columns(table: Any, forms: list[dict[str, str]], where: str) -> Any:
-    """`table` with the columns of its first form alone, each under its new name."""
+def _columns(table: Any, forms: list[dict[str, str]], where: str, others: bool = False) -> Any:
+    """`table` with the columns of its first form alone (and with `others`, the rest), each under its new name."""
     have = list(table.column_names or next(iter(table), {}))  # a stream of JSON may not know its columns yet
     columns = next((form for form in forms if all(column in have for column in form.values())), None)
     if columns is None:
         wanted = " or ".join("/".join(map(repr, form.values())) for form in forms)
         hint = ": name it with text_column=<column>" if [list(form) for form in forms] == [["text"]] else ""
         raise ConfigError(f"data source {where} has no column {wanted} (it has {', '.join(have)}){hint}")
-    table = table.select_columns(list(columns.values()))
+    if not others:
+        table = table.select_columns(list(columns.values()))
     renames = {old: new for new, old in columns.items() if old != new}
     return table.rename_columns(renames) if renames else table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,11 +24,31 @@ def rolled_out(
     then reads them. The rollout sees the model without DDP's wrapper (its forwards need no gradient
     synchronisation) and without gradients; the model's mode is put back after it."""
     note_where("the rollout of step", step)
-    training = model.training
-    with torch.no_grad():
-        made = rollout(accelerator.unwrap_model(model, keep_torch_compile=False), [batch for _, batch in fetched], step)
+    training, unwrapped = model.training, accelerator.unwrap_model(model, keep_torch_compile=False)
+    with torch.no_grad(), root_gathered(unwrapped):
+        made = rollout(unwrapped, [batch for _, batch in fetched], step)
     model.train(training)
     if not isinstance(made, list) or len(made) != len(fetched):
         got = f"{len(made)} micro-batches" if isinstance(made, list) else type(made).__name__
         raise RecipeError(f"rollout returned {got} for the step's {len(fetched)}: return one for each, in a list")
     return iter([(epoch, batch) for (epoch, _), batch in zip(fetched, made, strict=True)])
+
+
+@contextlib.contextmanager
+def root_gathered(model: Any) -> Iterator[None]:
+    """An FSDP2 model's root ready for forwards that do not start at it: a rollout's `generate` runs the inner
+    causal LM (peft's `generate` calls its base model's), so the root's pre-forward, which initialises FSDP's
+    state once and gathers the root's own parameters, never runs. Without it the first inner forward took each
+    sharded submodule for a root ("FSDP requires a single root module"). Its state is initialised here (torch's
+    `_lazy_init`, as estimate/step_memory.py does; canary: tests/test_grpo.py's FSDP run) and its own parameters
+    gathered for the rollout (`unshard`, not recursive: the blocks gather theirs in their forwards)."""
+    state = getattr(model, "_get_fsdp_state", None)
+    if state is None:
+        yield
+        return
+    state()._lazy_init()
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()

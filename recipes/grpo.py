@@ -1,0 +1,299 @@
+"""Online RL of a pretrained causal LM with GRPO: completions sampled from the current weights, scored by your
+reward functions, the policy trained on each group's advantages (TRL's GRPOTrainer, loss `dapo` by default).
+
+    accel-trainer train grpo base=SmolLM2-135M-Instruct.Q4_1.gguf              # the demo: arithmetic, 2 rewards
+    accel-trainer train grpo base=... data=prompts.jsonl rewards=rewards.py:correct,rewards.py:formatted
+    accel-trainer train grpo base=... data=... rewards=... reward_weights=1,0.2 num_generations=8 beta=0.04
+
+Data (`data=`, any form of data/sources.py): rows with `prompt`, text or a conversation (a list of messages,
+rendered with the base's chat template and its generation prompt), and any other columns, which reach the reward
+functions as keyword lists (contract/rewards.py: TRL's signature `fn(prompts, completions, **columns)`).
+`global_batch_size` and `micro_batch_size` count prompts; each brings `num_generations` completions, a group,
+which is never split across processes or micro-batches. A group is sampled alone (contract/group_sampling.py),
+its draws seeded by (seed, step, the prompt's row), so every layout samples the same completions and trains to the
+same weights (contract/policy_gradient.py: the loss types' normalisers are the loop's exact num_items).
+
+Logged per step, beside the loss: `reward` and `reward_std` (TRL's), `rewards/<function>` each function's mean,
+`completion_length`, `frac_reward_zero_std` (groups whose rewards are all equal: nothing to learn from), the
+clipped shares `clip_ratio/*` and, with beta > 0, `kl`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import datasets
+import torch
+from accelerate.utils import gather
+
+import accel_trainer as at
+from accel_trainer.contract import group_sampling, policy_gradient, rewards
+from accel_trainer.data import chat
+
+HFFinetune = at.get_recipe("hf_finetune")
+finetune_module = sys.modules[HFFinetune.__module__]
+gpt_module = sys.modules[at.get_recipe("gpt").__module__]
+dpo_module = sys.modules[at.get_recipe("dpo").__module__]
+PROMPT_FORMS = [{"prompt": "prompt"}]
+IGNORE_INDEX = -100
+
+
+@dataclass
+class GRPOConfig(finetune_module.PretrainedBase, at.TrainConfig):  # type: ignore[valid-type,misc]
+    max_steps: int = 40
+    global_batch_size: int = 4
+    """Prompts a step, each with num_generations completions."""
+    micro_batch_size: int = 1
+    """Prompts a micro-batch."""
+    lr: float = 2e-5
+    warmup_steps: int = 0
+    log_every_steps: int = 1
+    eval_every_steps: int = 0
+    save_every_steps: int = 20
+    data: str = ""
+    """Your prompts: rows with `prompt` (text or messages) and any columns the rewards read. Empty: the demo."""
+    rewards: str = ""
+    """The reward functions, FILE.py:function or module:function, comma-separated. Empty: the demo's."""
+    reward_weights: str = ""
+    """Each reward function's weight, comma-separated; empty: 1 each."""
+    chat_template: str = ""
+    """The chat template of conversational prompts: empty for the base's own, chatml, or a .jinja file."""
+    num_generations: int = 8
+    """Completions sampled per prompt (TRL's default 8)."""
+    max_completion_length: int = 256
+    """Tokens a completion may have (TRL's default 256); one without an end-of-sequence token is cut there."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0: no top-k cut (TRL's default)."""
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = "dapo"
+    """TRL's loss types (contract/policy_gradient.py); dapo: token-level over the step's tokens."""
+    epsilon: float = 0.2
+    """The ratio's clip below 1 (and above, without epsilon_high)."""
+    epsilon_high: float = 0.0
+    """The ratio's clip above 1 (DAPO's clip-higher); 0: epsilon."""
+    beta: float = 0.0
+    """Weight of the KL to the reference (the base: the adapter disabled); 0 (TRL's default): no reference."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """The deviation advantages are divided by: the group's (TRL's default), the whole step's, or none."""
+    disable_dropout: bool = True
+    """Dropout off in the model, as TRL's GRPOTrainer does by default."""
+    demo_prompts: int = 2000
+    """The demo's number of arithmetic prompts."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.data, _ = at.check_data(self.data, "")
+        self.chat_template = chat.check_template_choice(self.chat_template)
+        if self.num_generations < 2:
+            raise at.ConfigError(f"num_generations={self.num_generations}: a group needs 2 or more completions")
+        if self.max_completion_length < 1:
+            raise at.ConfigError(f"max_completion_length={self.max_completion_length}: give 1 or more tokens")
+        if self.data and not self.rewards:
+            raise at.ConfigError("data= without rewards=: name your reward functions, rewards=FILE.py:function")
+        if self.beta and self.lora_r == 0:
+            raise at.ConfigError(
+                f"beta={self.beta} with lora_r=0: the KL's reference is the LoRA base for now; use lora_r"
+            )
+
+
+@at.register_recipe("grpo")
+class GRPO(at.Recipe):
+    """A pretrained causal LM trained online on its own completions' rewards (GRPO), with LoRA or in full."""
+
+    Config = GRPOConfig
+    needs_base = HFFinetune.needs_base
+
+    def build_tokenizer(self, cfg: GRPOConfig) -> Any:
+        if not cfg.base:
+            raise at.ConfigError(self.needs_base)
+        tokenizer = at.load_base_tokenizer(cfg.base)
+        if cfg.chat_template or getattr(tokenizer, "chat_template", None):
+            chat.resolve_template(tokenizer, cfg.chat_template)
+        self.functions = rewards.reward_functions(cfg.rewards) if cfg.rewards else demo_rewards()
+        self.weights = rewards.reward_weights(cfg.reward_weights, len(self.functions))
+        return tokenizer
+
+    def build_model(self, cfg: GRPOConfig) -> Any:
+        model = finetune_module.load_base(cfg, self.needs_base)
+        if cfg.disable_dropout:
+            dpo_module.disable_dropout(model)
+        return at.with_chunked_loss(finetune_module.with_lora(model, cfg))
+
+    def build_datasets(self, cfg: GRPOConfig) -> tuple[datasets.Dataset, None]:
+        """The prompts with their row's index (the sampling key's) and their tokens; the other columns as given."""
+        if cfg.data:
+            with gpt_module._quiet_datasets():
+                rows = at.read_data(cfg.data, PROMPT_FORMS, streaming=False, seed=cfg.seed, others=True)
+        else:
+            rows = datasets.Dataset.from_list(demo_prompts(cfg.demo_prompts, cfg.seed))
+        tokenizer = self.tokenizer
+
+        def tokenized(row: dict[str, Any], index: int) -> dict[str, Any]:
+            prompt = row["prompt"]
+            if isinstance(prompt, list):
+                ids = chat.render_ids(tokenizer, prompt, generation_prompt=True)
+            else:
+                ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            return {"prompt_ids": ids, "row": index}
+
+        with gpt_module._quiet_datasets():
+            return rows.map(tokenized, with_indices=True), None
+
+    def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        """The prompts as they are (unpadded token ids, each sampled alone) and every column as a list."""
+        batch: dict[str, Any] = {name: [example[name] for example in examples] for name in examples[0]}
+        batch["prompt_ids"] = [torch.as_tensor(example["prompt_ids"]) for example in examples]
+        batch["row"] = torch.tensor([example["row"] for example in examples])
+        return batch
+
+    def rollout(self, model: Any, batches: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+        """Each prompt's group sampled and scored, the step's advantages, and the sequences compute_loss trains
+        on (contract/group_sampling.py, contract/rewards.py, contract/policy_gradient.py)."""
+        sampled = [self.sampled(model, batch, step) for batch in batches]
+        step_rewards = torch.cat([made["rewards"] for made in sampled])
+        every_reward = gather(step_rewards.to(batches[0]["row"].device)).cpu()  # all processes': the step's spread
+        for made in sampled:
+            made["advantages"] = at.group_advantages(
+                made["rewards"],
+                num_generations=self.cfg.num_generations,
+                scale_rewards=self.cfg.scale_rewards,
+                step_rewards=every_reward,
+            )
+            made["reward_std"] = policy_gradient.nan_std(every_reward)
+        return sampled
+
+    def sampled(self, model: Any, batch: dict[str, Any], step: int) -> dict[str, Any]:
+        """One micro-batch's groups: completions, rewards, and the right-padded sequences of prompt + completion."""
+        cfg, tokenizer = self.cfg, self.tokenizer
+        synced = any(type(parameter).__name__ == "DTensor" for parameter in model.parameters())
+        eos = [tokenizer.eos_token_id]
+        sequences, masks, prompts, completions, columns = [], [], [], [], {}
+        lengths = []
+        for position, prompt_ids in enumerate(batch["prompt_ids"]):
+            group = group_sampling.sample_group(
+                model, prompt_ids, num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
+                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_token_ids=eos,
+                pad_token_id=tokenizer.pad_token_id, key=(cfg.seed, step, int(batch["row"][position])), synced=synced,
+            )  # fmt: skip
+            for ids, mask in zip(group.completion_ids, group.completion_mask, strict=True):
+                kept = ids[: int(mask.sum())]
+                sequences.append(torch.cat([prompt_ids, kept]))
+                masks.append(torch.cat([torch.zeros_like(prompt_ids), torch.ones_like(kept)]))
+                lengths.append(len(kept))
+                text = tokenizer.decode(kept, skip_special_tokens=True)
+                prompt = batch["prompt"][position]
+                prompts.append(prompt)
+                completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, list) else text)
+                for name, values in batch.items():
+                    if name not in ("prompt", "prompt_ids", "row"):
+                        columns.setdefault(name, []).append(values[position])
+        table = rewards.scores(self.functions, prompts, completions, **columns)
+        inputs = padded(sequences, masks, tokenizer.pad_token_id)
+        if cfg.beta:  # the reference: the base, the adapter disabled
+            with model.disable_adapter():
+                inputs["ref_logps"] = -token_losses(
+                    model, inputs, at.completion_targets(inputs["input_ids"], inputs["completion_mask"])
+                )
+        return {
+            **inputs,
+            "rewards": weighted(table, self.weights),
+            "per_function": table,
+            "completion_lengths": torch.tensor(lengths, dtype=torch.float64),
+        }
+
+    def compute_loss(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
+        """GRPO's loss of the micro-batch's completions (the tokens' log-probabilities in chunks, never the
+        vocabulary's logits of the whole batch), with what it logs as terms of their own counts."""
+        cfg = self.cfg
+        targets = at.completion_targets(batch["input_ids"], batch["completion_mask"])
+        logps = -token_losses(model, batch, targets)
+        output = at.policy_gradient_loss(
+            logps, targets != IGNORE_INDEX, batch["advantages"], loss_type=cfg.loss_type, epsilon_low=cfg.epsilon,
+            epsilon_high=cfg.epsilon_high or cfg.epsilon, beta=cfg.beta, ref_logps=batch.get("ref_logps"),
+            max_completion_length=cfg.max_completion_length,
+        )  # fmt: skip
+        return {**output, **self.logged(batch)}
+
+    def logged(self, batch: dict[str, Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The rollout's figures as terms with their own counts: exact means over the log window's completions."""
+        rewards_, table = batch["rewards"], batch["per_function"]
+        completions = torch.tensor(float(len(rewards_)))
+        groups = rewards_.view(-1, self.cfg.num_generations)
+        zero_spread = (policy_gradient.nan_std(groups, dim=1).nan_to_num(0.0) < 1e-8).sum().float()
+        figures = {
+            "reward": (rewards_.nansum(), (~rewards_.isnan()).sum()),
+            "reward_std": (batch["reward_std"] * completions, completions),
+            "completion_length": (batch["completion_lengths"].sum(), completions),
+            "frac_reward_zero_std": (zero_spread, torch.tensor(float(len(groups)))),
+        }
+        for index, function in enumerate(self.functions):
+            column = table[:, index]
+            figures[f"rewards/{function.name}"] = (column.nansum(), (~column.isnan()).sum())
+        return {name: (value.float(), count.float()) for name, (value, count) in figures.items()}
+
+
+def token_losses(model: Any, batch: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """Each position's loss of its target (0 where ignored), in chunks of the output head (at.lm_token_losses)."""
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    return at.lm_token_losses(model, inputs, targets)
+
+
+def padded(sequences: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+    """Prompt + completion from position 0, padded on the right: a left pad would move a sequence's positions by
+    the micro-batch's longest prompt, which differs from layout to layout."""
+    ids = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True, padding_value=pad_id)
+    attention = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in sequences], batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)
+    return {"input_ids": ids, "attention_mask": attention, "completion_mask": mask}
+
+
+def weighted(table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's reward: its functions' rewards weighted and summed, NaN where none scored it (TRL's)."""
+    total = (table * weights.to(table.dtype)).nansum(dim=1)
+    return total.masked_fill(table.isnan().all(dim=1), math.nan)
+
+
+def demo_prompts(count: int, seed: int) -> list[dict[str, Any]]:
+    """Sums of two numbers below 50, asked in a conversation, with their answer as a column."""
+    generator = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = generator.randrange(50), generator.randrange(50)
+        question = f"What is {a} + {b}? Answer with the number only."
+        rows.append({"prompt": [{"role": "user", "content": question}], "answer": a + b})
+    return rows
+
+
+def correct(prompts: list[Any], completions: list[Any], answer: list[int], **columns: Any) -> list[float]:
+    """1 where the completion's first number is the answer, else 0."""
+    return [
+        1.0 if first_number(text_of(completion)) == wanted else 0.0
+        for completion, wanted in zip(completions, answer, strict=True)
+    ]
+
+
+def short(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+    """1 for an answer of at most 8 characters, falling to 0 at 40: the demo's format reward."""
+    return [max(0.0, min(1.0, (40 - len(text_of(completion).strip())) / 32)) for completion in completions]
+
+
+def demo_rewards() -> list[rewards.RewardFunction]:
+    return [rewards.RewardFunction("correct", correct), rewards.RewardFunction("short", short)]
+
+
+def text_of(completion: Any) -> str:
+    return completion[0]["content"] if isinstance(completion, list) else str(completion)
+
+
+def first_number(text: str) -> int | None:
+    digits = "".join(character if character.isdigit() else " " for character in text).split()
+    return int(digits[0]) if digits else None
+
+
+if __name__ == "__main__":
+    at.main("grpo")

@@ -1,0 +1,80 @@
+"""`accel-trainer train grpo`: completions sampled from the current weights, scored by the user's reward functions,
+trained on their group advantages (recipes/grpo.py), the same on every layout."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+import accel_trainer as at
+from conftest import final_parameters, read_metrics, train_and_dump, write_jsonl
+
+REWARDS = """
+def has_blue(prompts, completions, colour, **columns):
+    return [float(colour_ in completion) for completion, colour_ in zip(completions, colour)]
+
+def length(prompts, completions, **columns):
+    return [-len(completion) / 100 for completion in completions]
+"""
+COLOURS = ["red", "blue", "green", "amber"]
+SMALL = ["max_steps=3", "global_batch_size=4", "micro_batch_size=1", "num_generations=4",
+         "max_completion_length=6", "lora_r=4", "lr=1e-2", "log_every_steps=1", "save_every_steps=0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("grpo_data")
+    rows = [{"prompt": f"My favourite colour is {COLOURS[i % 4]} and", "colour": COLOURS[i % 4]} for i in range(16)]
+    (folder / "rewards.py").write_text(textwrap.dedent(REWARDS))
+    return write_jsonl(folder / "prompts.jsonl", rows), folder / "rewards.py"
+
+
+def grpo(tmp_path, tiny_base, prompts, *overrides):
+    data, reward_file = prompts
+    settings = dict(item.split("=", 1) for item in [*SMALL, *overrides])
+    return at.train("grpo", base=str(tiny_base), data=str(data), rewards=f"{reward_file}:has_blue,{reward_file}:length",
+                    output_dir=str(tmp_path), show_progress_bar=False, report=False, **settings)  # fmt: skip
+
+
+def test_a_grpo_run_logs_its_rewards_and_trains_the_adapter(tmp_path, tiny_base, prompts):
+    grpo(tmp_path, tiny_base, prompts)
+
+    records = [record for record in read_metrics(tmp_path) if "loss" in record]
+    assert [record["step"] for record in records] == [1, 2, 3]
+    for record in records:
+        assert {"reward", "reward_std", "rewards/has_blue", "rewards/length", "completion_length"} <= record.keys()
+        assert 1 <= record["completion_length"] <= 6
+        assert -0.5 <= record["rewards/length"] <= 0
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_base, prompts, tmp_path_factory):
+    data, reward_file = prompts
+    run = tmp_path_factory.mktemp("grpo_one_process")
+    train_and_dump("cpu", run, "grpo", f"base={tiny_base}", f"data={data}", *LAYOUT_RUN,
+                   f"rewards={reward_file}:has_blue,{reward_file}:length", world_size=1)  # fmt: skip
+    return run
+
+
+LAYOUT_RUN = [*SMALL, "global_batch_size=4", "micro_batch_size=1"]
+LOGGED = ["loss", "reward", "reward_std", "rewards/has_blue", "rewards/length", "completion_length"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
+def test_grpo_samples_and_trains_as_one_process_does_on_ddp_and_fsdp(layout, tiny_base, prompts, one_process, tmp_path):
+    data, reward_file = prompts
+    records = train_and_dump(layout, tmp_path, "grpo", f"base={tiny_base}", f"data={data}", *LAYOUT_RUN,
+                             f"rewards={reward_file}:has_blue,{reward_file}:length", world_size=2)  # fmt: skip
+
+    alone = [record for record in read_metrics(one_process) if "loss" in record]
+    mine = [record for record in records if "loss" in record]
+    assert len(mine) == len(alone) == 3
+    for ours, theirs in zip(mine, alone, strict=True):
+        for name in LOGGED:  # the same completions, so the same rewards and lengths
+            assert ours[name] == pytest.approx(theirs[name], rel=1e-5, abs=1e-6), name
+    expected, actual = final_parameters(one_process), final_parameters(tmp_path)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-5)
