@@ -72,6 +72,8 @@ class Recipe:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.tokenizer: Any = None  # build_tokenizer's, once the run has built it
+        self.run_dir: Path | None = None
+        """The run folder, once training starts: where a recipe writes files of its own during the run."""
         self.data_fingerprints: dict[str, str] = {}
         """What `build_datasets` built the sets from that the files of a run do not hold, by name (a cache of
         precomputed values, by its key): checkpoints record it, and a resume that builds other sets is refused."""

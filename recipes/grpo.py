@@ -20,19 +20,19 @@ clipped shares `clip_ratio/*` and, with beta > 0, `kl`.
 
 from __future__ import annotations
 
-import math
-import random
+import json
 import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import datasets
 import torch
-from accelerate.utils import gather
+from accelerate import PartialState
+from accelerate.utils import gather, gather_object
 
 import accel_trainer as at
 from accel_trainer.contract import group_sampling, policy_gradient, rewards
-from accel_trainer.data import chat
+from accel_trainer.data import arithmetic, chat
 
 HFFinetune = at.get_recipe("hf_finetune")
 finetune_module = sys.modules[HFFinetune.__module__]
@@ -40,6 +40,7 @@ gpt_module = sys.modules[at.get_recipe("gpt").__module__]
 dpo_module = sys.modules[at.get_recipe("dpo").__module__]
 PROMPT_FORMS = [{"prompt": "prompt"}]
 IGNORE_INDEX = -100
+DEMO_REWARDS = "accel_trainer.data.arithmetic:correct,accel_trainer.data.arithmetic:short"
 
 
 @dataclass
@@ -114,7 +115,7 @@ class GRPO(at.Recipe):
         tokenizer = at.load_base_tokenizer(cfg.base)
         if cfg.chat_template or getattr(tokenizer, "chat_template", None):
             chat.resolve_template(tokenizer, cfg.chat_template)
-        self.functions = rewards.reward_functions(cfg.rewards) if cfg.rewards else demo_rewards()
+        self.functions = rewards.reward_functions(cfg.rewards or DEMO_REWARDS)
         self.weights = rewards.reward_weights(cfg.reward_weights, len(self.functions))
         return tokenizer
 
@@ -130,7 +131,7 @@ class GRPO(at.Recipe):
             with gpt_module._quiet_datasets():
                 rows = at.read_data(cfg.data, PROMPT_FORMS, streaming=False, seed=cfg.seed, others=True)
         else:
-            rows = datasets.Dataset.from_list(demo_prompts(cfg.demo_prompts, cfg.seed))
+            rows = datasets.Dataset.from_list(arithmetic.prompts(cfg.demo_prompts, cfg.seed))
         tokenizer = self.tokenizer
 
         def tokenized(row: dict[str, Any], index: int) -> dict[str, Any]:
@@ -154,6 +155,7 @@ class GRPO(at.Recipe):
     def rollout(self, model: Any, batches: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
         """Each prompt's group sampled and scored, the step's advantages, and the sequences compute_loss trains
         on (contract/group_sampling.py, contract/rewards.py, contract/policy_gradient.py)."""
+        self.shown: list[dict[str, Any]] = []  # the step's completions, for completions.jsonl
         sampled = [self.sampled(model, batch, step) for batch in batches]
         step_rewards = torch.cat([made["rewards"] for made in sampled])
         every_reward = gather(step_rewards.to(batches[0]["row"].device)).cpu()  # all processes': the step's spread
@@ -165,7 +167,19 @@ class GRPO(at.Recipe):
                 step_rewards=every_reward,
             )
             made["reward_std"] = policy_gradient.nan_std(every_reward)
+        if step == 1 or step % self.cfg.log_every_steps == 0:
+            self.write_completions(step, [made["advantages"] for made in sampled])
         return sampled
+
+    def write_completions(self, step: int, advantages: list[torch.Tensor]) -> None:
+        """The step's prompts, completions, rewards and advantages, every process's, appended to the run folder's
+        completions.jsonl by the main process (TRL's completions table)."""
+        for row, advantage in zip(self.shown, torch.cat(advantages).tolist(), strict=True):
+            row["advantage"] = advantage
+        rows = gather_object(self.shown)
+        if PartialState().is_main_process and self.run_dir is not None:
+            with (self.run_dir / "completions.jsonl").open("a") as file:
+                file.writelines(json.dumps({"step": step, **row}, default=str) + "\n" for row in rows)
 
     def sampled(self, model: Any, batch: dict[str, Any], step: int) -> dict[str, Any]:
         """One micro-batch's groups: completions, rewards, and the right-padded sequences of prompt + completion."""
@@ -193,6 +207,11 @@ class GRPO(at.Recipe):
                     if name not in ("prompt", "prompt_ids", "row"):
                         columns.setdefault(name, []).append(values[position])
         table = rewards.scores(self.functions, prompts, completions, **columns)
+        names = [function.name for function in self.functions]
+        for prompt, completion, scores in zip(prompts, completions, table.tolist(), strict=True):
+            self.shown.append(
+                {"prompt": prompt, "completion": completion, "rewards": dict(zip(names, scores, strict=True))}
+            )
         inputs = padded(sequences, masks, tokenizer.pad_token_id)
         if cfg.beta:  # the reference: the base, the adapter disabled
             with model.disable_adapter():
@@ -201,7 +220,7 @@ class GRPO(at.Recipe):
                 )
         return {
             **inputs,
-            "rewards": weighted(table, self.weights),
+            "rewards": rewards.weighted(table, self.weights),
             "per_function": table,
             "completion_lengths": torch.tensor(lengths, dtype=torch.float64),
         }
@@ -250,49 +269,6 @@ def padded(sequences: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int
     attention = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in sequences], batch_first=True)
     mask = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)
     return {"input_ids": ids, "attention_mask": attention, "completion_mask": mask}
-
-
-def weighted(table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Each completion's reward: its functions' rewards weighted and summed, NaN where none scored it (TRL's)."""
-    total = (table * weights.to(table.dtype)).nansum(dim=1)
-    return total.masked_fill(table.isnan().all(dim=1), math.nan)
-
-
-def demo_prompts(count: int, seed: int) -> list[dict[str, Any]]:
-    """Sums of two numbers below 50, asked in a conversation, with their answer as a column."""
-    generator = random.Random(seed)
-    rows = []
-    for _ in range(count):
-        a, b = generator.randrange(50), generator.randrange(50)
-        question = f"What is {a} + {b}? Answer with the number only."
-        rows.append({"prompt": [{"role": "user", "content": question}], "answer": a + b})
-    return rows
-
-
-def correct(prompts: list[Any], completions: list[Any], answer: list[int], **columns: Any) -> list[float]:
-    """1 where the completion's first number is the answer, else 0."""
-    return [
-        1.0 if first_number(text_of(completion)) == wanted else 0.0
-        for completion, wanted in zip(completions, answer, strict=True)
-    ]
-
-
-def short(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
-    """1 for an answer of at most 8 characters, falling to 0 at 40: the demo's format reward."""
-    return [max(0.0, min(1.0, (40 - len(text_of(completion).strip())) / 32)) for completion in completions]
-
-
-def demo_rewards() -> list[rewards.RewardFunction]:
-    return [rewards.RewardFunction("correct", correct), rewards.RewardFunction("short", short)]
-
-
-def text_of(completion: Any) -> str:
-    return completion[0]["content"] if isinstance(completion, list) else str(completion)
-
-
-def first_number(text: str) -> int | None:
-    digits = "".join(character if character.isdigit() else " " for character in text).split()
-    return int(digits[0]) if digits else None
 
 
 if __name__ == "__main__":

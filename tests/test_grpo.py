@@ -3,13 +3,14 @@ trained on their group advantages (recipes/grpo.py), the same on every layout.""
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
 import torch
 
 import accel_trainer as at
-from conftest import final_parameters, read_metrics, train_and_dump, write_jsonl
+from conftest import final_parameters, read_metrics, reset_accelerate_state, train_and_dump, write_jsonl
 
 REWARDS = """
 def has_blue(prompts, completions, colour, **columns):
@@ -20,7 +21,7 @@ def length(prompts, completions, **columns):
 """
 COLOURS = ["red", "blue", "green", "amber"]
 SMALL = ["max_steps=3", "global_batch_size=4", "micro_batch_size=1", "num_generations=4",
-         "max_completion_length=6", "lora_r=4", "lr=1e-2", "log_every_steps=1", "save_every_steps=0"]  # fmt: skip
+         "max_completion_length=6", "lora_r=4", "lr=1e-2", "log_every_steps=1", "save_every_steps=2"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -34,19 +35,38 @@ def prompts(tmp_path_factory):
 def grpo(tmp_path, tiny_base, prompts, *overrides):
     data, reward_file = prompts
     settings = dict(item.split("=", 1) for item in [*SMALL, *overrides])
+    reset_accelerate_state()
     return at.train("grpo", base=str(tiny_base), data=str(data), rewards=f"{reward_file}:has_blue,{reward_file}:length",
                     output_dir=str(tmp_path), show_progress_bar=False, report=False, **settings)  # fmt: skip
 
 
-def test_a_grpo_run_logs_its_rewards_and_trains_the_adapter(tmp_path, tiny_base, prompts):
-    grpo(tmp_path, tiny_base, prompts)
-
-    records = [record for record in read_metrics(tmp_path) if "loss" in record]
+def test_a_grpo_run_logs_its_rewards_and_writes_its_completions(one_process):
+    records = [record for record in read_metrics(one_process) if "loss" in record]
     assert [record["step"] for record in records] == [1, 2, 3]
     for record in records:
         assert {"reward", "reward_std", "rewards/has_blue", "rewards/length", "completion_length"} <= record.keys()
         assert 1 <= record["completion_length"] <= 6
-        assert -0.5 <= record["rewards/length"] <= 0
+        assert -1 <= record["rewards/length"] < 0
+
+    rows = [json.loads(line) for line in (one_process / "completions.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [step for step in (1, 2, 3) for _ in range(4 * 4)]  # 4 prompts x 4
+    first = [row for row in rows if row["step"] == 1]
+    mean_length = sum(row["rewards"]["length"] for row in first) / len(first)
+    assert mean_length == pytest.approx(records[0]["rewards/length"], rel=1e-5)  # the logged mean is of these
+    for group in range(4):  # each group's advantages: rewards less their mean, over their deviation
+        advantages = torch.tensor([row["advantage"] for row in first[group * 4 : group * 4 + 4]])
+        assert abs(float(advantages.sum())) < 1e-4
+
+
+def test_grpo_resumes_bitwise(tmp_path, tiny_base, prompts, one_process):
+    resumed = grpo(tmp_path, tiny_base, prompts, f"resume={one_process / 'checkpoints' / 'step_00000002'}")
+
+    expected, actual = final_parameters(one_process), final_parameters(tmp_path)
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+    assert [r["reward"] for r in read_metrics(tmp_path) if "loss" in r] == [
+        r["reward"] for r in read_metrics(one_process) if "loss" in r and r["step"] > 2
+    ]
+    assert resumed is not None
 
 
 @pytest.fixture(scope="module")

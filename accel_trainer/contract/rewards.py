@@ -86,6 +86,12 @@ def scores(
     return table
 
 
+def weighted(table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's reward: its functions' rewards weighted and summed, NaN where none scored it (TRL's)."""
+    total = (table * weights.to(table.dtype)).nansum(dim=1)
+    return total.masked_fill(table.isnan().all(dim=1), math.nan)
+
+
 def _numbers(name: str, values: Any, expected: int) -> list[float]:
     if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != expected:
         got = f"{len(values)} values" if isinstance(values, Sequence) else type(values).__name__

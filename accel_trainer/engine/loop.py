@@ -57,6 +57,7 @@ def train_loop(
         Preempted: a signal stopped the run after it saved a checkpoint.
     """
     setup_started = time.time()
+    recipe.run_dir = run_dir
     module = sys.modules.get(type(recipe).__module__)  # no file for a recipe typed in a notebook or `python -c`
     identity = RunIdentity(recipe_name, cfg, layout, getattr(module, "__file__", None), micro_batch_size_given)
     run = prepare_run(recipe, identity, accelerator, run_dir)
