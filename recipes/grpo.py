@@ -85,6 +85,12 @@ class GRPOConfig(finetune_module.PretrainedBase, at.TrainConfig):  # type: ignor
     """Dropout off in the model, as TRL's GRPOTrainer does by default."""
     demo_prompts: int = 2000
     """The demo's number of arithmetic prompts."""
+    held_out: int = 5
+    """Prompts kept out of training, answered greedily before and after it in answers.md."""
+    split_seed: int = 1234
+    """Seed of the choice of held-out prompts."""
+    max_answer_chars: int = 160
+    """answers.md's answers: at most about this many characters."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -142,8 +148,50 @@ class GRPO(at.Recipe):
                 ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
             return {"prompt_ids": ids, "row": index}
 
+        if cfg.held_out:
+            if cfg.held_out >= len(rows):
+                raise at.ConfigError(f"held_out={cfg.held_out} of {len(rows)} prompts leaves none to train on")
+            split = rows.train_test_split(test_size=cfg.held_out, seed=cfg.split_seed)
+            rows, self.held_out_rows = split["train"], split["test"]
         with gpt_module._quiet_datasets():
             return rows.map(tokenized, with_indices=True), None
+
+    held_out_rows: Any = None
+
+    def write_artifacts(self, model: Any, eval_dataset: Any, run_dir: Any) -> None:
+        """`answers.md`: the held-out prompts' greedy answers before training (the base: the adapter disabled) and
+        after it, with each reward function's score of them."""
+        if self.held_out_rows is None:
+            return
+        rows = list(self.held_out_rows)
+        after = [self.answer(model, row["prompt"]) for row in rows]
+        before = None
+        if hasattr(model, "disable_adapter"):
+            with model.disable_adapter():
+                before = [self.answer(model, row["prompt"]) for row in rows]
+        lines = ["# Held-out prompts, answered before and after training (greedy)\n"]
+        for index, row in enumerate(rows):
+            prompt = row["prompt"][-1]["content"] if isinstance(row["prompt"], list) else row["prompt"]
+            lines.append(f"**{prompt}**\n")
+            for when, answers in (("before", before), ("after", after)):
+                if answers is not None:
+                    lines.append(f"- {when}: {answers[index]!r} {self.scored(row, answers[index])}")
+            lines.append("")
+        if before is None:
+            lines.append("(A full fine-tune keeps no base to answer before training: only the trained model answers.)")
+        (run_dir / "answers.md").write_text("\n".join(lines) + "\n")
+
+    def answer(self, model: Any, prompt: Any) -> str:
+        return dpo_module.greedy_answer(model, self.tokenizer, prompt, self.cfg.max_answer_chars)
+
+    def scored(self, row: dict[str, Any], answer: str) -> str:
+        """The reward functions' scores of one answer, as `(name 1.0, ...)`."""
+        completion = [{"role": "assistant", "content": answer}] if isinstance(row["prompt"], list) else answer
+        columns = {name: [value] for name, value in row.items() if name != "prompt"}
+        table = rewards.scores(self.functions, [row["prompt"]], [completion], **columns)
+        return (
+            "(" + ", ".join(f"{f.name} {v:.3g}" for f, v in zip(self.functions, table[0].tolist(), strict=True)) + ")"
+        )
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         """The prompts as they are (unpadded token ids, each sampled alone) and every column as a list."""
@@ -212,7 +260,7 @@ class GRPO(at.Recipe):
             self.shown.append(
                 {"prompt": prompt, "completion": completion, "rewards": dict(zip(names, scores, strict=True))}
             )
-        inputs = padded(sequences, masks, tokenizer.pad_token_id)
+        inputs = group_sampling.right_padded(sequences, masks, tokenizer.pad_token_id)
         if cfg.beta:  # the reference: the base, the adapter disabled
             with model.disable_adapter():
                 inputs["ref_logps"] = -token_losses(
@@ -236,39 +284,14 @@ class GRPO(at.Recipe):
             epsilon_high=cfg.epsilon_high or cfg.epsilon, beta=cfg.beta, ref_logps=batch.get("ref_logps"),
             max_completion_length=cfg.max_completion_length,
         )  # fmt: skip
-        return {**output, **self.logged(batch)}
-
-    def logged(self, batch: dict[str, Any]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """The rollout's figures as terms with their own counts: exact means over the log window's completions."""
-        rewards_, table = batch["rewards"], batch["per_function"]
-        completions = torch.tensor(float(len(rewards_)))
-        groups = rewards_.view(-1, self.cfg.num_generations)
-        zero_spread = (policy_gradient.nan_std(groups, dim=1).nan_to_num(0.0) < 1e-8).sum().float()
-        figures = {
-            "reward": (rewards_.nansum(), (~rewards_.isnan()).sum()),
-            "reward_std": (batch["reward_std"] * completions, completions),
-            "completion_length": (batch["completion_lengths"].sum(), completions),
-            "frac_reward_zero_std": (zero_spread, torch.tensor(float(len(groups)))),
-        }
-        for index, function in enumerate(self.functions):
-            column = table[:, index]
-            figures[f"rewards/{function.name}"] = (column.nansum(), (~column.isnan()).sum())
-        return {name: (value.float(), count.float()) for name, (value, count) in figures.items()}
+        names = [function.name for function in self.functions]
+        return {**output, **rewards.logged_figures(batch, names, self.cfg.num_generations)}
 
 
 def token_losses(model: Any, batch: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
     """Each position's loss of its target (0 where ignored), in chunks of the output head (at.lm_token_losses)."""
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     return at.lm_token_losses(model, inputs, targets)
-
-
-def padded(sequences: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
-    """Prompt + completion from position 0, padded on the right: a left pad would move a sequence's positions by
-    the micro-batch's longest prompt, which differs from layout to layout."""
-    ids = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True, padding_value=pad_id)
-    attention = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in sequences], batch_first=True)
-    mask = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)
-    return {"input_ids": ids, "attention_mask": attention, "completion_mask": mask}
 
 
 if __name__ == "__main__":

@@ -58,6 +58,12 @@ def test_a_grpo_run_logs_its_rewards_and_writes_its_completions(one_process):
         assert abs(float(advantages.sum())) < 1e-4
 
 
+def test_answers_of_held_out_prompts_before_and_after_training_are_written(one_process):
+    answers = (one_process / "answers.md").read_text()
+    assert answers.count("- before: ") == answers.count("- after: ") == 5  # held_out=5 prompts, LoRA's base
+    assert "(has_blue " in answers and ", length " in answers  # each answer scored by the reward functions
+
+
 def test_grpo_resumes_bitwise(tmp_path, tiny_base, prompts, one_process):
     resumed = grpo(tmp_path, tiny_base, prompts, f"resume={one_process / 'checkpoints' / 'step_00000002'}")
 

@@ -129,3 +129,12 @@ def _masked(completions: torch.Tensor, eos_token_ids: Sequence[int], pad_token_i
     longest = int(mask.sum(dim=1).max()) if length else 0
     ids = completions.masked_fill(mask == 0, pad_token_id)
     return GroupSample(completion_ids=ids[:, :longest], completion_mask=mask[:, :longest], finished=finished)
+
+
+def right_padded(sequences: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+    """Prompt + completion from position 0, padded on the right: a left pad would move a sequence's positions by
+    the micro-batch's longest prompt, which differs from layout to layout."""
+    ids = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True, padding_value=pad_id)
+    attention = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in sequences], batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)
+    return {"input_ids": ids, "attention_mask": attention, "completion_mask": mask}

@@ -92,6 +92,29 @@ def weighted(table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return total.masked_fill(table.isnan().all(dim=1), math.nan)
 
 
+def logged_figures(
+    batch: dict[str, torch.Tensor], names: list[str], num_generations: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """What TRL's GRPO logs of a micro-batch's completions, as loss terms with their own counts (exact means over
+    a log window's completions and processes): `reward` (weighted, the scored ones), `reward_std` (the step's),
+    `completion_length`, `frac_reward_zero_std` (groups of equal rewards), `rewards/<name>` for each function.
+    From the batch's `rewards`, `per_function` (completions x functions), `reward_std` and `completion_lengths`."""
+    total, table = batch["rewards"], batch["per_function"]
+    completions = torch.tensor(float(len(total)))
+    groups = total.view(-1, num_generations)
+    spread = groups.nan_to_num(0.0).std(dim=1)  # NaN for unscored completions: as 0, equal rewards stay equal
+    figures = {
+        "reward": (total.nansum(), (~total.isnan()).sum()),
+        "reward_std": (batch["reward_std"] * completions, completions),
+        "completion_length": (batch["completion_lengths"].sum(), completions),
+        "frac_reward_zero_std": ((spread < 1e-8).sum(), torch.tensor(float(len(groups)))),
+    }
+    for index, name in enumerate(names):
+        column = table[:, index]
+        figures[f"rewards/{name}"] = (column.nansum(), (~column.isnan()).sum())
+    return {name: (value.float(), count.float()) for name, (value, count) in figures.items()}
+
+
 def _numbers(name: str, values: Any, expected: int) -> list[float]:
     if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != expected:
         got = f"{len(values)} values" if isinstance(values, Sequence) else type(values).__name__
