@@ -1,10 +1,10 @@
 """A run's report, drawn from its own files, and a comparison of runs: no server, no tracker needed.
 
 `report.md` (summary, final and best metrics, time, throughput, MFU, memory) and `report.png` (loss, eval
-metrics, LR, gradient norm, throughput) are written at the end of a run and by `accel-trainer report RUN`.
-`accel-trainer compare RUN RUN ...` prints the final metrics side by side and the config keys that differ,
-and overlays the curves, aligned on steps, samples or items seen. Plots need matplotlib (the `report`
-extra); without it the report is text only and says so.
+metrics, LR, gradient norm, throughput, MFU, online RL's rewards, host memory) are written at the end of a run
+and by `accel-trainer report RUN`. `accel-trainer compare RUN RUN ...` prints the final metrics side by side and
+the config keys that differ, and overlays the curves, aligned on steps, samples or items seen. Plots need
+matplotlib (the `report` extra); without it the report is text only and says so.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ _PANELS = [
     ("grad_norm", "grad_norm"),
     ("items_per_s", "items_per_s"),
     ("mfu", "mfu"),
+    ("reward", "reward"),  # online RL's (grpo): the weighted reward and each function's, rewards/<name>
+    ("host memory (GB)", "host_rss_gb"),
 ]
 
 
@@ -179,17 +181,13 @@ def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str
         from matplotlib.figure import Figure
     except ImportError:
         return False
-    figure = Figure(figsize=(15, 8))
-    figure.subplots_adjust(left=0.05, right=0.98, bottom=0.07, top=0.95, wspace=0.2, hspace=0.3)
-    axes = figure.subplots(2, 3)
+    figure = Figure(figsize=(20, 8))
+    figure.subplots_adjust(left=0.04, right=0.98, bottom=0.07, top=0.95, wspace=0.2, hspace=0.3)
+    axes = figure.subplots(2, 4)
     for axis, (title, key) in zip(axes.flat, _PANELS, strict=True):
         for name, (training, evaluations) in runs.items():
             records = evaluations if key == "eval/" else training
-            keys = (
-                sorted({k for r in records for k in r if k.startswith(_EVAL_PREFIXES) and k != "eval/seconds"})
-                if key == "eval/"
-                else [key]
-            )
+            keys = _panel_keys(key, records)
             for k in keys:
                 points = [(r[x_key], r[k]) for r in records if r.get(k) is not None and r.get(x_key) is not None]
                 if points:  # an EMA's evaluation dashed, so that it does not hide the weights' own
@@ -214,6 +212,16 @@ def _plot(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, x_key: str
             )
     figure.savefig(path, dpi=80)
     return True
+
+
+def _panel_keys(key: str, records: list[dict[str, Any]]) -> list[str]:
+    """The logged keys a panel draws: every evaluation metric, the reward with each function's, or one key."""
+    logged = sorted({k for r in records for k in r})
+    if key == "eval/":
+        return [k for k in logged if k.startswith(_EVAL_PREFIXES) and k != "eval/seconds"]
+    if key == "reward":
+        return ["reward", *(k for k in logged if k.startswith("rewards/"))]
+    return [key]
 
 
 def _short(value: Any) -> str:

@@ -140,3 +140,12 @@ def test_the_time_breakdown_counts_setup_and_keeps_a_restarts_setup_out_of_the_g
     assert times["final_weights"] == 1.5 and times["training"] == 15 - 1 - 2 - 1.5
     parts = ("setup", "training", "evaluating", "checkpointing", "final_weights", "between_attempts")
     assert sum(times[k] for k in parts) == 34
+
+
+def test_the_reward_panel_draws_the_reward_and_each_reward_functions_mean():
+    from accel_trainer.observe.report import _PANELS, _panel_keys
+
+    records = [{"step": 1, "loss": 0.1, "reward": 0.5, "rewards/short": 0.4, "rewards/correct": 0.1, "kl": 0.0}]
+    assert ("reward", "reward") in _PANELS
+    assert _panel_keys("reward", records) == ["reward", "rewards/correct", "rewards/short"]
+    assert _panel_keys("loss", records) == ["loss"]
