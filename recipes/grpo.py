@@ -2,7 +2,7 @@
 reward functions, the policy trained on each group's advantages (TRL's GRPOTrainer, loss `dapo` by default).
 
     accel-trainer train grpo base=SmolLM2-135M-Instruct.Q4_1.gguf              # the demo: arithmetic, 2 rewards
-    accel-trainer train grpo base=... data=prompts.jsonl rewards=rewards.py:correct,rewards.py:formatted
+    accel-trainer train grpo base=... data=prompts.jsonl rewards=my_rewards.py:correct,my_rewards.py:formatted
     accel-trainer train grpo base=... data=... rewards=... reward_weights=1,0.2 num_generations=8 beta=0.04
 
 Data (`data=`, any form of data/sources.py): rows with `prompt`, text or a conversation (a list of messages,

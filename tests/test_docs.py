@@ -44,7 +44,7 @@ README_MAX_LINES = 150
 PACKAGE = REPO / "accel_trainer"
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 SOURCE_FOLDERS = ("accel_trainer", "recipes", "tests", "benchmarks", "scripts", "deploy")
-EXAMPLE_FILES = {"my_gpt.py", "my_recipe.py"}  # `accel-trainer cp gpt my_gpt.py`, `accel-trainer new my_recipe`
+EXAMPLE_FILES = {"my_gpt.py", "my_recipe.py", "my_rewards.py"}  # `cp gpt my_gpt.py`, `new my_recipe`, grpo's rewards
 NOT_PYTHON_NAMES = {"accel_trainer.recipes"}  # the entry-point group of installed recipes
 OBJECT_WORDS = {"accelerator", "model", "optimizer", "scaler", "self", "cfg", "batch", "output", "q", "dcp", "mypkg",
                 "project"}  # fmt: skip
