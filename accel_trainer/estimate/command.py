@@ -46,6 +46,11 @@ def estimate_command(arguments: EstimateArguments) -> None:
     recipe_name = recipe_name_of(arguments.recipe)
     layout = read_layout(line.layout, line.launcher_options)
     recipe_cls = get_recipe(recipe_name)
+    if recipe_cls.rolls_out():  # its micro-batches are made by sampling with the weights: no first rows to size
+        raise UserError(
+            f"estimate {recipe_name}: the recipe makes each step's batches in a rollout (sampling with the model),"
+            " which estimate cannot size yet; measure a short run's peak instead (its log's host_rss_gb)"
+        )
     cfg, _ = settings_on_layout(recipe_cls.Config, layout, line.config_file, line.overrides)
     examples = first_examples(recipe_cls(cfg), cfg)  # read once: every rank's and the advice's (its first rows)
     estimated = estimate(recipe_name, layout, line.overrides, line.config_file, None, examples)

@@ -129,6 +129,8 @@ def test_without_a_layout_or_recipe_the_command_says_how_to_write_it():
     assert_one_line_error(result.returncode, result.stderr, "estimate needs a layout")
     result = estimate("layout=cpu", check=False)
     assert_one_line_error(result.returncode, result.stderr, "estimate needs a recipe")
+    result = estimate("grpo", "layout=cpu", check=False)  # its batches are sampled by the model in a rollout
+    assert_one_line_error(result.returncode, result.stderr, "estimate grpo: the recipe makes each step's batches")
 
 
 def test_a_device_too_small_gets_the_setting_that_would_fit():
