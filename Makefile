@@ -106,7 +106,7 @@ test-slow: install  ## the slow tier: the tests that wait out a timeout
 test-matrix: install  ## every shipped recipe at its defaults over every layout (tests/layouts/test_defaults.py; 8 min)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/layouts/test_defaults.py $(PYTEST_ARGS)
 
-bench: install  ## per-step overhead against a plain loop, checkpoint throughput, 1 -> 2 process scaling, split streams, background sharded saves, packed attention, DPO and SFT against TRL, where the memory goes (docs/benchmarks.md, docs/memory.md)
+bench: install  ## per-step overhead against a plain loop, checkpoint throughput, 1 -> 2 process scaling, split streams, background sharded saves, packed attention, DPO, SFT and GRPO against TRL, where the memory goes (docs/benchmarks.md, docs/memory.md)
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/checkpoint_speed.py
 	$(BIN)/python benchmarks/scaling.py
@@ -120,6 +120,7 @@ bench: install  ## per-step overhead against a plain loop, checkpoint throughput
 	$(BIN)/python benchmarks/gpt_mfu.py
 	$(BIN)/python benchmarks/dpo_vs_trl.py
 	$(BIN)/python benchmarks/sft_vs_trl.py
+	$(BIN)/python benchmarks/grpo_vs_trl.py
 	$(BIN)/python benchmarks/lm_loss_memory.py
 	for recipe in sft_chat hf_finetune dpo; do $(BIN)/python benchmarks/memory_breakdown.py $$recipe || exit 1; done
 

@@ -215,7 +215,8 @@ class GRPO(at.Recipe):
                 step_rewards=every_reward,
             )
             made["reward_std"] = policy_gradient.nan_std(every_reward)
-        if step == 1 or step % self.cfg.log_every_steps == 0:
+        every = self.cfg.log_every_steps
+        if step == 1 or (every and step % every == 0):
             self.write_completions(step, [made["advantages"] for made in sampled])
         return sampled
 

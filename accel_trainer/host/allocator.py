@@ -109,8 +109,7 @@ def preload_environment(environment: dict[str, str]) -> dict[str, str] | None:
         return None
     if any(f"lib{library}" in preloaded for names in LIBRARIES.values() for library in names):
         return None
-    names = list(LIBRARIES) if choice == "auto" else [choice]
-    found = next(((name, path) for name in names if (path := installed(name))), None)
+    found = first_installed(choice)
     if found is None:
         if choice == "auto":
             return None
@@ -121,6 +120,12 @@ def preload_environment(environment: dict[str, str]) -> dict[str, str] | None:
     return {**environment, **quiet, "LD_PRELOAD": ":".join(filter(None, [path, preloaded])), TRIED: name}
 
 
+def first_installed(choice: str) -> tuple[str, str] | None:
+    """The allocator `choice` names (auto: tcmalloc, else jemalloc) and its library, where installed."""
+    names = list(LIBRARIES) if choice == "auto" else [choice]
+    return next(((name, path) for name in names if (path := installed(name))), None)
+
+
 def for_the_command() -> str:
     """What `accel-trainer train` runs on here, in a few words (for `accel-trainer doctor`)."""
     try:
@@ -129,9 +134,9 @@ def for_the_command() -> str:
         return str(error)
     if choice == "glibc":
         return f"glibc ({CHOICE_VARIABLE}=glibc)"
-    for name in list(LIBRARIES) if choice == "auto" else [choice]:
-        if path := installed(name):
-            return f"{name} ({path})"
+    found = first_installed(choice)
+    if found is not None:
+        return f"{found[0]} ({found[1]})"
     return (
         "glibc (no tcmalloc or jemalloc installed: libtcmalloc-minimal4 or conda's gperftools makes CPU steps faster"
         " in less memory)"
