@@ -11,11 +11,8 @@ functions as keyword lists (contract/rewards.py: TRL's signature `fn(prompts, co
 `global_batch_size` and `micro_batch_size` count prompts; each brings `num_generations` completions, a group,
 which is never split across processes or micro-batches. A group is sampled alone (contract/group_sampling.py),
 its draws seeded by (seed, step, the prompt's row), so every layout samples the same completions and trains to the
-same weights (contract/policy_gradient.py: the loss types' normalisers are the loop's exact num_items).
-
-Logged per step, beside the loss: `reward` and `reward_std` (TRL's), `rewards/<function>` each function's mean,
-`completion_length`, `frac_reward_zero_std` (groups whose rewards are all equal: nothing to learn from), the
-clipped shares `clip_ratio/*` and, with beta > 0, `kl`.
+same weights (contract/policy_gradient.py: the loss types' normalisers are the loop's exact num_items). What a run
+logs (TRL's figures) and writes (completions.jsonl, answers.md): docs/grpo.md.
 """
 
 from __future__ import annotations
@@ -114,6 +111,7 @@ class GRPO(at.Recipe):
 
     Config = GRPOConfig
     needs_base = HFFinetune.needs_base
+    held_out_rows: Any = None  # build_datasets's, for answers.md
 
     def build_tokenizer(self, cfg: GRPOConfig) -> Any:
         if not cfg.base:
@@ -156,8 +154,6 @@ class GRPO(at.Recipe):
         with gpt_module._quiet_datasets():
             return rows.map(tokenized, with_indices=True), None
 
-    held_out_rows: Any = None
-
     def write_artifacts(self, model: Any, eval_dataset: Any, run_dir: Any) -> None:
         """`answers.md`: the held-out prompts' greedy answers before training (the base: the adapter disabled) and
         after it, with each reward function's score of them."""
@@ -194,8 +190,9 @@ class GRPO(at.Recipe):
         )
 
     def collate(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        """The prompts as they are (unpadded token ids, each sampled alone) and every column as a list."""
-        batch: dict[str, Any] = {name: [example[name] for example in examples] for name in examples[0]}
+        """The prompts as they are (unpadded token ids, each sampled alone) and every column as a list of Python
+        values, as TRL hands them to reward functions (the loader's torch format made numbers tensors)."""
+        batch: dict[str, Any] = {name: [plain(example[name]) for example in examples] for name in examples[0]}
         batch["prompt_ids"] = [torch.as_tensor(example["prompt_ids"]) for example in examples]
         batch["row"] = torch.tensor([example["row"] for example in examples])
         return batch
@@ -287,6 +284,10 @@ class GRPO(at.Recipe):
         )  # fmt: skip
         names = [function.name for function in self.functions]
         return {**output, **rewards.logged_figures(batch, names, self.cfg.num_generations)}
+
+
+def plain(value: Any) -> Any:
+    return value.tolist() if isinstance(value, torch.Tensor) else value
 
 
 def token_losses(model: Any, batch: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ REWARDS = """
 def has_blue(prompts, completions, colour, **columns):
     return [float(colour_ in completion) for completion, colour_ in zip(completions, colour)]
 
-def length(prompts, completions, **columns):
+def length(prompts, completions, number, **columns):
+    assert all(type(value) is int for value in number), number  # the columns' Python values, as TRL passes them
     return [-len(completion) / 100 for completion in completions]
 """
 COLOURS = ["red", "blue", "green", "amber"]
@@ -27,7 +28,8 @@ SMALL = ["max_steps=3", "global_batch_size=4", "micro_batch_size=1", "num_genera
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     folder = tmp_path_factory.mktemp("grpo_data")
-    rows = [{"prompt": f"My favourite colour is {COLOURS[i % 4]} and", "colour": COLOURS[i % 4]} for i in range(16)]
+    rows = [{"prompt": f"My favourite colour is {COLOURS[i % 4]} and", "colour": COLOURS[i % 4], "number": i}
+            for i in range(16)]  # fmt: skip
     (folder / "rewards.py").write_text(textwrap.dedent(REWARDS))
     return write_jsonl(folder / "prompts.jsonl", rows), folder / "rewards.py"
 
