@@ -39,6 +39,7 @@ import datasets
 import torch
 
 import accel_trainer as at
+from accel_trainer.contract.answers import disable_dropout, greedy_answer
 from accel_trainer.contract.preference import token_losses_of_logits
 from accel_trainer.data import chat, preference_pairs, reference_logps
 
@@ -234,14 +235,6 @@ def resolved_max_length(cfg: DPOConfig) -> int:
     return cfg.max_length or min(TRL_MAX_LENGTH, context or TRL_MAX_LENGTH)
 
 
-def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """Every dropout module of `model` set to p=0 (TRL's disable_dropout_in_model)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    return model
-
-
 def pair_splits(cfg: DPOConfig) -> dict[str, datasets.Dataset]:
     """The pairs' rows, "train" and, unless none is held out, "test": eval_data=, else an eval_fraction of the rows
     (split_seed). Without data=, the demo's pairs."""
@@ -268,23 +261,6 @@ def demo_pairs(max_source_bytes: int, max_answer_chars: int) -> list[dict[str, A
         cut = " ".join(words[: len(words) // 2]) if len(words) > 1 else answer["content"][: len(answer["content"]) // 2]
         pairs.append({"prompt": [question], "chosen": [answer], "rejected": [{"role": "assistant", "content": cut}]})
     return pairs
-
-
-def greedy_answer(model: Any, tokenizer: Any, prompt: Any, max_chars: int) -> str:
-    """The model's greedy continuation of a prompt (messages through the chat template, or text), to its end of
-    text or about `max_chars` characters."""
-    if isinstance(prompt, list):
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-    else:
-        ids = tokenizer(prompt, return_tensors="pt")
-    room = (at.base_context(model) or max_chars + 1 + ids["input_ids"].shape[1]) - ids["input_ids"].shape[1]
-    with torch.no_grad():
-        output = model.generate(
-            **ids, max_new_tokens=max(1, min(max_chars + 1, room)), do_sample=False,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
-    return str(tokenizer.decode(output[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)).strip()
 
 
 def text_of(completion: Any) -> str:

@@ -29,12 +29,12 @@ from accelerate.utils import gather, gather_object
 
 import accel_trainer as at
 from accel_trainer.contract import group_sampling, policy_gradient, rewards
+from accel_trainer.contract.answers import disable_dropout, greedy_answer
 from accel_trainer.data import arithmetic, chat
 
 HFFinetune = at.get_recipe("hf_finetune")
 finetune_module = sys.modules[HFFinetune.__module__]
 gpt_module = sys.modules[at.get_recipe("gpt").__module__]
-dpo_module = sys.modules[at.get_recipe("dpo").__module__]
 PROMPT_FORMS = [{"prompt": "prompt"}]
 IGNORE_INDEX = -100
 DEMO_REWARDS = "accel_trainer.data.arithmetic:correct,accel_trainer.data.arithmetic:short"
@@ -126,7 +126,7 @@ class GRPO(at.Recipe):
     def build_model(self, cfg: GRPOConfig) -> Any:
         model = finetune_module.load_base(cfg, self.needs_base)
         if cfg.disable_dropout:
-            dpo_module.disable_dropout(model)
+            disable_dropout(model)
         return at.with_chunked_loss(finetune_module.with_lora(model, cfg))
 
     def build_datasets(self, cfg: GRPOConfig) -> tuple[datasets.Dataset, None]:
@@ -178,7 +178,7 @@ class GRPO(at.Recipe):
         (run_dir / "answers.md").write_text("\n".join(lines) + "\n")
 
     def answer(self, model: Any, prompt: Any) -> str:
-        return dpo_module.greedy_answer(model, self.tokenizer, prompt, self.cfg.max_answer_chars)
+        return greedy_answer(model, self.tokenizer, prompt, self.cfg.max_answer_chars)
 
     def scored(self, row: dict[str, Any], answer: str) -> str:
         """The reward functions' scores of one answer, as `(name 1.0, ...)`."""

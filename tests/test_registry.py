@@ -299,9 +299,9 @@ def test_the_checkout_recipes_folder_is_discovered_with_one_recipe_per_file():
     from_folder = sorted(name for name, recipe_cls in registry._recipes.items() if folder_of(recipe_cls) == RECIPES_DIR)
     assert len(from_folder) == len(recipe_files)
     # A new recipe must update this count: the test then proves the new file is really discovered.
-    assert len(from_folder) == 10
+    assert len(from_folder) == 11
     assert from_folder == [
-        "dpo", "gan", "gpt", "hf_causal_lm", "hf_finetune", "mlp", "resnet", "sft_chat", "sketched", "vae",
+        "dpo", "gan", "gpt", "grpo", "hf_causal_lm", "hf_finetune", "mlp", "resnet", "sft_chat", "sketched", "vae",
     ]  # fmt: skip
 
 

@@ -1,0 +1,35 @@
+"""A language model's answers to prompts, as a run's answers.md shows them (dpo's, grpo's), and dropout off for
+the exact log-probabilities preference tuning and online RL compare."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from accel_trainer.contract.pretrained import base_context
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Every dropout module of `model` set to p=0 (TRL's disable_dropout_in_model)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def greedy_answer(model: Any, tokenizer: Any, prompt: Any, max_chars: int) -> str:
+    """The model's greedy continuation of a prompt (messages through the chat template, or text), to its end of
+    text or about `max_chars` characters."""
+    if isinstance(prompt, list):
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    else:
+        ids = tokenizer(prompt, return_tensors="pt")
+    room = (base_context(model) or max_chars + 1 + ids["input_ids"].shape[1]) - ids["input_ids"].shape[1]
+    with torch.no_grad():
+        output = model.generate(
+            **ids, max_new_tokens=max(1, min(max_chars + 1, room)), do_sample=False,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+    return str(tokenizer.decode(output[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)).strip()
