@@ -7,8 +7,6 @@ from typing import Any
 
 import torch
 
-from accel_trainer.contract.pretrained import base_context
-
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     """Every dropout module of `model` set to p=0 (TRL's disable_dropout_in_model)."""
@@ -26,6 +24,8 @@ def greedy_answer(model: Any, tokenizer: Any, prompt: Any, max_chars: int) -> st
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
     else:
         ids = tokenizer(prompt, return_tensors="pt")
+    from accel_trainer.contract.pretrained import base_context  # transformers' import: only where a run answers
+
     room = (base_context(model) or max_chars + 1 + ids["input_ids"].shape[1]) - ids["input_ids"].shape[1]
     with torch.no_grad():
         output = model.generate(
