@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, LR, THREADS = 10, 1e-5, 2
@@ -59,13 +60,6 @@ def run_trl(base: Path, data: Path, lora: bool) -> tuple[list[float], list[float
     rows = datasets.Dataset.from_list([json.loads(line) for line in data.read_text().splitlines()])
     times: list[float] = []
 
-    class StepTimes(transformers.TrainerCallback):
-        def on_step_begin(self, *args, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *args, **kwargs):
-            times.append(time.perf_counter() - self.start)
-
     args = trl.DPOConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8, max_steps=STEPS, learning_rate=LR,
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0, optim="adamw_torch",
@@ -74,7 +68,7 @@ def run_trl(base: Path, data: Path, lora: bool) -> tuple[list[float], list[float
     )  # fmt: skip
     lora_config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = trl.DPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer,
-                             peft_config=lora_config if lora else None, callbacks=[StepTimes()])  # fmt: skip
+                             peft_config=lora_config if lora else None, callbacks=[step_timer(times)])  # fmt: skip
     trainer.train()
     return times, [record["loss"] for record in trainer.state.log_history if "loss" in record]
 
@@ -118,6 +112,25 @@ def main() -> None:
         losses = {trainer: [round(loss, 5) for loss in result["losses"][:2]] for trainer, result in figures.items()}
         print(f"{mode:5}  TRL {step['trl']:.3f} s  accel-trainer {step['accel-trainer']:.3f} s"
               f"  ratio {step['trl'] / step['accel-trainer']:.2f}x  first losses {losses}")  # fmt: skip
+
+
+def step_timer(times: list[float], at_start: Any = None) -> Any:
+    """A transformers TrainerCallback appending each optimizer step's seconds to `times` (the peers' step time, as
+    ours counts it: from the step's start to its end), calling `at_start()` once as training begins."""
+    import transformers
+
+    class StepTimes(transformers.TrainerCallback):
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            if at_start is not None:
+                at_start()
+
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            times.append(time.perf_counter() - self.start)
+
+    return StepTimes()
 
 
 if __name__ == "__main__":

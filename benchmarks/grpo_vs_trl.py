@@ -22,11 +22,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dpo_vs_trl import save_base  # noqa: E402 - the same float32 folder of the shipped GGUF
+from dpo_vs_trl import save_base, step_timer  # noqa: E402 - the same float32 folder of the shipped GGUF
 from sft_vs_trl import peak_rss_mib  # noqa: E402
 
 STEPS, THREADS, PROMPTS, GENERATIONS, LENGTH, LR = 6, 2, 4, 8, 16, 2e-5
@@ -35,20 +34,12 @@ STEPS, THREADS, PROMPTS, GENERATIONS, LENGTH, LR = 6, 2, 4, 8, 16, 2e-5
 def run_trl(base: Path) -> dict[str, object]:
     import datasets
     import peft
-    import transformers
     import trl
 
     from accel_trainer.data import arithmetic
 
     rows = datasets.Dataset.from_list(arithmetic.prompts(200, 0))
     times: list[float] = []
-
-    class StepTimes(transformers.TrainerCallback):
-        def on_step_begin(self, *args, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *args, **kwargs):
-            times.append(time.perf_counter() - self.start)
 
     args = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=GENERATIONS, gradient_accumulation_steps=PROMPTS,
@@ -57,7 +48,7 @@ def run_trl(base: Path) -> dict[str, object]:
     )  # fmt: skip
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = trl.GRPOTrainer(model=str(base), reward_funcs=[arithmetic.short], args=args, train_dataset=rows,
-                              peft_config=lora, callbacks=[StepTimes()])  # fmt: skip
+                              peft_config=lora, callbacks=[step_timer(times)])  # fmt: skip
     trainer.train()
     rewards = [record["reward"] for record in trainer.state.log_history if "reward" in record]
     return {"times": times, "rewards": rewards}

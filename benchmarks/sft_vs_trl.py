@@ -28,11 +28,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dpo_vs_trl import save_base  # noqa: E402 - the same float32 folder of the shipped GGUF
+from dpo_vs_trl import save_base, step_timer  # noqa: E402 - the same float32 folder of the shipped GGUF
 
 STEPS, THREADS, ROWS, WINDOW, MICRO, ACCUMULATION = 14, 2, 800, 128, 8, 2
 
@@ -58,22 +57,11 @@ def conversations(count: int = ROWS) -> list[dict[str, list[dict[str, str]]]]:
 def run_trl(base: Path, data: Path, extra: list[str]) -> dict[str, object]:
     import datasets
     import peft
-    import transformers
     import trl
 
     rows = datasets.Dataset.from_list([json.loads(line) for line in data.read_text().splitlines()])
     times: list[float] = []
     before: list[float] = []
-
-    class StepTimes(transformers.TrainerCallback):
-        def on_train_begin(self, *args, **kwargs):
-            before.append(current_rss_mib())
-
-        def on_step_begin(self, *args, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *args, **kwargs):
-            times.append(time.perf_counter() - self.start)
 
     args = trl.SFTConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATION,
@@ -81,9 +69,8 @@ def run_trl(base: Path, data: Path, extra: list[str]) -> dict[str, object]:
         save_strategy="no", seed=0,
     )  # fmt: skip
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = trl.SFTTrainer(
-        model=str(base), args=args, train_dataset=rows, peft_config=lora, callbacks=[StepTimes()]
-    )  # fmt: skip
+    timer = step_timer(times, at_start=lambda: before.append(current_rss_mib()))
+    trainer = trl.SFTTrainer(model=str(base), args=args, train_dataset=rows, peft_config=lora, callbacks=[timer])
     trainer.train()
     losses = [record["loss"] for record in trainer.state.log_history if "loss" in record]
     return {"times": times, "losses": losses, "rss_before_training_mib": before[0]}
