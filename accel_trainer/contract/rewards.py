@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from accel_trainer.contract import policy_gradient
 from accel_trainer.errors import ConfigError, RecipeError
 
 
@@ -102,7 +103,7 @@ def logged_figures(
     total, table = batch["rewards"], batch["per_function"]
     completions = torch.tensor(float(len(total)))
     groups = total.view(-1, num_generations)
-    spread = groups.nan_to_num(0.0).std(dim=1)  # NaN for unscored completions: as 0, equal rewards stay equal
+    spread = policy_gradient.nan_std(groups, dim=1)  # TRL's nanstd: a group with under 2 scored has no zero spread
     figures = {
         "reward": (total.nansum(), (~total.isnan()).sum()),
         "reward_std": (batch["reward_std"] * completions, completions),

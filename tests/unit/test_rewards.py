@@ -92,3 +92,21 @@ def test_tensors_of_one_value_count_as_numbers(reward_file):
         "tensor", lambda prompts, completions, **_: [torch.tensor(0.5)] * len(completions)
     )
     assert rewards.scores([function], ["p"], ["a"]).tolist() == [[0.5]]
+
+
+def test_logged_figures_are_trls_means_and_a_group_with_one_scored_completion_has_no_zero_spread():
+    nan = math.nan
+    table = torch.tensor([[1.0], [1.0], [0.0], [1.0], [nan], [0.0]])  # three groups of two, one function
+    batch = {
+        "rewards": rewards.weighted(table, torch.ones(1)),
+        "per_function": table,
+        "reward_std": torch.tensor(0.5),
+        "completion_lengths": torch.tensor([3.0, 4.0, 5.0, 6.0, 7.0, 8.0]),
+    }
+    figures = {name: (float(value), float(count)) for name, (value, count) in
+               rewards.logged_figures(batch, ["f"], num_generations=2).items()}  # fmt: skip
+    assert figures["reward"] == (3.0, 5.0)  # the unscored completion is not counted
+    assert figures["rewards/f"] == (3.0, 5.0)
+    assert figures["completion_length"] == (33.0, 6.0)
+    assert figures["reward_std"] == (3.0, 6.0)
+    assert figures["frac_reward_zero_std"] == (1.0, 3.0)  # TRL's nanstd: (NaN, 0) is not "all equal"
