@@ -11,6 +11,7 @@ from accelerate import Accelerator
 
 from accel_trainer.errors import RecipeError
 from accel_trainer.observe.breadcrumb import note_where
+from accel_trainer.parallel.sharding import fsdp_root_initialized
 
 
 def rolled_out(
@@ -36,17 +37,12 @@ def rolled_out(
 
 @contextlib.contextmanager
 def root_gathered(model: Any) -> Iterator[None]:
-    """An FSDP2 model's root ready for forwards that do not start at it: a rollout's `generate` runs the inner
-    causal LM (peft's `generate` calls its base model's), so the root's pre-forward, which initialises FSDP's
-    state once and gathers the root's own parameters, never runs. Without it the first inner forward took each
-    sharded submodule for a root ("FSDP requires a single root module"). Its state is initialised here (torch's
-    `_lazy_init`, as estimate/step_memory.py does; canary: tests/test_grpo.py's FSDP run) and its own parameters
-    gathered for the rollout (`unshard`, not recursive: the blocks gather theirs in their forwards)."""
-    state = getattr(model, "_get_fsdp_state", None)
-    if state is None:
+    """An FSDP2 model's root ready for forwards that do not start at it (a rollout's `generate`): its state
+    initialised (parallel/sharding.py) and its own parameters gathered for the rollout (`unshard`, not recursive:
+    the blocks gather theirs in their forwards)."""
+    if not fsdp_root_initialized(model):
         yield
         return
-    state()._lazy_init()
     model.unshard()
     try:
         yield

@@ -39,6 +39,7 @@ from accel_trainer.parallel.accelerator import prepare_for_training
 from accel_trainer.parallel.context_parallel import sequence_slices
 from accel_trainer.parallel.mesh import data_ranks
 from accel_trainer.parallel.pipeline.build import build_pipeline
+from accel_trainer.parallel.sharding import fsdp_root_initialized
 from accel_trainer.parallel.wrapping import split_and_wrap
 from accel_trainer.recipe import Recipe
 
@@ -140,9 +141,7 @@ def prepared(recipe: Recipe, cfg: Any, layout: LayoutSettings, accelerator: Acce
     inner = [getattr(optimizer, "optimizer", optimizer) for optimizer in prepared]
     for optimizer, groups in zip(inner, names, strict=True):
         _point_at(optimizer, model, groups)
-    state = getattr(model, "_get_fsdp_state", None)
-    if state is not None:  # FSDP pads uneven shards again at its first use: before the count starts
-        state()._lazy_init()
+    fsdp_root_initialized(model)  # FSDP pads uneven shards again at its first use: before the count starts
     if pipeline is not None:
         # The first step's handshake of the loss's terms is an object broadcast, whose sizes a fake process group
         # cannot carry (and a fake tensor cannot read): the estimate needs no loss, so it says there are none.

@@ -45,3 +45,16 @@ def is_sharded(accelerator: Accelerator, model: torch.nn.Module) -> bool:
     if accelerator.distributed_type == DistributedType.FSDP or pipeline_size(accelerator) > 1:
         return True
     return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def fsdp_root_initialized(model: Any) -> bool:
+    """Initialise an FSDP2 root's state now, as its first forward would; whether `model` is one. Run before work
+    that does not start at the root's forward: a rollout's `generate` (peft's runs the inner LM, so each sharded
+    block took itself for a root: "FSDP requires a single root module") and estimate's count (FSDP pads uneven
+    shards again at its first use). torch's private `_lazy_init`, called here alone; canaries: tests/test_grpo.py's
+    cpu_fsdp run and tests/unit/estimate's FSDP plans."""
+    state = getattr(model, "_get_fsdp_state", None)
+    if state is None:
+        return False
+    state()._lazy_init()
+    return True
