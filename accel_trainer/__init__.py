@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         HeadLoss,
         lm_loss,
         lm_token_losses,
+        lm_token_losses_and_entropies,
         measure_chunked_loss,
         with_chunked_loss,
     )
@@ -85,6 +86,7 @@ _HOMES = {
     "group_advantages": "contract.policy_gradient",
     "lm_loss": "contract.lm_loss",
     "lm_token_losses": "contract.lm_loss",
+    "lm_token_losses_and_entropies": "contract.lm_loss",
     "load_base_model": "contract.pretrained",
     "load_base_tokenizer": "contract.pretrained",
     "main": "training",
@@ -128,6 +130,7 @@ __all__ = [
     "group_advantages",
     "lm_loss",
     "lm_token_losses",
+    "lm_token_losses_and_entropies",
     "load_base_model",
     "load_base_tokenizer",
     "main",

@@ -94,6 +94,20 @@ def test_each_tokens_loss_is_in_its_place_zero_where_ignored_with_the_gradients_
     assert relative_error(gradients(model), gradients(reference)) <= 1e-6
 
 
+@pytest.mark.parametrize("config", [{}, {"logit_scale": 0.5}], ids=["chunks", "kept-logits"])
+def test_entropies_come_with_the_losses_from_one_forward_each_the_distributions_own(config, several_chunks):
+    model, ids, targets = tiny_llama(**config), *batch()
+    logits = copy.deepcopy(model)(input_ids=ids).logits.float()
+    at.with_chunked_loss(model)
+
+    losses, entropies = at.lm_token_losses_and_entropies(model, {"input_ids": ids}, targets)
+    expected = torch.distributions.Categorical(logits=logits).entropy() * (targets != -100)
+
+    assert torch.equal(losses, at.lm_token_losses(model, {"input_ids": ids}, targets))
+    assert entropies.shape == targets.shape and not entropies.requires_grad
+    assert relative_error(entropies, expected) <= 1e-6
+
+
 def test_a_batch_with_no_counted_token_is_a_zero_loss_that_backpropagates():
     model = at.with_chunked_loss(tiny_llama())
     ids, _ = batch()

@@ -60,11 +60,12 @@ SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "output_multiplier", 
 class HeadLoss:
     """What a `with_chunked_loss` model's forward computes in place of its logits: the cross-entropy of `targets`
     (aligned with the inputs: targets[:, t] is the token predicted at position t), summed with the count of
-    counted tokens, or per token."""
+    counted tokens, or per token (with `entropy`, a pair: the losses and the entropies)."""
 
     targets: torch.Tensor
     ignore_index: int = -100
     per_token: bool = False
+    entropy: bool = False  # per token: also each position's entropy of the head's distribution, without gradients
 
 
 def with_chunked_loss(model: nn.Module) -> nn.Module:
@@ -105,6 +106,21 @@ def lm_token_losses(
     return model(**_keywords(inputs), head_loss=HeadLoss(targets, ignore_index, per_token=True))  # type: ignore[no-any-return]
 
 
+def lm_token_losses_and_entropies(
+    model: nn.Module, inputs: dict[str, Any] | torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lm_token_losses` and each counted position's entropy of the model's next-token distribution (nats, float32,
+    0 elsewhere, no gradients: a figure to log, as TRL's GRPO logs `entropy`), from one forward; the head's
+    scores for the entropies a chunk at a time too.
+
+    Raises:
+        RecipeError: no transformers causal LM is found in `model`.
+    """
+    _with_forward(model)
+    head_loss = HeadLoss(targets, ignore_index, per_token=True, entropy=True)
+    return model(**_keywords(inputs), head_loss=head_loss)  # type: ignore[no-any-return]
+
+
 def causal_lms(model: nn.Module) -> list[nn.Module]:
     """The transformers causal LMs in `model`: itself, or those inside a wrapper (DDP, compile, peft, a policy and
     its reference). transformers is imported wherever such a model exists."""
@@ -142,6 +158,12 @@ def head_cross_entropy(hidden: torch.Tensor, head: nn.Linear, loss: HeadLoss) ->
             rows, weight, labels, linear_bias=bias, reduction="none" if loss.per_token else "sum",
             ignore_index=loss.ignore_index, options=options,
         )  # fmt: skip
+        if loss.entropy:
+            rows_per_chunk = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * weight.shape[0]))
+            entropies = torch.cat(
+                [_entropy(F.linear(chunk, weight, bias)) for chunk in rows.detach().split(rows_per_chunk)]
+            )
+            return _reduced(losses, loss, counted, shapes_only), _reduced(entropies, loss, counted, shapes_only)
     return _reduced(losses, loss, counted, shapes_only)
 
 
@@ -206,9 +228,21 @@ def _loss_of_kept_logits(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     counted = targets != loss.ignore_index
     if targets.is_meta or _is_fake(targets):  # values unknown: every position's logits
         logits = type(model).forward(model, *args, **kwargs).logits.flatten(0, -2)
-        return _reduced(F.cross_entropy(logits.float(), targets.flatten(), reduction="none"), loss, counted, True)
-    logits = type(model).forward(model, *args, logits_to_keep=counted, **kwargs).logits
-    return _reduced(F.cross_entropy(logits.float(), targets[counted], reduction="none"), loss, counted, False)
+        every_position = True
+        losses = F.cross_entropy(logits.float(), targets.flatten(), reduction="none")
+    else:
+        logits = type(model).forward(model, *args, logits_to_keep=counted, **kwargs).logits
+        every_position = False
+        losses = F.cross_entropy(logits.float(), targets[counted], reduction="none")
+    reduced = _reduced(losses, loss, counted, every_position)
+    return (reduced, _reduced(_entropy(logits), loss, counted, every_position)) if loss.entropy else reduced
+
+
+def _entropy(scores: torch.Tensor) -> torch.Tensor:
+    """The entropy (nats) of each row's softmax of `scores`, in float32, without gradients."""
+    with torch.no_grad():
+        log_p = scores.float().log_softmax(dim=-1)
+        return -(log_p.exp() * log_p).sum(dim=-1)
 
 
 def _reduced(losses: torch.Tensor, loss: HeadLoss, counted: torch.Tensor, every_position: bool) -> Any:
