@@ -16,6 +16,7 @@ precision. It is a class with a typed `Config` and a handful of methods the loop
     collate(examples)           -> optional; how a list of examples becomes a batch
     rollout(model, batches, step) -> optional; the step's micro-batches made into what compute_loss trains on,
                                    with the current weights (online RL samples completions here)
+    rollout_schedule()          -> optional; (steps, passes): a rollout feeds that many steps, that many times
     wrap_classes                -> optional class attribute: the block classes FSDP shards as units
     tp_plan                     -> optional class attribute: how tensor parallelism splits modules
     pipeline_split              -> optional class attribute: the modules that begin a pipeline stage
@@ -163,8 +164,9 @@ class Recipe:
         return default_collate(examples)
 
     def rollout(self, model: torch.nn.Module, batches: list[Batch], step: int) -> list[Batch]:
-        """Optional: turn optimizer step `step`'s micro-batches (this process's, in order) into the micro-batches
-        `compute_loss` trains on, one for one, with the weights as they are before the step: an online RL recipe
+        """Optional: turn optimizer step `step`'s micro-batches (this process's, in order; several steps' with a
+        `rollout_schedule`) into the micro-batches `compute_loss` trains on, one for one, with the weights as they
+        are before the step: an online RL recipe
         samples completions of the batches' prompts here and scores them (recipes/grpo.py).
 
         The loop calls it once a step, before any of the step's forwards, without gradients, every process at
@@ -174,6 +176,14 @@ class Recipe:
         mode is undone before the step's forwards. Not on pipeline layouts, nor with alternating optimizers.
         """
         raise NotImplementedError  # never called: the loop calls a recipe's own rollout only
+
+    def rollout_schedule(self) -> tuple[int, int]:
+        """Optional, with `rollout`: `(steps, passes)`, TRL's steps_per_generation and num_iterations. The loop then
+        runs the rollout once every steps x passes optimizer steps, on `steps` optimizer steps' micro-batches, and
+        trains each step on its share of what it made, every share once a pass (checkpoint/generations.py keeps
+        them, in checkpoints too). A recipe reusing completions computes their sampling log-probabilities in the
+        rollout. (1, 1), the default: a rollout a step, on the step's own micro-batches."""
+        return 1, 1
 
     @classmethod
     def rolls_out(cls) -> bool:

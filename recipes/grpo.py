@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import datasets
@@ -68,6 +68,12 @@ class GRPOConfig(finetune_module.PretrainedBase, at.TrainConfig):  # type: ignor
     top_p: float = 1.0
     top_k: int = 0
     """0: no top-k cut (TRL's default)."""
+    steps_per_generation: int = 1
+    """Optimizer steps one generation feeds: the rollout samples their prompts together, each step trains on its
+    share (TRL counts micro-batches, by default its gradient_accumulation_steps: one optimizer step, as here)."""
+    num_iterations: int = 1
+    """Passes over each generation (TRL's num_iterations, the paper's mu): above 1, or with steps_per_generation
+    above 1, the ratio to the sampling weights' log-probabilities is clipped at epsilon."""
     loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = "dapo"
     """TRL's loss types (contract/policy_gradient.py); dapo: token-level over the step's tokens."""
     epsilon: float = 0.2
@@ -95,6 +101,9 @@ class GRPOConfig(finetune_module.PretrainedBase, at.TrainConfig):  # type: ignor
         self.chat_template = chat.check_template_choice(self.chat_template)
         if self.num_generations < 2:
             raise at.ConfigError(f"num_generations={self.num_generations}: a group needs 2 or more completions")
+        for name in ("steps_per_generation", "num_iterations"):
+            if getattr(self, name) < 1:
+                raise at.ConfigError(f"{name}={getattr(self, name)}: give 1 or more")
         if self.max_completion_length < 1:
             raise at.ConfigError(f"max_completion_length={self.max_completion_length}: give 1 or more tokens")
         if self.data and not self.rewards:
@@ -197,29 +206,32 @@ class GRPO(at.Recipe):
         batch["row"] = torch.tensor([example["row"] for example in examples])
         return batch
 
+    def rollout_schedule(self) -> tuple[int, int]:
+        return self.cfg.steps_per_generation, self.cfg.num_iterations
+
     def rollout(self, model: Any, batches: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
-        """Each prompt's group sampled and scored, the step's advantages, and the sequences compute_loss trains
-        on (contract/group_sampling.py, contract/rewards.py, contract/policy_gradient.py)."""
-        self.shown: list[dict[str, Any]] = []  # the step's completions, for completions.jsonl
+        """Each prompt's group sampled and scored, the generation's advantages, and the sequences compute_loss trains
+        on (contract/group_sampling.py, contract/rewards.py, contract/policy_gradient.py). `batches`: the micro-batches
+        of the steps_per_generation steps from `step` on."""
+        cfg = self.cfg
+        self.shown: list[dict[str, Any]] = []  # the generation's completions, for completions.jsonl
         sampled = [self.sampled(model, batch, step) for batch in batches]
-        step_rewards = torch.cat([made["rewards"] for made in sampled])
-        every_reward = gather(step_rewards.to(batches[0]["row"].device)).cpu()  # all processes': the step's spread
+        every_reward = gather(torch.cat([made["rewards"] for made in sampled]).to(batches[0]["row"].device)).cpu()
+        reward_std = policy_gradient.nan_std(every_reward)  # all processes': the generation's spread
         for made in sampled:
             made["advantages"] = at.group_advantages(
-                made["rewards"],
-                num_generations=self.cfg.num_generations,
-                scale_rewards=self.cfg.scale_rewards,
+                made["rewards"], num_generations=cfg.num_generations, scale_rewards=cfg.scale_rewards,
                 step_rewards=every_reward,
-            )
-            made["reward_std"] = policy_gradient.nan_std(every_reward)
-        every = self.cfg.log_every_steps
-        if step == 1 or (every and step % every == 0):
+            )  # fmt: skip
+            made["reward_std"] = reward_std
+        fed = range(step, step + cfg.steps_per_generation * cfg.num_iterations)  # the steps this generation feeds
+        if step == 1 or any(cfg.log_every_steps and later % cfg.log_every_steps == 0 for later in fed):
             self.write_completions(step, [made["advantages"] for made in sampled])
         return sampled
 
     def write_completions(self, step: int, advantages: list[torch.Tensor]) -> None:
-        """The step's prompts, completions, rewards and advantages, every process's, appended to the run folder's
-        completions.jsonl by the main process (TRL's completions table)."""
+        """The generation's prompts, completions, rewards and advantages, every process's, appended to the run
+        folder's completions.jsonl by the main process (TRL's completions table), under its first step."""
         for row, advantage in zip(self.shown, torch.cat(advantages).tolist(), strict=True):
             row["advantage"] = advantage
         rows = gather_object(self.shown)
@@ -228,62 +240,84 @@ class GRPO(at.Recipe):
                 file.writelines(json.dumps({"step": step, **row}, default=str) + "\n" for row in rows)
 
     def sampled(self, model: Any, batch: dict[str, Any], step: int) -> dict[str, Any]:
-        """One micro-batch's groups: completions, rewards, and the right-padded sequences of prompt + completion."""
-        cfg, tokenizer = self.cfg, self.tokenizer
-        synced = any(type(parameter).__name__ == "DTensor" for parameter in model.parameters())
-        eos = [tokenizer.eos_token_id]
-        sequences, masks, prompts, completions, columns = [], [], [], [], {}
-        lengths = []
-        for position, prompt_ids in enumerate(batch["prompt_ids"]):
-            group = group_sampling.sample_group(
-                model, prompt_ids, num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
-                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_token_ids=eos,
-                pad_token_id=tokenizer.pad_token_id, key=(cfg.seed, step, int(batch["row"][position])), synced=synced,
-            )  # fmt: skip
-            for ids, mask in zip(group.completion_ids, group.completion_mask, strict=True):
-                kept = ids[: int(mask.sum())]
-                sequences.append(torch.cat([prompt_ids, kept]))
-                masks.append(torch.cat([torch.zeros_like(prompt_ids), torch.ones_like(kept)]))
-                lengths.append(len(kept))
-                text = tokenizer.decode(kept, skip_special_tokens=True)
-                prompt = batch["prompt"][position]
-                prompts.append(prompt)
-                completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, list) else text)
-                for name, values in batch.items():
-                    if name not in ("prompt", "prompt_ids", "row"):
-                        columns.setdefault(name, []).append(values[position])
-        table = rewards.scores(self.functions, prompts, completions, **columns)
+        """One micro-batch's groups: completions, rewards, and the right-padded sequences of prompt + completion,
+        with the log-probabilities the loss compares against: the reference's (beta > 0) and, where the generation
+        feeds more than one step, the sampling weights'."""
+        cfg = self.cfg
+        groups = self.groups(model, batch, step)
+        table = rewards.scores(self.functions, groups.prompts, groups.completions, **groups.columns)
         names = [function.name for function in self.functions]
-        for prompt, completion, scores in zip(prompts, completions, table.tolist(), strict=True):
+        for prompt, completion, scores in zip(groups.prompts, groups.completions, table.tolist(), strict=True):
             self.shown.append(
                 {"prompt": prompt, "completion": completion, "rewards": dict(zip(names, scores, strict=True))}
             )
-        inputs = group_sampling.right_padded(sequences, masks, tokenizer.pad_token_id)
+        inputs = group_sampling.right_padded(groups.sequences, groups.masks, self.tokenizer.pad_token_id)
+        targets = at.completion_targets(inputs["input_ids"], inputs["completion_mask"])
         if cfg.beta:  # the reference: the base, the adapter disabled
             with model.disable_adapter():
-                inputs["ref_logps"] = -token_losses(
-                    model, inputs, at.completion_targets(inputs["input_ids"], inputs["completion_mask"])
-                )
+                inputs["ref_logps"] = -token_losses(model, inputs, targets)
+        if cfg.steps_per_generation * cfg.num_iterations > 1:  # later steps train other weights on these
+            inputs["old_logps"] = -token_losses(model, inputs, targets)
         return {
             **inputs,
             "rewards": rewards.weighted(table, self.weights),
             "per_function": table,
-            "completion_lengths": torch.tensor(lengths, dtype=torch.float64),
+            "completion_lengths": torch.tensor(groups.lengths, dtype=torch.float64),
         }
+
+    def groups(self, model: Any, batch: dict[str, Any], step: int) -> SampledGroups:
+        """The micro-batch's prompts' groups, sampled with the key (seed, step, the prompt's row), each completion
+        beside its prompt, its prompt's columns and its sequence of prompt + completion tokens."""
+        cfg, tokenizer, made = self.cfg, self.tokenizer, SampledGroups()
+        synced = any(type(parameter).__name__ == "DTensor" for parameter in model.parameters())
+        for position, prompt_ids in enumerate(batch["prompt_ids"]):
+            group = group_sampling.sample_group(
+                model, prompt_ids, num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
+                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_token_ids=[tokenizer.eos_token_id],
+                pad_token_id=tokenizer.pad_token_id, key=(cfg.seed, step, int(batch["row"][position])), synced=synced,
+            )  # fmt: skip
+            prompt = batch["prompt"][position]
+            for ids, mask in zip(group.completion_ids, group.completion_mask, strict=True):
+                kept = ids[: int(mask.sum())]
+                made.sequences.append(torch.cat([prompt_ids, kept]))
+                made.masks.append(torch.cat([torch.zeros_like(prompt_ids), torch.ones_like(kept)]))
+                made.lengths.append(len(kept))
+                text = tokenizer.decode(kept, skip_special_tokens=True)
+                made.prompts.append(prompt)
+                made.completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, list) else text)
+                for name, values in batch.items():
+                    if name not in ("prompt", "prompt_ids", "row"):
+                        made.columns.setdefault(name, []).append(values[position])
+        return made
 
     def compute_loss(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
         """GRPO's loss of the micro-batch's completions (the tokens' log-probabilities in chunks, never the
         vocabulary's logits of the whole batch), with what it logs as terms of their own counts."""
         cfg = self.cfg
         targets = at.completion_targets(batch["input_ids"], batch["completion_mask"])
-        logps = -token_losses(model, batch, targets)
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        losses, entropies = at.lm_token_losses_and_entropies(model, inputs, targets)
+        mask = targets != IGNORE_INDEX
         output = at.policy_gradient_loss(
-            logps, targets != IGNORE_INDEX, batch["advantages"], loss_type=cfg.loss_type, epsilon_low=cfg.epsilon,
-            epsilon_high=cfg.epsilon_high or cfg.epsilon, beta=cfg.beta, ref_logps=batch.get("ref_logps"),
-            max_completion_length=cfg.max_completion_length,
+            -losses, mask, batch["advantages"], loss_type=cfg.loss_type, old_logps=batch.get("old_logps"),
+            epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon, beta=cfg.beta,
+            ref_logps=batch.get("ref_logps"), max_completion_length=cfg.max_completion_length,
         )  # fmt: skip
         names = [function.name for function in self.functions]
-        return {**output, **rewards.logged_figures(batch, names, self.cfg.num_generations)}
+        entropy = {"entropy": (entropies.sum(), mask.sum().float())}  # TRL's: the mean over completion tokens
+        return {**output, **rewards.logged_figures(batch, names, self.cfg.num_generations), **entropy}
+
+
+@dataclass
+class SampledGroups:
+    """A micro-batch's completions, one entry each, in its prompts' order."""
+
+    sequences: list[torch.Tensor] = field(default_factory=list)  # prompt + completion tokens
+    masks: list[torch.Tensor] = field(default_factory=list)  # 1 on the completion's tokens
+    lengths: list[int] = field(default_factory=list)
+    prompts: list[Any] = field(default_factory=list)
+    completions: list[Any] = field(default_factory=list)  # text, or a conversation's assistant message
+    columns: dict[str, list[Any]] = field(default_factory=dict)  # the prompt's other columns, for the rewards
 
 
 def plain(value: Any) -> Any:

@@ -4,6 +4,7 @@ trained on their group advantages (recipes/grpo.py), the same on every layout.""
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 
 import pytest
@@ -21,8 +22,9 @@ def length(prompts, completions, number, **columns):
     return [-len(completion) / 100 for completion in completions]
 """
 COLOURS = ["red", "blue", "green", "amber"]
-SMALL = ["max_steps=3", "global_batch_size=4", "micro_batch_size=1", "num_generations=4",
+SMALL = ["max_steps=5", "global_batch_size=4", "micro_batch_size=1", "num_generations=4",
          "max_completion_length=6", "lora_r=4", "lr=1e-2", "log_every_steps=1", "save_every_steps=2"]  # fmt: skip
+GENERATIONS = ["steps_per_generation=2", "num_iterations=2"]  # a rollout at steps 1 and 5, each feeding 4 steps
 
 
 @pytest.fixture(scope="module")
@@ -44,20 +46,33 @@ def grpo(tmp_path, tiny_base, prompts, *overrides):
 
 def test_a_grpo_run_logs_its_rewards_and_writes_its_completions(one_process):
     records = [record for record in read_metrics(one_process) if "loss" in record]
-    assert [record["step"] for record in records] == [1, 2, 3]
+    assert [record["step"] for record in records] == [1, 2, 3, 4, 5]
     for record in records:
-        assert {"reward", "reward_std", "rewards/has_blue", "rewards/length", "completion_length"} <= record.keys()
+        assert {"reward", "reward_std", "rewards/has_blue", "rewards/length", "completion_length", "entropy",
+                "clip_ratio/region"} <= record.keys()  # fmt: skip
         assert 1 <= record["completion_length"] <= 6
         assert -1 <= record["rewards/length"] < 0
+        assert 0 < record["entropy"] < math.log(49_152)  # nats, under a uniform choice of the vocabulary
 
     rows = [json.loads(line) for line in (one_process / "completions.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [step for step in (1, 2, 3) for _ in range(4 * 4)]  # 4 prompts x 4
-    first = [row for row in rows if row["step"] == 1]
-    mean_length = sum(row["rewards"]["length"] for row in first) / len(first)
-    assert mean_length == pytest.approx(records[0]["rewards/length"], rel=1e-5)  # the logged mean is of these
-    for group in range(4):  # each group's advantages: rewards less their mean, over their deviation
-        advantages = torch.tensor([row["advantage"] for row in first[group * 4 : group * 4 + 4]])
+    assert [row["step"] for row in rows] == [step for step in (1, 5) for _ in range(8 * 4)]  # 2 steps' prompts x 4
+    first, second = rows[:16], rows[16:32]  # the generation's shares: steps 1 and 3 train on the first, 2 and 4 on
+    for step, share in ((1, first), (2, second), (3, first), (4, second)):
+        mean_length = sum(row["rewards"]["length"] for row in share) / len(share)
+        assert mean_length == pytest.approx(records[step - 1]["rewards/length"], rel=1e-5)  # of these completions
+    for group in range(8):  # each group's advantages: rewards less their mean, over their deviation
+        advantages = torch.tensor([row["advantage"] for row in rows[group * 4 : group * 4 + 4]])
         assert abs(float(advantages.sum())) < 1e-4
+    assert records[0]["clip_ratio/region"] == 0  # the first step trains the sampling weights: the ratio is 1
+    assert any(record["clip_ratio/region"] > 0 for record in records[1:4])  # lr 1e-2 moves later steps' ratios
+
+
+def test_a_rollout_a_step_by_default_samples_each_steps_prompts_with_its_weights(tmp_path, tiny_base, prompts):
+    grpo(tmp_path, tiny_base, prompts, "max_steps=2", "steps_per_generation=1", "num_iterations=1", "held_out=0")
+
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [step for step in (1, 2) for _ in range(4 * 4)]
+    assert all(r["clip_ratio/region"] == 0 for r in read_metrics(tmp_path) if "loss" in r)  # no old weights
 
 
 def test_answers_of_held_out_prompts_before_and_after_training_are_written(one_process):
@@ -66,8 +81,10 @@ def test_answers_of_held_out_prompts_before_and_after_training_are_written(one_p
     assert "(has_blue " in answers and ", length " in answers  # each answer scored by the reward functions
 
 
-def test_grpo_resumes_bitwise(tmp_path, tiny_base, prompts, one_process):
-    resumed = grpo(tmp_path, tiny_base, prompts, f"resume={one_process / 'checkpoints' / 'step_00000002'}")
+def test_grpo_resumes_bitwise_inside_a_generation(tmp_path, tiny_base, prompts, one_process):
+    inside = one_process / "checkpoints" / "step_00000002"  # steps 3 and 4 train on the generation of step 1
+    assert (inside / "rollout_rank0.safetensors").is_file()
+    resumed = grpo(tmp_path, tiny_base, prompts, *GENERATIONS, f"resume={inside}")
 
     expected, actual = final_parameters(one_process), final_parameters(tmp_path)
     assert all(torch.equal(actual[name], expected[name]) for name in expected)
@@ -86,8 +103,8 @@ def one_process(tiny_base, prompts, tmp_path_factory):
     return run
 
 
-LAYOUT_RUN = [*SMALL, "global_batch_size=4", "micro_batch_size=1"]
-LOGGED = ["loss", "reward", "reward_std", "rewards/has_blue", "rewards/length", "completion_length"]
+LAYOUT_RUN = [*SMALL, *GENERATIONS]
+LOGGED = ["loss", "reward", "reward_std", "rewards/has_blue", "rewards/length", "completion_length", "entropy"]
 
 
 @pytest.mark.multiprocess
@@ -99,10 +116,14 @@ def test_grpo_samples_and_trains_as_one_process_does_on_ddp_and_fsdp(layout, tin
 
     alone = [record for record in read_metrics(one_process) if "loss" in record]
     mine = [record for record in records if "loss" in record]
-    assert len(mine) == len(alone) == 3
+    assert len(mine) == len(alone) == 5
     for ours, theirs in zip(mine, alone, strict=True):
         for name in LOGGED:  # the same completions, so the same rewards and lengths
             assert ours[name] == pytest.approx(theirs[name], rel=1e-5, abs=1e-6), name
     expected, actual = final_parameters(one_process), final_parameters(tmp_path)
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-5)
+
+    inside = tmp_path / "checkpoints" / "step_00000002"  # each process's share of a generation: not one process's
+    with pytest.raises(at.ConfigError, match="inside a rollout's generation .* on 2 process"):
+        grpo(tmp_path / "alone", tiny_base, prompts, *GENERATIONS, f"resume={inside}")

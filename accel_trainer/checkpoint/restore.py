@@ -145,6 +145,9 @@ def _restore_checked(
         check_tokenizer(folder, recorded, trained.tokenizer)
         for state in states:
             state.load_state_dict(recorded)
+        if trained.generations is not None:
+            saved_and_now = (recorded["world_size"], accelerator.num_processes)
+            trained.generations.restore(folder, accelerator.process_index, recorded["step"], saved_and_now)
         return _load(accelerator, folder, recorded, trained, model_state, optimizer_state)
     except (OSError, SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as error:
         raise CheckpointError(f"checkpoint {folder} cannot be loaded: {type(error).__name__}: {error}") from None

@@ -12,6 +12,8 @@ A checkpoint folder (`checkpoints/step_00000120/`) holds no pickle, so loading o
     ema.safetensors                    the EMA of the weights (optim/ema.py), with `ema_decay`; under FSDP or tensor
                                        parallelism its shards are `ema/` keys of distributed/ instead
     rng_rank<r>.safetensors            every process's RNG states (python, numpy, torch, cuda)
+    rollout_rank<r>.safetensors        a checkpoint inside a rollout's generation: each process's micro-batches
+                                       of it still to train on (checkpoint/generations.py)
     train_state.json                   format, step, epoch, samples seen, recipe, config and its hash, world
                                        size, layout, parameter shapes; the data position is derived from the step
     config.yaml, manifest.json         the resolved config; sizes and checksums, written last
@@ -135,6 +137,8 @@ def _write_files(
     rng = functools.partial(
         state_files.save, capture_rng_states(), temporary / rng_file_name(accelerator.process_index)
     )
+    if trained.generations is not None:  # small, and replaced at the next generation: written now
+        trained.generations.save(temporary, accelerator.process_index, recorded["step"])
     if not accelerator.is_main_process:
         rng()
         return heavy_writes

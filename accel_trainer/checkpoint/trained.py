@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from accel_trainer.checkpoint.frozen import FrozenWeights
+from accel_trainer.checkpoint.generations import Generations
 from accel_trainer.checkpoint.pipeline_state import whole_model_state
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig
@@ -27,6 +28,7 @@ class Trained:
     ema: WeightAverage | None = None  # the EMA of the weights, with ema_decay
     frozen: FrozenWeights | None = None  # the parameters build_model froze, which checkpoints leave out
     tokenizer: str | None = None  # the fingerprint of the recipe's tokenizer (checkpoint/tokenizer.py)
+    generations: Generations | None = None  # a rollout recipe's micro-batches, kept between the steps they feed
 
     def shapes_and_ties(self, model_state: dict[str, Any]) -> tuple[dict[str, Any], list[list[str]]]:
         """The state whose shapes a checkpoint records and checks, and the groups of tied names: the whole

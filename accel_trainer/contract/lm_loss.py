@@ -110,15 +110,10 @@ def lm_token_losses_and_entropies(
     model: nn.Module, inputs: dict[str, Any] | torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`lm_token_losses` and each counted position's entropy of the model's next-token distribution (nats, float32,
-    0 elsewhere, no gradients: a figure to log, as TRL's GRPO logs `entropy`), from one forward; the head's
-    scores for the entropies a chunk at a time too.
-
-    Raises:
-        RecipeError: no transformers causal LM is found in `model`.
-    """
+    0 elsewhere, no gradients: a figure to log, as TRL's GRPO logs `entropy`) from one forward, the head's scores
+    for the entropies a chunk at a time too. Raises RecipeError where `model` holds no transformers causal LM."""
     _with_forward(model)
-    head_loss = HeadLoss(targets, ignore_index, per_token=True, entropy=True)
-    return model(**_keywords(inputs), head_loss=head_loss)  # type: ignore[no-any-return]
+    return model(**_keywords(inputs), head_loss=HeadLoss(targets, ignore_index, True, entropy=True))  # type: ignore[no-any-return]
 
 
 def causal_lms(model: nn.Module) -> list[nn.Module]:

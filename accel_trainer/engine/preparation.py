@@ -14,6 +14,7 @@ from accelerate import Accelerator
 from accelerate.utils import DynamoBackend, set_seed
 
 from accel_trainer.checkpoint.checkpointer import Checkpointer
+from accel_trainer.checkpoint.generations import Generations
 from accel_trainer.checkpoint.tokenizer import tokenizer_fingerprint
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.checkpoint.trained import RunIdentity, Trained
@@ -55,7 +56,10 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     ema = WeightAverage(model, cfg.ema_decay, frozen.names if frozen else frozenset()) if cfg.ema_decay else None
     guard = NonfiniteGuard(cfg, accelerator, model) if cfg.skip_nonfinite_steps else None
     whole, tokenizer = pipeline.model if pipeline is not None else None, tokenizer_fingerprint(recipe.tokenizer)
-    trained = Trained(model, optimizers, whole=whole, ema=ema, frozen=frozen, tokenizer=tokenizer)
+    generations = Generations(*recipe.rollout_schedule(), plan.accumulation_steps) if recipe.rolls_out() else None
+    trained = Trained(
+        model, optimizers, whole=whole, ema=ema, frozen=frozen, tokenizer=tokenizer, generations=generations
+    )
     progress, early, items = TrainState(), EarlyStopping(), ItemsSeen(accelerator)
     states = (*((guard,) if guard is not None else ()), early, items, run_data)  # the items before the position
     checkpointer = Checkpointer(
@@ -114,6 +118,7 @@ def _stepper(
         ema=checkpointer.trained.ema,
         model_items=model_items_passed(accelerator, model, data.plan, data.ranks, pipeline),
         model_calls=ModelCalls(model) if pipeline is None else None,
+        generations=checkpointer.trained.generations,
     )
 
 

@@ -1,4 +1,5 @@
-"""A recipe's `rollout` (accel_trainer/recipe.py) run on an optimizer step's micro-batches before their forwards."""
+"""A recipe's `rollout` (accel_trainer/recipe.py) run on an optimizer step's micro-batches before their forwards, or
+on several steps' at the first step of a generation that feeds them (`rollout_schedule`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from accel_trainer.checkpoint.generations import Generations
 from accel_trainer.errors import RecipeError
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.parallel.sharding import fsdp_root_initialized
@@ -33,6 +35,23 @@ def rolled_out(
         got = f"{len(made)} micro-batches" if isinstance(made, list) else type(made).__name__
         raise RecipeError(f"rollout returned {got} for the step's {len(fetched)}: return one for each, in a list")
     return iter([(epoch, batch) for (epoch, _), batch in zip(fetched, made, strict=True)])
+
+
+def step_share(
+    rollout: Callable[[Any, list[Any], int], list[Any]],
+    generations: Generations,
+    accelerator: Accelerator,
+    model: Any,
+    fetch: Callable[[int], list[tuple[int, Any]]],
+    step: int,
+) -> Iterator[tuple[int, Any]]:
+    """Step `step`'s micro-batches: its share of the generation that feeds it (checkpoint/generations.py), rolled
+    out now, from `fetch(count)`'s micro-batches, where the step is the generation's first."""
+
+    def roll(fetched: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        return list(rolled_out(rollout, accelerator, model, fetched, step))
+
+    return generations.micro_batches(step, fetch, roll)
 
 
 @contextlib.contextmanager

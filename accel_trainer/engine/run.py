@@ -58,8 +58,11 @@ class Run:
     compiled: bool  # torch.compile regions: the observer counts their graphs
 
     def micro_batches(self) -> Any:
-        """This process's training micro-batches from the restored progress on (RunData.micro_batches)."""
-        return self.data.micro_batches(self.progress.step, self.accelerator, self.checkpointer.resume_rng)
+        """This process's training micro-batches from the restored progress on (RunData.micro_batches): a rollout
+        that feeds several steps has read whole generations' data (checkpoint/generations.py)."""
+        generations, step = self.stepper.generations, self.progress.step
+        start = generations.data_steps(step) if generations is not None else step
+        return self.data.micro_batches(start, self.accelerator, self.checkpointer.resume_rng)
 
     def write_start_files(self, cfg: TrainConfig, layout: LayoutSettings, recipe_name: str) -> None:
         """config.yaml, layout.yaml, model_summary.txt and run_info.json, once the checkpoint (if any) is accepted,

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from accel_trainer.checkpoint.generations import Generations
 from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.contract.losses import LossOutput, read_loss_output
 from accel_trainer.data.batching import BatchPlan
 from accel_trainer.engine.hf_loss import ModelItems
 from accel_trainer.engine.model_calls import ModelCalls
-from accel_trainer.engine.rollouts import rolled_out
+from accel_trainer.engine.rollouts import step_share
 from accel_trainer.errors import RecipeError
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
@@ -63,6 +64,7 @@ class Stepper:
         model_items: ModelItems | None = None,
         model_calls: ModelCalls | None = None,
         rollout: Callable[[Any, list[Any], int], list[Any]] | None = None,
+        generations: Generations | None = None,
     ) -> None:
         self.accelerator, self.model, self.optimizers = accelerator, model, optimizers
         self.compute_loss, self.slicing = compute_loss, slicing  # the recipe's loss; its sequences under cp
@@ -72,10 +74,9 @@ class Stepper:
         self.pipeline, self.guard, self.ema = pipeline, guard, ema
         self.model_items = model_items  # passes a transformers model the step's item count (hf_loss.py)
         self.model_calls = model_calls  # whether compute_loss called the model itself (model_calls.py)
-        self.rollout = rollout  # the recipe's, run on the step's micro-batches before their forwards
+        self.rollout, self.generations = rollout, generations  # the recipe's, run before the forwards it feeds
         late = guard is not None and pipeline is None and not optimizers.alternate  # the guard may read a step late
-        phase_verbs = [phase.verbs for phase in optimizers.phases]
-        self.device_skip = DeviceSkip.of(phase_verbs, accelerator.device) if late else None
+        self.device_skip = DeviceSkip.of([p.verbs for p in optimizers.phases], accelerator.device) if late else None
 
     def counted(self) -> bool:
         """Whether the step just trained counts in the logged mean now: not a step the guard skipped, nor one whose
@@ -89,9 +90,9 @@ class Stepper:
         step's figures by log key: the gradient norm(s) when measured, and on log steps the LRs (lr, lr/1, ...;
         for several optimizers lr/<name>, lr/<name>/1, ..., and grad_norm/<name> for alternating phases)."""
         optimizers = self.optimizers
-        if self.rollout is not None:
-            fetched = self._fetch(batches, observer, step)
-            batches = rolled_out(self.rollout, self.accelerator, self.model, fetched, step)
+        if self.rollout is not None and self.generations is not None:  # built together
+            fetch = functools.partial(self._fetch, batches, observer, step)  # at a generation's first step
+            batches = step_share(self.rollout, self.generations, self.accelerator, self.model, fetch, step)
         if not optimizers.alternate:
             epoch, outputs = self._accumulate_gradients(batches, observer, None)
             self._advance(step, epoch)
@@ -272,17 +273,17 @@ class Stepper:
         verbs.backward(output.loss)  # divided by the accumulation steps
         return output
 
-    def _fetch(self, batches: Any, observer: Observer, step: int) -> list[tuple[int, Any]]:
-        """The step's micro-batches, read once for every phase."""
+    def _fetch(self, batches: Any, observer: Observer, step: int, count: int = 0) -> list[tuple[int, Any]]:
+        """The step's micro-batches (or `count`), read once for every phase."""
         note_where("the data of step", step)
         waited = time.perf_counter()
-        fetched = [next(batches) for _ in range(self.plan.accumulation_steps)]
+        fetched = [next(batches) for _ in range(count or self.plan.accumulation_steps)]
         observer.waited_for_data(time.perf_counter() - waited)
         return fetched
 
     def _advance(self, step: int, epoch: int) -> None:
-        progress = self.progress
-        progress.epoch, progress.step, progress.samples_seen = epoch + 1, step, step * self.global_batch_size
+        progress, read = self.progress, self.generations.data_steps(step) if self.generations else step
+        progress.epoch, progress.step, progress.samples_seen = epoch + 1, step, read * self.global_batch_size
 
 
 def _merged(per_phase: list[tuple[str | None, list[LossOutput]]]) -> list[LossOutput]:
