@@ -30,6 +30,7 @@ from accelerate.utils import gather, gather_object
 import accel_trainer as at
 from accel_trainer.contract import group_sampling, policy_gradient, rewards
 from accel_trainer.contract.answers import disable_dropout, greedy_answer
+from accel_trainer.contract.reference import policy_of
 from accel_trainer.data import arithmetic, chat
 
 HFFinetune = at.get_recipe("hf_finetune")
@@ -81,7 +82,8 @@ class GRPOConfig(finetune_module.PretrainedBase, at.TrainConfig):  # type: ignor
     epsilon_high: float = 0.0
     """The ratio's clip above 1 (DAPO's clip-higher); 0: epsilon."""
     beta: float = 0.0
-    """Weight of the KL to the reference (the base: the adapter disabled); 0 (TRL's default): no reference."""
+    """Weight of the KL to the reference, the base: the adapter disabled, or in full (lora_r=0) a frozen copy of
+    it (at.PolicyAndReference, as dpo's); 0 (TRL's default): no reference."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """The deviation advantages are divided by: the group's (TRL's default), the whole step's, or none."""
     disable_dropout: bool = True
@@ -108,10 +110,6 @@ class GRPOConfig(finetune_module.PretrainedBase, at.TrainConfig):  # type: ignor
             raise at.ConfigError(f"max_completion_length={self.max_completion_length}: give 1 or more tokens")
         if self.data and not self.rewards:
             raise at.ConfigError("data= without rewards=: name your reward functions, rewards=FILE.py:function")
-        if self.beta and self.lora_r == 0:
-            raise at.ConfigError(
-                f"beta={self.beta} with lora_r=0: the KL's reference is the LoRA base for now; use lora_r"
-            )
 
 
 @at.register_recipe("grpo")
@@ -136,7 +134,8 @@ class GRPO(at.Recipe):
         model = finetune_module.load_base(cfg, self.needs_base)
         if cfg.disable_dropout:
             disable_dropout(model)
-        return at.with_chunked_loss(finetune_module.with_lora(model, cfg))
+        model = at.with_chunked_loss(finetune_module.with_lora(model, cfg))
+        return at.PolicyAndReference(model) if cfg.beta and cfg.lora_r == 0 else model  # the KL's reference
 
     def build_datasets(self, cfg: GRPOConfig) -> tuple[datasets.Dataset, None]:
         """The prompts with their row's index (the sampling key's) and their tokens; the other columns as given."""
@@ -253,11 +252,11 @@ class GRPO(at.Recipe):
             )
         inputs = group_sampling.right_padded(groups.sequences, groups.masks, self.tokenizer.pad_token_id)
         targets = at.completion_targets(inputs["input_ids"], inputs["completion_mask"])
-        if cfg.beta:  # the reference: the base, the adapter disabled
+        if cfg.beta and cfg.lora_r:  # the reference: the base, the adapter disabled (a full copy's: in the step)
             with model.disable_adapter():
                 inputs["ref_logps"] = -token_losses(model, inputs, targets)
         if cfg.steps_per_generation * cfg.num_iterations > 1:  # later steps train other weights on these
-            inputs["old_logps"] = -token_losses(model, inputs, targets)
+            inputs["old_logps"] = -token_losses(policy_of(model), inputs, targets)
         return {
             **inputs,
             "rewards": rewards.weighted(table, self.weights),
@@ -268,12 +267,13 @@ class GRPO(at.Recipe):
     def groups(self, model: Any, batch: dict[str, Any], step: int) -> SampledGroups:
         """The micro-batch's prompts' groups, sampled with the key (seed, step, the prompt's row), each completion
         beside its prompt, its prompt's columns and its sequence of prompt + completion tokens."""
-        cfg, tokenizer, made = self.cfg, self.tokenizer, SampledGroups()
+        cfg, tokenizer, made, policy = self.cfg, self.tokenizer, SampledGroups(), policy_of(model)
         synced = any(type(parameter).__name__ == "DTensor" for parameter in model.parameters())
         for position, prompt_ids in enumerate(batch["prompt_ids"]):
             group = group_sampling.sample_group(
-                model, prompt_ids, num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
-                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, eos_token_ids=[tokenizer.eos_token_id],
+                policy, prompt_ids, num_generations=cfg.num_generations,
+                max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                top_k=cfg.top_k, eos_token_ids=[tokenizer.eos_token_id],
                 pad_token_id=tokenizer.pad_token_id, key=(cfg.seed, step, int(batch["row"][position])), synced=synced,
             )  # fmt: skip
             prompt = batch["prompt"][position]
@@ -296,12 +296,18 @@ class GRPO(at.Recipe):
         cfg = self.cfg
         targets = at.completion_targets(batch["input_ids"], batch["completion_mask"])
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        losses, entropies = at.lm_token_losses_and_entropies(model, inputs, targets)
+        ref_logps = batch.get("ref_logps")
+        if cfg.beta and not cfg.lora_r:  # the policy and its frozen copy in one forward (contract/reference.py)
+            head_loss = at.HeadLoss(targets, per_token=True, entropy=True)
+            (losses, entropies), (ref_losses, _) = at.policy_and_reference(model, **inputs, head_loss=head_loss)
+            ref_logps = -ref_losses
+        else:
+            losses, entropies = at.lm_token_losses_and_entropies(model, inputs, targets)
         mask = targets != IGNORE_INDEX
         output = at.policy_gradient_loss(
             -losses, mask, batch["advantages"], loss_type=cfg.loss_type, old_logps=batch.get("old_logps"),
             epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon, beta=cfg.beta,
-            ref_logps=batch.get("ref_logps"), max_completion_length=cfg.max_completion_length,
+            ref_logps=ref_logps, max_completion_length=cfg.max_completion_length,
         )  # fmt: skip
         names = [function.name for function in self.functions]
         entropy = {"entropy": (entropies.sum(), mask.sum().float())}  # TRL's: the mean over completion tokens

@@ -96,34 +96,55 @@ def test_grpo_resumes_bitwise_inside_a_generation(tmp_path, tiny_base, prompts, 
 
 @pytest.fixture(scope="module")
 def one_process(tiny_base, prompts, tmp_path_factory):
+    return trained_alone(tiny_base, prompts, tmp_path_factory.mktemp("grpo_one_process"))
+
+
+@pytest.fixture(scope="module")
+def full_with_kl_one_process(tiny_base, prompts, tmp_path_factory):
+    return trained_alone(tiny_base, prompts, tmp_path_factory.mktemp("grpo_full_kl"), *FULL_WITH_KL)
+
+
+def trained_alone(tiny_base, prompts, run, *overrides):
     data, reward_file = prompts
-    run = tmp_path_factory.mktemp("grpo_one_process")
-    train_and_dump("cpu", run, "grpo", f"base={tiny_base}", f"data={data}", *LAYOUT_RUN,
+    train_and_dump("cpu", run, "grpo", f"base={tiny_base}", f"data={data}", *LAYOUT_RUN, *overrides,
                    f"rewards={reward_file}:has_blue,{reward_file}:length", world_size=1)  # fmt: skip
     return run
 
 
 LAYOUT_RUN = [*SMALL, *GENERATIONS]
+FULL_WITH_KL = ["lora_r=0", "beta=0.04", "lr=1e-3"]  # the reference: a frozen copy, sharded as the policy
 LOGGED = ["loss", "reward", "reward_std", "rewards/has_blue", "rewards/length", "completion_length", "entropy"]
 
 
+def test_a_full_fine_tune_with_kl_keeps_a_frozen_reference_the_policy_moves_away_from(full_with_kl_one_process):
+    kl = [record["kl"] for record in read_metrics(full_with_kl_one_process) if "loss" in record]
+    assert kl[0] == pytest.approx(0, abs=1e-7) and kl[-1] > 1e-6  # at the reference first, then away from it
+    assert not any("reference" in name for name in final_parameters(full_with_kl_one_process))  # the policy alone
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["cpu_ddp", "cpu_fsdp"])
-def test_grpo_samples_and_trains_as_one_process_does_on_ddp_and_fsdp(layout, tiny_base, prompts, one_process, tmp_path):
+@pytest.mark.parametrize(
+    ("layout", "settings"), [("cpu_ddp", "lora"), ("cpu_fsdp", "lora"), ("cpu_fsdp", "full_with_kl")]
+)
+def test_grpo_samples_and_trains_as_one_process_does_on_ddp_and_fsdp(layout, settings, tiny_base, prompts, request,
+                                                                      tmp_path):  # fmt: skip
     data, reward_file = prompts
-    records = train_and_dump(layout, tmp_path, "grpo", f"base={tiny_base}", f"data={data}", *LAYOUT_RUN,
+    overrides, one_process = ([], request.getfixturevalue("one_process")) if settings == "lora" else (
+        FULL_WITH_KL, request.getfixturevalue("full_with_kl_one_process"))  # fmt: skip
+    records = train_and_dump(layout, tmp_path, "grpo", f"base={tiny_base}", f"data={data}", *LAYOUT_RUN, *overrides,
                              f"rewards={reward_file}:has_blue,{reward_file}:length", world_size=2)  # fmt: skip
 
     alone = [record for record in read_metrics(one_process) if "loss" in record]
     mine = [record for record in records if "loss" in record]
     assert len(mine) == len(alone) == 5
     for ours, theirs in zip(mine, alone, strict=True):
-        for name in LOGGED:  # the same completions, so the same rewards and lengths
+        for name in LOGGED + (["kl"] if overrides else []):  # the same completions, so the same rewards and lengths
             assert ours[name] == pytest.approx(theirs[name], rel=1e-5, abs=1e-6), name
     expected, actual = final_parameters(one_process), final_parameters(tmp_path)
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-5)
 
-    inside = tmp_path / "checkpoints" / "step_00000002"  # each process's share of a generation: not one process's
-    with pytest.raises(at.ConfigError, match="inside a rollout's generation .* on 2 process"):
-        grpo(tmp_path / "alone", tiny_base, prompts, *GENERATIONS, f"resume={inside}")
+    if layout == "cpu_ddp":
+        inside = tmp_path / "checkpoints" / "step_00000002"  # each process's share of a generation, not one's
+        with pytest.raises(at.ConfigError, match="inside a rollout's generation .* on 2 process"):
+            grpo(tmp_path / "alone", tiny_base, prompts, *GENERATIONS, f"resume={inside}")
