@@ -39,7 +39,7 @@ import datasets
 import torch
 
 import accel_trainer as at
-from accel_trainer.contract.answers import disable_dropout, greedy_answer
+from accel_trainer.contract.answers import answers_page, disable_dropout, greedy_answer
 from accel_trainer.contract.preference import token_losses_of_logits
 from accel_trainer.data import chat, preference_pairs, reference_logps
 
@@ -209,16 +209,12 @@ class DPO(at.Recipe):
         rejected completions."""
         if self.held_out_rows is None:
             return
-        lines = ["# Answers to held-out prompts\n"]
-        for row in map(preference_pairs.with_prompt, self.held_out_rows):
-            prompt = row["prompt"]
-            answer = greedy_answer(model, self.tokenizer, prompt, self.cfg.max_answer_chars)
-            question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
-            lines.append(
-                f"**{question}**\n\n- model: {answer}\n- chosen: {text_of(row['chosen'])}\n"
-                f"- rejected: {text_of(row['rejected'])}\n"
-            )
-        (run_dir / "answers.md").write_text("\n".join(lines))
+        answered = [
+            (row["prompt"], [f"model: {greedy_answer(model, self.tokenizer, row['prompt'], self.cfg.max_answer_chars)}",
+                             f"chosen: {text_of(row['chosen'])}", f"rejected: {text_of(row['rejected'])}"])
+            for row in map(preference_pairs.with_prompt, self.held_out_rows)
+        ]  # fmt: skip
+        (run_dir / "answers.md").write_text(answers_page("Answers to held-out prompts", answered))
 
     held_out_rows: datasets.Dataset | None = None
 

@@ -29,7 +29,7 @@ from accelerate.utils import gather, gather_object
 
 import accel_trainer as at
 from accel_trainer.contract import group_sampling, policy_gradient, rewards
-from accel_trainer.contract.answers import disable_dropout, greedy_answer
+from accel_trainer.contract.answers import answers_page, disable_dropout, greedy_answer
 from accel_trainer.contract.reference import policy_of
 from accel_trainer.data import arithmetic, chat
 
@@ -173,17 +173,15 @@ class GRPO(at.Recipe):
         if hasattr(model, "disable_adapter"):
             with model.disable_adapter():
                 before = [self.answer(model, row["prompt"]) for row in rows]
-        lines = ["# Held-out prompts, answered before and after training (greedy)\n"]
-        for index, row in enumerate(rows):
-            prompt = row["prompt"][-1]["content"] if isinstance(row["prompt"], list) else row["prompt"]
-            lines.append(f"**{prompt}**\n")
-            for when, answers in (("before", before), ("after", after)):
-                if answers is not None:
-                    lines.append(f"- {when}: {answers[index]!r} {self.scored(row, answers[index])}")
-            lines.append("")
-        if before is None:
-            lines.append("(A full fine-tune keeps no base to answer before training: only the trained model answers.)")
-        (run_dir / "answers.md").write_text("\n".join(lines) + "\n")
+        answered = [
+            (row["prompt"], [f"{when}: {answers[index]!r} {self.scored(row, answers[index])}"
+                             for when, answers in (("before", before), ("after", after)) if answers is not None])
+            for index, row in enumerate(rows)
+        ]  # fmt: skip
+        note = "(A full fine-tune keeps no base to answer before training: the trained model only.)"
+        note = "" if before is not None else note
+        title = "Held-out prompts, answered before and after training (greedy)"
+        (run_dir / "answers.md").write_text(answers_page(title, answered, note))
 
     def answer(self, model: Any, prompt: Any) -> str:
         return greedy_answer(model, self.tokenizer, prompt, self.cfg.max_answer_chars)

@@ -40,6 +40,7 @@ import torch
 from accelerate import PartialState
 
 import accel_trainer as at
+from accel_trainer.contract.answers import answers_page, greedy_answer
 from accel_trainer.data import chat, packing
 
 HFCausalLM = at.get_recipe("hf_causal_lm")
@@ -141,27 +142,14 @@ class SFTChat(HFFinetune):  # type: ignore[valid-type,misc]
     def write_artifacts(self, model: Any, eval_dataset: Any, run_dir: Path) -> None:
         """`answers.md`: the model's answers (greedy, to the end-of-text token) to the first held-out prompts (each
         conversation up to its last reply), beside the data's replies."""
-        tokenizer = self.tokenizer
         held_out = conversation_splits(self.cfg)["test"]
-        lines = ["# Answers to held-out prompts\n"]
-        context = at.base_context(model)
+        answered = []
         for row in held_out.select(range(min(5, len(held_out)))):
             turns = row["messages"]
             last = max(i for i, message in enumerate(turns) if message["role"] == "assistant")
-            prompt_text = tokenizer.apply_chat_template(turns[:last], tokenize=False, add_generation_prompt=True)
-            prompt = tokenizer(prompt_text, return_tensors="pt", add_special_tokens=False)
-            with torch.no_grad():
-                room = context - prompt["input_ids"].shape[1]  # the model's positions end there
-                output = model.generate(
-                    **prompt, max_new_tokens=min(self.cfg.max_answer_chars + 1, room), do_sample=False,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=self.pad_id,
-                )  # fmt: skip
-            answer = tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
-            lines.append(
-                f"**{turns[last - 1]['content'] if last else ''}**\n\n- model: {answer.strip()}\n"
-                f"- data: {turns[last]['content']}\n"
-            )
-        (run_dir / "answers.md").write_text("\n".join(lines))
+            answer = greedy_answer(model, self.tokenizer, turns[:last], self.cfg.max_answer_chars)
+            answered.append((turns[:last], [f"model: {answer}", f"data: {turns[last]['content']}"]))
+        (run_dir / "answers.md").write_text(answers_page("Answers to held-out prompts", answered))
 
 
 def conversation_splits(cfg: SFTChatConfig) -> datasets.DatasetDict:

@@ -1,5 +1,5 @@
-"""A language model's answers to prompts, as a run's answers.md shows them (dpo's, grpo's), and dropout off for
-the exact log-probabilities preference tuning and online RL compare."""
+"""A language model's answers to prompts and the answers.md page that shows them (sft_chat's, dpo's, grpo's), and
+dropout off for the exact log-probabilities preference tuning and online RL compare."""
 
 from __future__ import annotations
 
@@ -33,3 +33,13 @@ def greedy_answer(model: Any, tokenizer: Any, prompt: Any, max_chars: int) -> st
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
     return str(tokenizer.decode(output[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)).strip()
+
+
+def answers_page(title: str, answered: list[tuple[Any, list[str]]], note: str = "") -> str:
+    """answers.md's text: a title, then each prompt in bold (a conversation's last message) with its bullet lines
+    (the answers, and what the recipe sets beside them), and a closing `note`."""
+    lines = [f"# {title}\n"]
+    for prompt, bullets in answered:
+        question = (prompt[-1]["content"] if prompt else "") if isinstance(prompt, list) else prompt
+        lines += [f"**{question}**\n", *(f"- {bullet}" for bullet in bullets), ""]
+    return "\n".join([*lines, note]).rstrip("\n") + "\n"
