@@ -95,11 +95,12 @@ class GRPOConfig(finetune_module.PretrainedBase, at.TrainConfig):  # type: ignor
     split_seed: int = 1234
     """Seed of the choice of held-out prompts."""
     max_answer_chars: int = 160
-    """answers.md's answers: at most about this many characters."""
+    """answers.md's answers: at most this many characters (and max_completion_length tokens)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.data, _ = at.check_data(self.data, "")
+        self.rewards = rewards.absolute_files(self.rewards)
         self.chat_template = chat.check_template_choice(self.chat_template)
         if self.num_generations < 2:
             raise at.ConfigError(f"num_generations={self.num_generations}: a group needs 2 or more completions")
@@ -155,8 +156,11 @@ class GRPO(at.Recipe):
             return {"prompt_ids": ids, "row": index}
 
         if cfg.held_out:
-            if cfg.held_out >= len(rows):
-                raise at.ConfigError(f"held_out={cfg.held_out} of {len(rows)} prompts leaves none to train on")
+            if len(rows) - cfg.held_out < cfg.global_batch_size:
+                raise at.ConfigError(
+                    f"held_out={cfg.held_out} of {len(rows)} prompts leaves {max(0, len(rows) - cfg.held_out)} to train"
+                    f" on, fewer than global_batch_size={cfg.global_batch_size}: lower held_out (0: no answers.md)"
+                )
             split = rows.train_test_split(test_size=cfg.held_out, seed=cfg.split_seed)
             rows, self.held_out_rows = split["train"], split["test"]
         with gpt_module._quiet_datasets():
@@ -184,7 +188,8 @@ class GRPO(at.Recipe):
         (run_dir / "answers.md").write_text(answers_page(title, answered, note))
 
     def answer(self, model: Any, prompt: Any) -> str:
-        return greedy_answer(model, self.tokenizer, prompt, self.cfg.max_answer_chars)
+        cfg = self.cfg  # as long as a training completion may be: the rewards score what training sampled
+        return greedy_answer(model, self.tokenizer, prompt, cfg.max_answer_chars, cfg.max_completion_length)
 
     def scored(self, row: dict[str, Any], answer: str) -> str:
         """The reward functions' scores of one answer, as `(name 1.0, ...)`."""

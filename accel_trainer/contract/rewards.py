@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import math
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,17 @@ def reward_functions(spec: str) -> list[RewardFunction]:
     return functions
 
 
+def absolute_files(spec: str) -> str:
+    """`spec` with each FILE.py made an absolute path, as data= paths are: the run's config.yaml names the same
+    files from any folder (a resume, `--config`)."""
+    parts = []
+    for part in (part.strip() for part in spec.split(",") if part.strip()):
+        where, colon, attribute = part.rpartition(":")
+        absolute = str(Path(where).expanduser().resolve()) if where.endswith(".py") else where
+        parts.append(f"{absolute}{colon}{attribute}" if colon else part)
+    return ",".join(parts)
+
+
 def reward_weights(spec: str, count: int) -> torch.Tensor:
     """The weight of each of `count` reward functions: `spec` comma-separated numbers, or empty for 1 each."""
     if not spec.strip():
@@ -81,8 +93,8 @@ def scores(
     for index, reward in enumerate(functions):
         try:
             values = reward.function(prompts=prompts, completions=completions, **columns_of)
-        except Exception as error:  # the user's code: named in one line, its own message kept
-            raise RecipeError(f"reward function {reward.name} raised {type(error).__name__}: {error}") from error
+        except Exception as error:  # the user's code: named in one line, its own message kept, where it raised
+            raise RecipeError(_raised(reward, error, sorted(columns_of))) from error
         table[:, index] = torch.tensor(_numbers(reward.name, values, len(completions)), dtype=torch.float64)
     return table
 
@@ -114,6 +126,16 @@ def logged_figures(
         column = table[:, index]
         figures[f"rewards/{name}"] = (column.nansum(), (~column.isnan()).sum())
     return {name: (value.float(), count.float()) for name, (value, count) in figures.items()}
+
+
+def _raised(reward: RewardFunction, error: Exception, columns: list[str]) -> str:
+    """One line for a reward function that raised: its name, the error, and where in the function's file it was
+    raised; raised by the call itself (a parameter the data has no column for), the columns it is given."""
+    home = getattr(getattr(reward.function, "__code__", None), "co_filename", None)
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename == home]
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    given = "" if frames else f" (it is given prompts, completions and the data's columns: {', '.join(columns)})"
+    return f"reward function {reward.name} raised {type(error).__name__}{where}: {error}{given}"
 
 
 def _numbers(name: str, values: Any, expected: int) -> list[float]:

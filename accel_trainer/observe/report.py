@@ -104,7 +104,7 @@ def _summary(training: list[dict], evaluations: list[dict], config: dict) -> str
     rows = [f"- steps: {last.get('step', 0)} of max_steps={config.get('max_steps', '?')}"]
     rows.append(
         "- final training record: "
-        + " | ".join(format_metric(k, v) for k, v in last.items() if k in ("loss", "lr", "grad_norm"))
+        + " | ".join(format_metric(k, v) for k, v in last.items() if k in ("loss", "reward", "lr", "grad_norm"))
     )
     skipped = {k: last[k] for k in ("nonfinite_steps", "skipped_steps") if last.get(k)}
     if skipped:  # steps that changed no weight: NaN/Inf losses or gradients, fp16 overflows

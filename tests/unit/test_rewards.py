@@ -4,6 +4,7 @@ signature, and a function that is missing or misbehaves is a one-line error nami
 
 import math
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def test_weights_are_one_each_unless_given_one_per_function():
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("raises", "reward function raises raised ValueError: no answer column"),
+        ("raises", "reward function raises raised ValueError at my_rewards.py:9: no answer column"),
         ("too_few", "reward function too_few returned 1 values for 2 completions: return one number each"),
         ("words", "reward function words returned a str: return numbers"),
     ],
@@ -68,6 +69,13 @@ def test_a_function_that_misbehaves_is_a_one_line_error_naming_it(reward_file, n
     (function,) = rewards.reward_functions(f"{reward_file}:{name}")
     with pytest.raises(RecipeError, match=message):
         rewards.scores([function], ["p", "p"], ["a", "b"])
+
+
+def test_a_function_asking_for_a_column_the_data_lacks_is_told_the_columns_it_is_given(reward_file):
+    (function,) = rewards.reward_functions(f"{reward_file}:correct")  # correct(prompts, completions, answer)
+    message = r"correct raised TypeError: .*'answer' \(it is given prompts, completions and the data's columns: colour"
+    with pytest.raises(RecipeError, match=message):
+        rewards.scores([function], ["p", "p"], ["a", "b"], colour=["red", "blue"])
 
 
 def test_a_function_that_cannot_be_found_is_a_one_line_error(reward_file, tmp_path):
@@ -110,3 +118,10 @@ def test_logged_figures_are_trls_means_and_a_group_with_one_scored_completion_ha
     assert figures["completion_length"] == (33.0, 6.0)
     assert figures["reward_std"] == (3.0, 6.0)
     assert figures["frac_reward_zero_std"] == (1.0, 3.0)  # TRL's nanstd: (NaN, 0) is not "all equal"
+
+
+def test_reward_files_are_named_by_absolute_paths_modules_as_given(reward_file, monkeypatch):
+    monkeypatch.chdir(reward_file.parent)
+    spec = rewards.absolute_files("my_rewards.py:correct, accel_trainer.data.arithmetic:short,~/r.py:f")
+    home = str(Path("~").expanduser())
+    assert spec == f"{reward_file}:correct,accel_trainer.data.arithmetic:short,{home}/r.py:f"
