@@ -148,3 +148,12 @@ def test_grpo_samples_and_trains_as_one_process_does_on_ddp_and_fsdp(layout, set
         inside = tmp_path / "checkpoints" / "step_00000002"  # each process's share of a generation, not one's
         with pytest.raises(at.ConfigError, match="inside a rollout's generation .* on 2 process"):
             grpo(tmp_path / "alone", tiny_base, prompts, *GENERATIONS, f"resume={inside}")
+
+
+def test_a_qlora_run_samples_and_trains_its_adapter_over_a_4_bit_base(tmp_path, tiny_base, prompts, capsys):
+    pytest.importorskip("torchao")
+    grpo(tmp_path, tiny_base, prompts, "quantize_base=nf4", "max_steps=2", "held_out=0", "save_every_steps=0")
+
+    assert "base: 14 linear weights in 4 bits (NF4)" in capsys.readouterr().out  # 7 linear layers x 2 blocks
+    assert [r["step"] for r in read_metrics(tmp_path) if "reward" in r] == [1, 2]
+    assert (tmp_path / "final" / "adapter" / "adapter_model.safetensors").is_file()
