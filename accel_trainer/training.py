@@ -33,7 +33,7 @@ from accel_trainer.config.train_config import (
     resolve_config,
     resolve_settings,
 )
-from accel_trainer.console.closed_stdout import stdout_is_closed
+from accel_trainer.console.closed_stdout import closed_output_stops, stdout_is_closed
 from accel_trainer.console.import_noise import drop_known_import_noise
 from accel_trainer.console.warning_lines import show_our_warnings_as_one_line
 from accel_trainer.data.batching import plan_batches, planned_micro_batch_size
@@ -52,7 +52,7 @@ from accel_trainer.parallel.launch_fixes import forget_accelerate_state, launche
 from accel_trainer.parallel.layout_file import Layout, check_launched_layout, layout_environment, read_layout
 from accel_trainer.processes import end_launched_worker, launch_on_layout, launch_processes
 from accel_trainer.registry import describe, get_recipe, recipe_name_of
-from accel_trainer.stopping.signals import EXIT_PREEMPTED, Preempted, stop_signals_caught
+from accel_trainer.stopping.signals import EXIT_PREEMPTED, Preempted, request_stop, stop_signals_caught
 
 
 @dataclass
@@ -128,13 +128,12 @@ def _train_here(
         for problem in config_warnings(cfg):
             warnings.warn(f"accel-trainer: {problem}", stacklevel=2)
     recipe = recipe_cls(cfg)
-    new_folder = not (cfg.output_dir and Path(cfg.output_dir).exists())
-    run_dir: Path | None = None
-    completed = False
+    new_folder, run_dir, completed = not (cfg.output_dir and Path(cfg.output_dir).exists()), None, False
     try:
         run_dir = _make_run_dir(accelerator, recipe_name, cfg)
         given = micro_batch_size_given(config_file, overrides)
-        metrics = train_loop(recipe, cfg, layout, accelerator, run_dir, recipe_name, given)
+        with closed_output_stops(request_stop):  # `| tee` killed by the same Ctrl-C: still a checkpoint
+            metrics = train_loop(recipe, cfg, layout, accelerator, run_dir, recipe_name, given)
         completed = True
     except Preempted as stop:
         if cfg.resume != "auto":

@@ -164,3 +164,25 @@ def test_a_second_ctrl_c_after_the_window_quits_at_once_and_leaves_the_last_chec
     [saved] = files.complete_checkpoints(run_dir)  # the step-10 checkpoint, and no other
     assert files.recorded_step(saved) == 10
     files.verify(saved)
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", None], ids=["ctrl-c-killing-tee", "reader-gone"])
+def test_a_run_whose_output_pipe_loses_its_reader_still_saves_and_exits_75(signal_name, tmp_path):
+    # `accel-trainer train ... | tee log` and a Ctrl-C: tee dies of it too, and the next step line once raised
+    # BrokenPipeError mid-step: the run ended with status 1 and no checkpoint. A reader gone alone (`| head`) stops
+    # the run the same way, with its checkpoint.
+    run_dir = tmp_path / "run"
+    worker = [str(BIN / "python"), str(WORKERS / "signalled_run.py"), "mlp_slow", *SIGNALLED, f"output_dir={run_dir}",
+              *TEST_OVERRIDES]  # fmt: skip
+    run = subprocess.Popen(worker, cwd=REPO, env=clean_env(**SLOW_STEP), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    wait_for(lambda: logged_steps(run_dir) >= 2)
+    run.stdout.close()  # what tee's death leaves: a pipe without a reader
+    if signal_name:
+        run.send_signal(signal.SIGINT)
+    _, errors = run.communicate(timeout=LAUNCH_TIMEOUT_S)
+
+    assert run.returncode == EXIT_PREEMPTED, errors
+    stopped_at = stopped_step(errors, signal_name or "a closed stdout")
+    [saved] = files.complete_checkpoints(run_dir)
+    assert files.recorded_step(saved) == stopped_at
