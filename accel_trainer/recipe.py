@@ -40,6 +40,7 @@ from torch.utils.data import default_collate
 
 from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.contract.losses import read_loss_output
+from accel_trainer.contract.optimizers import built_in_optimizer
 from accel_trainer.errors import RecipeError
 
 Batch = Any  # what collate returns: a dict of tensors by default, or tuples or tensors
@@ -112,7 +113,8 @@ class Recipe:
         raise NotImplementedError(f"{type(self).__name__} must define compute_loss(self, model, batch)")
 
     def build_optimizer(self, cfg: Any, model: torch.nn.Module) -> Any:
-        """AdamW, with weight decay on matrices and embeddings only (biases and norm gains are not decayed).
+        """The `optimizer=` key's (contract/optimizers.py): AdamW by default, with weight decay on matrices and
+        embeddings only (biases and norm gains are not decayed); Adafactor, SGD, or Muon with AdamW.
 
         A recipe may return any torch optimizer, or several by name over disjoint parameters, e.g.
         `{"discriminator": Adam(...), "generator": Adam(...)}` (see `alternate_optimizers`).
@@ -121,14 +123,7 @@ class Recipe:
         per parameter group instead of about ten Python-dispatched ops per parameter, 4x faster per step on a
         small CPU model (benchmarks/overhead.py), the same update up to float rounding.
         """
-        decayed = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-        undecayed = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-        groups = [
-            {"params": decayed, "weight_decay": cfg.weight_decay},
-            {"params": undecayed, "weight_decay": 0.0},
-        ]
-        fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in model.parameters())
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, fused=fused or None)
+        return built_in_optimizer(cfg, model)
 
     def build_scheduler(self, cfg: Any, optimizer: torch.optim.Optimizer) -> Any:
         """Return a torch LR scheduler to replace the built-in one (warmup, then cosine, linear or constant).

@@ -27,7 +27,8 @@ from accel_trainer.checkpoint import files, restore, save
 from accel_trainer.checkpoint.train_state import SavedFields, Stateful, TrainState, saved_states
 from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.checkpoint.writer import BackgroundWriter
-from accel_trainer.config.train_config import TrainConfig, check_measurable, metric_of
+from accel_trainer.config.eval_settings import check_measurable, metric_of
+from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.data.rng import apply_rng_states
 from accel_trainer.parallel.batchnorm import average_running_stats
 

@@ -45,18 +45,30 @@ class TrainConfig:
     per-process batch until one fits (data/auto_batch.py)."""
     lr: float = 1e-3
     """Peak learning rate (before the optional scaling rule)."""
-    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay after warmup: cosine or linear down to min_lr_ratio * lr, or constant."""
+    lr_schedule: Literal[
+        "cosine", "linear", "constant", "warmup_stable_decay", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+        "cosine_with_restarts", "polynomial", "inverse_sqrt", "constant_with_warmup",
+    ] = "cosine"  # fmt: skip
+    """Decay after warmup: cosine or linear down to min_lr_ratio * lr, or constant; the others are transformers'
+    schedules of those names (get_scheduler), warmup_stable_decay's decay the last decay_steps steps."""
     warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0 to the peak learning rate."""
     min_lr_ratio: float = 0.0
-    """Final learning rate of the cosine or linear decay, as a fraction of the peak."""
+    """Final learning rate of the decay, as a fraction of the peak (cosine, linear, warmup_stable_decay and the
+    *_with_min_lr schedules)."""
+    decay_steps: int = 0
+    """warmup_stable_decay: the last this many steps decay (0: a tenth of max_steps)."""
+    optimizer: Literal["adamw", "adafactor", "muon", "sgd"] = "adamw"
+    """The default optimizer, torch's: AdamW; Adafactor; Muon for the 2-D weights of linear layers (not the
+    embeddings nor a transformers model's output head) with AdamW for the rest; SGD with momentum."""
+    momentum: float = 0.9
+    """sgd's momentum (Nesterov); muon's own is 0.95."""
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     """Scale lr by global_batch_size / reference_batch_size (linear) or its square root (sqrt)."""
     reference_batch_size: int = 0
     """Global batch size at which lr was tuned; required when lr_scaling is not none."""
     weight_decay: float = 0.0
-    """AdamW weight decay, applied to matrices and embeddings but not to biases and norm gains."""
+    """The optimizer's weight decay, applied to matrices and embeddings but not to biases and norm gains."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     log_every_steps: int = 10
@@ -261,40 +273,3 @@ def config_to_yaml(config: TrainConfig) -> str:
 
 def layout_to_yaml(layout: LayoutSettings) -> str:
     return yaml.safe_dump(layout_to_dict(layout), sort_keys=False)
-
-
-def check_measurable(setting: str, name: str, cfg: TrainConfig, has_eval: bool) -> None:
-    """Refuse a setting naming an eval metric that could never be measured during the run (keep-best, early
-    stopping), before any training.
-
-    Raises:
-        ConfigError: not an eval metric (eval/<name>, or eval_ema/<name> with evaluate_ema), no eval set, or no
-            evaluation before the end.
-    """
-    if name.startswith("eval_ema/") and not cfg.evaluate_ema:
-        raise ConfigError(f"{setting}={name!r} is a metric of the EMA weights: set evaluate_ema=true and ema_decay")
-    if not name.startswith(("eval/", "eval_ema/")):
-        raise ConfigError(f"{setting}={name!r}: name an eval metric, such as eval/loss")
-    if not has_eval:
-        raise ConfigError(f"{setting}={name!r}: this recipe has no eval set to measure it on")
-    if cfg.eval_every_steps <= 0:
-        raise ConfigError(
-            f"{setting}={name!r} needs evaluations during the run: set eval_every_steps (it is 0, which"
-            " evaluates only at the end)"
-        )
-
-
-def metric_of(setting: str, name: str, scores: dict[str, Any]) -> float:
-    """The value of the eval metric a setting names, or a one-line error listing the recipe's metrics (raised at
-    the step-0 evaluation, before any training)."""
-    if name not in scores:
-        raise ConfigError(
-            f"{setting}={name!r} is not among the eval metrics this recipe returns ({', '.join(sorted(scores))}):"
-            " use one of those"
-        )
-    return float(scores[name])
-
-
-def evaluates_after(cfg: TrainConfig, step: int) -> bool:
-    """Whether an evaluation follows `step`: every eval_every_steps, and at the end."""
-    return step == cfg.max_steps or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0)

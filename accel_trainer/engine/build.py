@@ -6,6 +6,8 @@ all through `accelerator.prepare` (engine/preparation.py puts them together into
 from __future__ import annotations
 
 import functools
+import inspect
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -14,11 +16,13 @@ from accelerate import Accelerator
 from accel_trainer.checkpoint.frozen import FrozenWeights
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.contract.optimizers import MUON_SHARDED
 from accel_trainer.data import loaders
 from accel_trainer.data.auto_batch import check_auto_layout, choose_micro_batch_size
 from accel_trainer.data.batching import BatchPlan, plan_batches, planned_micro_batch_size
 from accel_trainer.data.run_data import RunData, build_loaders
 from accel_trainer.engine.hf_loss import ModelItems, model_items
+from accel_trainer.errors import ConfigError
 from accel_trainer.observe.header import model_summary
 from accel_trainer.optim.optimizers import Optimizers, check_layout_for_several, read_optimizers
 from accel_trainer.optim.schedules import recipe_scheduler
@@ -107,6 +111,15 @@ def _optimizers(
 ) -> Optimizers:
     """The recipe's optimizer(s), each with its schedule (optimizers.py), or a one-line refusal."""
     schedule = functools.partial(recipe_scheduler, recipe, cfg, warn=accelerator.is_main_process)
+    own = inspect.unwrap(type(recipe).build_optimizer) is not Recipe.build_optimizer  # a wrapper of the default: not
+    if not own and cfg.optimizer == "muon" and (accelerator.is_fsdp2 or uses_mesh(accelerator, layout)):
+        raise ConfigError(MUON_SHARDED)
+    if own and accelerator.is_main_process and (cfg.optimizer, cfg.momentum) != ("adamw", 0.9):
+        warnings.warn(
+            f"accel-trainer: optimizer={cfg.optimizer} momentum={cfg.momentum} have no effect: the recipe's"
+            " build_optimizer builds its own",
+            stacklevel=2,
+        )
     optimizers = read_optimizers(recipe.build_optimizer(cfg, model), recipe, model, lambda opt: schedule(opt))
     check_layout_for_several(optimizers.several, cfg, uses_mesh=uses_mesh(accelerator, layout))
     if optimizers.alternate and accelerator.ddp_handler is not None:  # a phase may leave parameters out

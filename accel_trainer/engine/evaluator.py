@@ -18,7 +18,8 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, send_to_device
 
 from accel_trainer.checkpoint.checkpointer import Checkpointer
-from accel_trainer.config.train_config import TrainConfig, evaluates_after
+from accel_trainer.config.eval_settings import evaluates_after
+from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.contract.batch_rows import batch_size, first_rows
 from accel_trainer.contract.eval_outputs import metric_sums
 from accel_trainer.data.rng import rng_untouched

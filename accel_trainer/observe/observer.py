@@ -16,8 +16,9 @@ from typing import Any
 from accelerate import Accelerator
 
 from accel_trainer.checkpoint.train_state import TrainState
+from accel_trainer.config.eval_settings import evaluates_after
 from accel_trainer.config.fields import parse_steps
-from accel_trainer.config.train_config import TrainConfig, config_to_dict, evaluates_after
+from accel_trainer.config.train_config import TrainConfig, config_to_dict
 from accel_trainer.contract.losses import LossOutput
 from accel_trainer.observe.events import EventLog
 from accel_trainer.observe.flops import to_meta

@@ -1,4 +1,5 @@
-"""Learning-rate schedules: linear warmup, then cosine, linear or constant, stepped once per optimizer step.
+"""Learning-rate schedules: linear warmup, then cosine, linear or constant, stepped once per optimizer step; or one
+of transformers' schedules by its name (warmup-stable-decay, cosine with a floor, ...), stepped the same way.
 
 Each parameter group's own learning rate is its peak: the default optimizer gives every group `lr`, and a
 recipe's `build_optimizer` may give each group its own (a small LR for a pretrained body, a large one for a
@@ -25,7 +26,9 @@ from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.errors import ConfigError, RecipeError
 
 # Fields that shape the built-in schedule, and so do nothing when a recipe builds its own scheduler.
-_SCHEDULE_FIELDS = ("lr_schedule", "warmup_steps", "min_lr_ratio", "lr_scaling", "reference_batch_size")
+_SCHEDULE_FIELDS = ("lr_schedule", "warmup_steps", "min_lr_ratio", "decay_steps", "lr_scaling", "reference_batch_size")
+OWN_SCHEDULES = ("cosine", "linear", "constant")
+"""The schedules written here (min_lr_ratio's floor on cosine and linear); the others are transformers'."""
 
 
 def lr_scale(cfg: TrainConfig) -> float:
@@ -59,13 +62,42 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LRScheduler:
     """Scale each group's own LR (its peak) by the batch-size rule; return the per-step schedule on top."""
     scale = lr_scale(cfg)
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * scale
         group["initial_lr"] = group["lr"]
+    if cfg.lr_schedule not in OWN_SCHEDULES:
+        return library_scheduler(optimizer, cfg)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+
+
+def library_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LRScheduler:
+    """transformers' schedule named `lr_schedule` (`get_scheduler`, as the HF Trainer builds it), with warmup_steps,
+    max_steps, and where the schedule has one, min_lr_ratio's floor (and WSD's decay_steps).
+
+    Raises:
+        ConfigError: transformers is not installed.
+    """
+    try:
+        from transformers import get_scheduler
+    except ImportError:
+        raise ConfigError(
+            f"lr_schedule={cfg.lr_schedule} is transformers' schedule: pip install transformers (or use cosine,"
+            " linear or constant)"
+        ) from None
+    floor = {"warmup_stable_decay": "min_lr_ratio", "cosine_with_min_lr": "min_lr_rate"}
+    floor["cosine_warmup_with_min_lr"] = "min_lr_rate"
+    kwargs: dict[str, Any] = {floor[cfg.lr_schedule]: cfg.min_lr_ratio} if cfg.lr_schedule in floor else {}
+    if cfg.lr_schedule == "warmup_stable_decay":
+        kwargs["num_decay_steps"] = cfg.decay_steps or max(1, cfg.max_steps // 10)
+    elif cfg.min_lr_ratio:
+        warnings.warn(f"accel-trainer: min_lr_ratio has no effect with lr_schedule={cfg.lr_schedule}", stacklevel=2)
+    return get_scheduler(  # type: ignore[no-any-return]
+        cfg.lr_schedule, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps,
+        scheduler_specific_kwargs=kwargs,
+    )  # fmt: skip
 
 
 def recipe_scheduler(recipe: Any, cfg: TrainConfig, optimizer: torch.optim.Optimizer, *, warn: bool) -> Any:

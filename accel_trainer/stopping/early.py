@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from accel_trainer.checkpoint.train_state import SavedFields
-from accel_trainer.config.train_config import TrainConfig, check_measurable, metric_of
+from accel_trainer.config.eval_settings import check_measurable, metric_of
+from accel_trainer.config.train_config import TrainConfig
 
 
 def check_early_stop(cfg: TrainConfig, has_eval: bool) -> None:

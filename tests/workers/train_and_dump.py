@@ -26,6 +26,7 @@ launch costs on 2 cores; tests/layouts/test_scenario_launches.py proves that a s
 bitwise the same as in a fresh launch.
 """
 
+import functools
 import json
 import os
 import sys
@@ -72,6 +73,7 @@ def train_and_dump(recipe_name: str, overrides: list[str], out: Path, expected_w
         built_models.append(model)
         return model
 
+    @functools.wraps(build_optimizer)  # the recipe's own or the default, as the run tells them apart
     def recording_build_optimizer(self, cfg, model):
         optimizer = build_optimizer(self, cfg, model)
         built_optimizers.append(optimizer)
@@ -102,7 +104,7 @@ def dump(trained, built, out: Path, rank: int) -> None:
             if not is_quantized(parameter):
                 parameters[name.replace("_checkpoint_wrapped_module.", "")] = parameter.detach().contiguous()
     optimizers = list(built.values()) if isinstance(built, dict) else [built]  # several by name, or one
-    optimizer_steps = {int(s["step"]) for o in optimizers for s in o.state.values()}  # AdamW's own count
+    optimizer_steps = {int(s["step"]) for o in optimizers for s in o.state.values() if "step" in s}  # AdamW's count
     optimizer_elements = sum(
         p.to_local().numel() if isinstance(p, DTensor) else p.numel()  # what this rank trains
         for o in optimizers
