@@ -138,6 +138,9 @@ class TrainConfig:
     """Profile these optimizer steps, e.g. 5-8: chrome traces, op tables (and CUDA memory) in <run>/profile."""
     trackers: tuple[str, ...] = ()
     """Experiment trackers mirroring metrics.jsonl, comma-separated: tensorboard, wandb, mlflow, trackio, ..."""
+    tracker_project: str = ""
+    """The trackers' project (W&B, trackio) or experiment (MLflow) of the run: empty, the recipe's name. Each run
+    folder is one tracker run in it, named after the folder."""
 
 
 def resolve_settings(

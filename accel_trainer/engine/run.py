@@ -104,6 +104,7 @@ class Run:
             count_flops=count_flops,
             items=self.items,
             nonfinite_steps=lambda: guard.counts.nonfinite_steps if guard is not None else 0,
+            tracker_project=cfg.tracker_project or self.checkpointer.identity.recipe_name,
         )
 
     def already_trained(self) -> dict[str, Any]:

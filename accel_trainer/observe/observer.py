@@ -59,6 +59,7 @@ class Observer:
         count_flops: Callable[[Any], tuple[float, str]],
         items: ItemsSeen,
         nonfinite_steps: Callable[[], int],
+        tracker_project: str = "",
     ) -> None:
         self.accelerator, self.cfg, self.run_dir, self.state = accelerator, cfg, run_dir, state
         self.speed, self.count_flops = speed, count_flops
@@ -66,7 +67,8 @@ class Observer:
         main = accelerator.is_main_process
         trackers = None
         if main and cfg.trackers:
-            trackers = Trackers(cfg.trackers, run_dir, config_to_dict(cfg), state.step, state.tracker_ids)
+            config = config_to_dict(cfg)
+            trackers = Trackers(cfg.trackers, run_dir, config, state.step, state.tracker_ids, tracker_project)
             state.tracker_ids = trackers.run_ids()
         self.events = EventLog(run_dir, enabled=main)
         self.events.write(

@@ -2,16 +2,26 @@
 
 `trackers=tensorboard,wandb` names any tracker accelerate knows, or one registered with
 `accelerate.tracking.register_tracker_class`; accelerate's own tracker classes do the work. They are built on
-the main process once the run folder exists; TensorBoard writes into `<run>/tensorboard`. A name accelerate
-does not know, or one whose package is missing, is a one-line error at start with the install command.
+the main process once the run folder exists. A name accelerate does not know, or one whose package is missing,
+is a one-line error at start with the install command.
+
+As their users expect, the runs of one recipe share one project (W&B, trackio) or experiment (MLflow), named
+after the recipe or `tracker_project=`, so they can be compared there; each run folder is one tracker run in it,
+named after the folder. TensorBoard writes into `<run>/tensorboard` (`tensorboard --logdir outputs` shows every
+run by folder). MLflow uses `MLFLOW_TRACKING_URI` where it is set, else a local SQLite store beside the run
+folders (`<outputs>/mlflow.db`, artifacts in `<outputs>/mlartifacts`): no server, no network.
 
 metrics.jsonl stays the source of truth: a tracker that raises is switched off with one warning and never
-stops training. On resume the tracker continues its run: TensorBoard purges the steps after the resume point
-(`purge_step`), W&B and MLflow reopen the run whose id the checkpoint saved.
+stops training. On resume the tracker continues its run, each step once: TensorBoard purges the steps after the
+resume point (`purge_step`); W&B and MLflow reopen the run whose id the checkpoint saved, MLflow then leaving out
+the steps it already holds (a resume is bitwise: they are the values it has), W&B ignoring them itself.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -47,16 +57,30 @@ class Trackers:
     """The run's trackers on the main process; every call is a no-op without trackers."""
 
     def __init__(
-        self, names: tuple[str, ...], run_dir: Path, config: dict[str, Any], resume_step: int, saved_ids: dict
+        self,
+        names: tuple[str, ...],
+        run_dir: Path,
+        config: dict[str, Any],
+        resume_step: int,
+        saved_ids: dict,
+        project: str = "",
     ) -> None:
         self._trackers: dict[str, GeneralTracker] = {}
+        self._held_steps: dict[str, int] = {}  # MLflow's last step of a reopened run: not sent again
+        self._sent: dict[str, int] = {}  # each key's last step sent
         for name in names:
-            self._call(name, lambda name=name: self._start(name, run_dir, config, resume_step, saved_ids))
+            start = functools.partial(self._start, name, run_dir, config, resume_step, saved_ids, project or "runs")
+            self._call(name, start)
 
     def log(self, record: dict[str, Any]) -> None:
+        """Send a record's numbers, each key once a step (an evaluation's record repeats the step's samples_seen)."""
+        step = record["step"]
         values = {key: value for key, value in record.items() if key != "step" and isinstance(value, int | float)}
+        values = {key: value for key, value in values.items() if self._sent.get(key, -1) < step}
+        self._sent.update(dict.fromkeys(values, step))
         for name, tracker in list(self._trackers.items()):
-            self._call(name, lambda tracker=tracker: tracker.log(values, step=record["step"]))
+            if record["step"] > self._held_steps.get(name, -1):
+                self._call(name, lambda tracker=tracker: tracker.log(values, step=record["step"]))
 
     def run_ids(self) -> dict[str, str]:
         """The ids of the tracker runs that can be reopened (saved in each checkpoint)."""
@@ -73,20 +97,29 @@ class Trackers:
             self._call(name, tracker.finish)
         self._trackers.clear()
 
-    def _start(self, name: str, run_dir: Path, config: dict, resume_step: int, saved_ids: dict) -> None:
+    def _start(self, name: str, run_dir: Path, config: dict, resume_step: int, saved_ids: dict, project: str) -> None:
         cls = LOGGER_TYPE_TO_CLASS[name]
-        project = run_dir.name
         kwargs: dict[str, Any] = {}
         if name == "tensorboard":
             project, kwargs = "tensorboard", {"purge_step": resume_step + 1} if resume_step else {}
-        elif name == "wandb" and name in saved_ids:
-            kwargs = {"id": saved_ids[name], "resume": "allow"}
-        elif name == "mlflow" and name in saved_ids:
-            kwargs = {"run_id": saved_ids[name]}
+        elif name == "wandb":
+            kwargs = {"name": run_dir.name, "dir": str(run_dir)}
+            kwargs |= {"id": saved_ids[name], "resume": "allow"} if name in saved_ids else {}
+        elif name == "mlflow":
+            _local_mlflow_store(run_dir.parent)
+            kwargs = {"run_name": run_dir.name, "logging_dir": str(run_dir.parent / "mlartifacts")}
+            kwargs |= {"run_id": saved_ids[name]} if name in saved_ids else {}
+        elif name == "trackio":
+            kwargs = {"name": run_dir.name, "resume": "allow"}
         args = (project, str(run_dir)) if cls.requires_logging_directory else (project,)
         tracker = cls(*args, **kwargs)
         tracker.start()
         self._trackers[name] = tracker
+        said = f"{'experiment' if name == 'mlflow' else 'project'} {project}, run {run_dir.name}"
+        said = {"tensorboard": f"in {run_dir / 'tensorboard'}", "mlflow": f"{said} in {_mlflow_uri()}"}.get(name, said)
+        print(f"accel-trainer: tracking with {name}: {said}", flush=True)
+        if name == "mlflow" and name in saved_ids:
+            self._held_steps[name] = _last_mlflow_step(saved_ids[name])
         if not resume_step:
             tracker.store_init_configuration(
                 {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in config.items()}
@@ -102,3 +135,27 @@ class Trackers:
                 " rest of the run; metrics.jsonl has every record",
                 stacklevel=2,
             )
+
+
+def _local_mlflow_store(outputs: Path) -> None:
+    """MLflow's store: the user's `MLFLOW_TRACKING_URI`, else a SQLite file beside the run folders (its creation's
+    INFO lines, MLflow's and alembic's, kept off the console)."""
+    for logger in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+        logging.getLogger(logger).setLevel(logging.WARNING)
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        import mlflow
+
+        mlflow.set_tracking_uri(f"sqlite:///{(outputs / 'mlflow.db').resolve()}")
+
+
+def _mlflow_uri() -> str:
+    import mlflow
+
+    return str(mlflow.get_tracking_uri())
+
+
+def _last_mlflow_step(run_id: str) -> int:
+    """The last training step a reopened MLflow run holds (every training record logs `loss`)."""
+    from mlflow.tracking import MlflowClient
+
+    return max((metric.step for metric in MlflowClient().get_metric_history(run_id, "loss")), default=-1)

@@ -12,7 +12,7 @@ import pytest
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
 
 import accel_trainer as at
-from conftest import read_metrics
+from conftest import read_metrics, train_and_dump
 
 QUIET = {"show_progress_bar": False, "report": False}
 
@@ -97,3 +97,60 @@ def test_a_tracker_that_fails_is_switched_off_with_one_warning_and_training_goes
     assert BrokenTracker.calls == 1 and sum("broken_for_tests" in str(w.message) for w in caught) == 1
     assert "loss" in result.metrics
     assert sorted(tensorboard_scalars(tmp_path, "loss")) == [2, 4, 6]  # the other tracker kept working
+
+
+def mlflow_runs(outputs, experiment: str) -> dict[str, dict[str, dict[int, float]]]:
+    """Each run of `experiment` in the SQLite store beside the run folders, by name: its metric histories."""
+    mlflow = pytest.importorskip("mlflow")
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{outputs / 'mlflow.db'}")
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None, [e.name for e in client.search_experiments()]
+    runs = {}
+    for run in client.search_runs([found.experiment_id]):
+        histories = {key: client.get_metric_history(run.info.run_id, key) for key in run.data.metrics}
+        for key, history in histories.items():
+            assert len(history) == len({m.step for m in history}), f"a step of {key} appears twice"
+        runs[run.info.run_name] = {key: {m.step: m.value for m in history} for key, history in histories.items()}
+    return runs
+
+
+def test_mlflow_keeps_a_recipes_runs_in_one_experiment_each_named_after_its_folder_and_a_resume_adds_no_step(
+    tmp_path, monkeypatch
+):
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run = dict(max_steps=8, log_every_steps=1, eval_every_steps=4, save_every_steps=4, keep_last=0,
+               trackers="mlflow", **QUIET)  # fmt: skip
+    at.train("vae", output_dir=str(tmp_path / "first"), **run)
+    at.train("vae", output_dir=str(tmp_path / "second"), seed=1, **run)
+    shutil.rmtree(tmp_path / "first" / "checkpoints" / "step_00000008")  # as if killed after logging steps 5-8
+    shutil.rmtree(tmp_path / "first" / "final")
+    (tmp_path / "first" / "checkpoints" / "latest").write_text("step_00000004")
+    at.train("vae", output_dir=str(tmp_path / "first"), **run)
+
+    runs = mlflow_runs(tmp_path, "vae")
+    assert sorted(runs) == ["first", "second"]  # one experiment per recipe, one run per folder
+    for name in runs:
+        for key in ("loss", "lr", "eval/loss"):
+            expected = {r["step"]: r[key] for r in read_metrics(tmp_path / name) if key in r}
+            assert runs[name][key] == pytest.approx(expected, rel=1e-6), (name, key)
+
+
+def test_tracker_project_names_the_experiment(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    at.train("vae", output_dir=str(tmp_path / "run"), max_steps=2, trackers="mlflow", tracker_project="digits",
+             **QUIET)  # fmt: skip
+    assert list(mlflow_runs(tmp_path, "digits")) == ["run"]
+
+
+@pytest.mark.multiprocess
+def test_on_two_processes_only_the_main_one_logs_and_mlflow_holds_metrics_jsonl(tmp_path):
+    pytest.importorskip("mlflow")
+    records = train_and_dump("cpu_ddp", tmp_path / "ddp", "vae", "max_steps=4", "log_every_steps=1",
+                             "eval_every_steps=2", "trackers=mlflow", world_size=2)  # fmt: skip
+
+    runs = mlflow_runs(tmp_path, "vae")
+    assert list(runs) == ["ddp"]  # one run: the other process logged nothing
+    for key in ("loss", "eval/loss"):
+        assert runs["ddp"][key] == pytest.approx({r["step"]: r[key] for r in records if key in r}, rel=1e-6)
