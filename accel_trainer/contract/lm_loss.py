@@ -154,7 +154,7 @@ def head_cross_entropy(hidden: torch.Tensor, head: nn.Linear, loss: HeadLoss) ->
             ignore_index=loss.ignore_index, options=options,
         )  # fmt: skip
         if loss.entropy:
-            rows_per_chunk = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * weight.shape[0]))
+            rows_per_chunk = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * weight.shape[0])) // 4  # a logged figure
             entropies = torch.cat(
                 [_entropy(F.linear(chunk, weight, bias)) for chunk in rows.detach().split(rows_per_chunk)]
             )
@@ -234,10 +234,12 @@ def _loss_of_kept_logits(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
 
 
 def _entropy(scores: torch.Tensor) -> torch.Tensor:
-    """The entropy (nats) of each row's softmax of `scores`, in float32, without gradients."""
+    """Each row's softmax entropy (nats, float32, no gradients) as logsumexp(z) - sum(p z), p made in place."""
     with torch.no_grad():
-        log_p = scores.float().log_softmax(dim=-1)
-        return -(log_p.exp() * log_p).sum(dim=-1)
+        scores = scores.float()
+        normaliser = scores.logsumexp(dim=-1, keepdim=True)
+        probabilities = (scores - normaliser).exp_()
+        return normaliser.squeeze(-1) - probabilities.mul_(scores).sum(dim=-1)
 
 
 def _reduced(losses: torch.Tensor, loss: HeadLoss, counted: torch.Tensor, every_position: bool) -> Any:
