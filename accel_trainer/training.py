@@ -23,12 +23,12 @@ from accelerate.utils import broadcast_object_list
 from torch.distributed import DistBackendError
 
 from accel_trainer.checkpoint import run_folder
+from accel_trainer.config.advice import config_warnings
 from accel_trainer.config.command_line import CommandLine, parse_command_line
 from accel_trainer.config.fields import describe_fields, micro_batch_size_given
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.config.train_config import (
     config_to_yaml,
-    config_warnings,
     layout_to_yaml,
     resolve_config,
     resolve_settings,

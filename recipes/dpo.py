@@ -127,10 +127,9 @@ class DPO(at.Recipe):
     def build_model(self, cfg: DPOConfig) -> Any:
         """The base with dropout off; LoRA of it, or the policy with a frozen reference copy (a full DPO without
         precomputed reference log-probabilities)."""
-        model = finetune_module.load_base(cfg, self.needs_base)
-        if cfg.disable_dropout:
+        model = at.with_chunked_loss(finetune_module.with_lora(finetune_module.load_base(cfg, self.needs_base), cfg))
+        if cfg.disable_dropout:  # the adapter's lora_dropout too, as TRL's disable_dropout_in_model does
             disable_dropout(model)
-        model = at.with_chunked_loss(finetune_module.with_lora(model, cfg))
         needs_copy = cfg.lora_r == 0 and cfg.loss == "dpo" and not cfg.precompute_ref
         return at.PolicyAndReference(model) if needs_copy else model
 

@@ -29,7 +29,7 @@ from accelerate.utils import gather, gather_object
 
 import accel_trainer as at
 from accel_trainer.contract import group_sampling, policy_gradient, rewards
-from accel_trainer.contract.answers import answers_page, disable_dropout, greedy_answer
+from accel_trainer.contract.answers import answers_page, disable_dropout, greedy_answer, shortened
 from accel_trainer.contract.reference import policy_of
 from accel_trainer.data import arithmetic, chat
 
@@ -95,7 +95,7 @@ class GRPOConfig(finetune_module.PretrainedBase, at.TrainConfig):  # type: ignor
     split_seed: int = 1234
     """Seed of the choice of held-out prompts."""
     max_answer_chars: int = 160
-    """answers.md's answers: at most this many characters (and max_completion_length tokens)."""
+    """answers.md shows its answers (max_completion_length tokens, scored whole) cut at this many characters."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -132,10 +132,9 @@ class GRPO(at.Recipe):
         return tokenizer
 
     def build_model(self, cfg: GRPOConfig) -> Any:
-        model = finetune_module.load_base(cfg, self.needs_base)
-        if cfg.disable_dropout:
+        model = at.with_chunked_loss(finetune_module.with_lora(finetune_module.load_base(cfg, self.needs_base), cfg))
+        if cfg.disable_dropout:  # the adapter's lora_dropout too, as TRL's disable_dropout_in_model does
             disable_dropout(model)
-        model = at.with_chunked_loss(finetune_module.with_lora(model, cfg))
         return at.PolicyAndReference(model) if cfg.beta and cfg.lora_r == 0 else model  # the KL's reference
 
     def build_datasets(self, cfg: GRPOConfig) -> tuple[datasets.Dataset, None]:
@@ -178,7 +177,8 @@ class GRPO(at.Recipe):
             with model.disable_adapter():
                 before = [self.answer(model, row["prompt"]) for row in rows]
         answered = [
-            (row["prompt"], [f"{when}: {answers[index]!r} {self.scored(row, answers[index])}"
+            (row["prompt"], [f"{when}: {shortened(answers[index], self.cfg.max_answer_chars)!r} "
+                             f"{self.scored(row, answers[index])}"
                              for when, answers in (("before", before), ("after", after)) if answers is not None])
             for index, row in enumerate(rows)
         ]  # fmt: skip
@@ -188,8 +188,9 @@ class GRPO(at.Recipe):
         (run_dir / "answers.md").write_text(answers_page(title, answered, note))
 
     def answer(self, model: Any, prompt: Any) -> str:
-        cfg = self.cfg  # as long as a training completion may be: the rewards score what training sampled
-        return greedy_answer(model, self.tokenizer, prompt, cfg.max_answer_chars, cfg.max_completion_length)
+        """The greedy completion, as long as a training completion may be (the rewards score it whole, as they
+        score training's; answers.md shows it cut at max_answer_chars)."""
+        return greedy_answer(model, self.tokenizer, prompt, sys.maxsize, self.cfg.max_completion_length)
 
     def scored(self, row: dict[str, Any], answer: str) -> str:
         """The reward functions' scores of one answer, as `(name 1.0, ...)`."""

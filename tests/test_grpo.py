@@ -23,7 +23,7 @@ def length(prompts, completions, number, **columns):
 """
 COLOURS = ["red", "blue", "green", "amber"]
 SMALL = ["max_steps=5", "global_batch_size=4", "micro_batch_size=1", "num_generations=4",
-         "max_completion_length=6", "lora_r=4", "lr=1e-2", "log_every_steps=1", "save_every_steps=2"]  # fmt: skip
+         "max_completion_length=6", "lora_r=4", "lr=1e-2", "log_every_steps=1", "save_every_steps=3"]  # fmt: skip
 GENERATIONS = ["steps_per_generation=2", "num_iterations=2"]  # a rollout at steps 1 and 5, each feeding 4 steps
 
 
@@ -82,16 +82,25 @@ def test_answers_of_held_out_prompts_before_and_after_training_are_written(one_p
 
 
 def test_grpo_resumes_bitwise_inside_a_generation(tmp_path, tiny_base, prompts, one_process):
-    inside = one_process / "checkpoints" / "step_00000002"  # steps 3 and 4 train on the generation of step 1
+    inside = one_process / "checkpoints" / "step_00000003"  # step 4 trains on step 1's generation; 5 reads data
     assert (inside / "rollout_rank0.safetensors").is_file()
     resumed = grpo(tmp_path, tiny_base, prompts, *GENERATIONS, f"resume={inside}")
 
     expected, actual = final_parameters(one_process), final_parameters(tmp_path)
     assert all(torch.equal(actual[name], expected[name]) for name in expected)
     assert [r["reward"] for r in read_metrics(tmp_path) if "loss" in r] == [
-        r["reward"] for r in read_metrics(one_process) if "loss" in r and r["step"] > 2
+        r["reward"] for r in read_metrics(one_process) if "loss" in r and r["step"] > 3
     ]
     assert resumed is not None
+
+
+def test_with_dropout_a_resume_inside_a_generation_restores_the_random_streams_at_once(tmp_path, tiny_base, prompts):
+    dropout = [*GENERATIONS, "disable_dropout=false", "lora_dropout=0.3", "held_out=0"]  # the adapter's dropout
+    grpo(tmp_path / "whole", tiny_base, prompts, *dropout)
+    grpo(tmp_path / "resumed", tiny_base, prompts, *dropout, f"resume={tmp_path / 'whole/checkpoints/step_00000003'}")
+
+    expected, actual = final_parameters(tmp_path / "whole"), final_parameters(tmp_path / "resumed")
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +154,7 @@ def test_grpo_samples_and_trains_as_one_process_does_on_ddp_and_fsdp(layout, set
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-5)
 
     if layout == "cpu_ddp":
-        inside = tmp_path / "checkpoints" / "step_00000002"  # each process's share of a generation, not one's
+        inside = tmp_path / "checkpoints" / "step_00000003"  # each process's share of a generation, not one's
         with pytest.raises(at.ConfigError, match="inside a rollout's generation .* on 2 process"):
             grpo(tmp_path / "alone", tiny_base, prompts, *GENERATIONS, f"resume={inside}")
 

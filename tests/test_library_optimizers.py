@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import accel_trainer as at
+from accel_trainer.config.advice import config_warnings
+from accel_trainer.config.train_config import validate_config
 from accel_trainer.contract.optimizers import built_in_optimizer
 from accel_trainer.optim.schedules import build_scheduler
 from conftest import final_parameters, read_metrics, refusal_on_layout, reset_accelerate_state, train_and_dump
@@ -45,9 +47,12 @@ def test_warmup_stable_decay_is_transformers_own_with_the_decay_steps_and_floor_
     assert 0.1 < lrs[9] < lrs[8] < 1.0  # the decay of the last steps
 
 
-def test_a_floor_a_schedule_has_no_place_for_is_said_and_the_default_decay_is_a_tenth_of_the_steps():
-    with pytest.warns(UserWarning, match="min_lr_ratio has no effect with lr_schedule=inverse_sqrt"):
-        lrs_of(at.TrainConfig(lr=1.0, max_steps=10, lr_schedule="inverse_sqrt", min_lr_ratio=0.1), 3)
+def test_settings_a_schedule_or_optimizer_has_no_place_for_are_said_and_a_wsd_without_a_stable_phase_is_refused():
+    moot = config_warnings(at.TrainConfig(lr_schedule="inverse_sqrt", min_lr_ratio=0.1, decay_steps=5, momentum=0.5))
+    assert [problem.split()[0] for problem in moot] == ["min_lr_ratio", "decay_steps", "momentum"]
+    assert config_warnings(at.TrainConfig(lr_schedule="cosine_with_min_lr", min_lr_ratio=0.1)) == []
+    with pytest.raises(at.ConfigError, match="warmup_steps=8 \\+ decay_steps=3 > max_steps=10"):
+        validate_config(at.TrainConfig(lr_schedule="warmup_stable_decay", max_steps=10, warmup_steps=8, decay_steps=3))
     lrs = lrs_of(at.TrainConfig(lr=1.0, max_steps=20, lr_schedule="warmup_stable_decay"), 20)
     assert lrs[:19] == [1.0] * 19 and lrs[19] < 1.0  # the last 2 of 20 steps decay (the first from the peak)
 
@@ -79,6 +84,14 @@ def test_each_optimizer_decays_matrices_and_embeddings_only_and_muon_takes_the_h
         assert type(built["adamw"]) is torch.optim.AdamW
     else:
         assert type(built) is expected[name]
+
+
+def test_muon_on_a_model_without_a_linear_layer_is_one_line_and_takes_transformers_conv1d():
+    with pytest.raises(at.ConfigError, match="optimizer=muon: Embedding has no trained weight of a linear layer"):
+        built_in_optimizer(at.TrainConfig(optimizer="muon"), torch.nn.Embedding(4, 3))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    muon = built_in_optimizer(at.TrainConfig(optimizer="muon"), gpt2)["muon"]
+    assert len([p for group in muon.param_groups for p in group["params"]]) == 4  # c_attn, c_proj, c_fc, mlp c_proj
 
 
 MUON_WSD = ["optimizer=muon", "lr_schedule=warmup_stable_decay", "warmup_steps=1", "decay_steps=2", "max_steps=6",

@@ -192,6 +192,8 @@ def resolve_config(
 # it would not fail later: max_steps=-5 trained nothing and exited 0.
 _LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
     "max_steps": (1, True),
+    "decay_steps": (0, True),
+    "momentum": (0, True),
     "global_batch_size": (1, True),
     "micro_batch_size": (1, True),
     "warmup_steps": (0, True),
@@ -238,31 +240,30 @@ def validate_config(config: TrainConfig | LayoutSettings) -> None:
             relation = "at least" if inclusive else "more than"
             raise ConfigError(f"{name}={value}: must be {relation} {bound}")
     if isinstance(config, TrainConfig):
-        parse_steps(config.profile_steps)  # raises its own one-line error
-    if isinstance(config, TrainConfig) and config.min_lr_ratio > 1:
-        raise ConfigError(f"min_lr_ratio={config.min_lr_ratio}: must be at most 1 (a fraction of the peak lr)")
-    if isinstance(config, TrainConfig) and config.ema_decay >= 1:
-        raise ConfigError(f"ema_decay={config.ema_decay}: must be below 1 (1 would never move), e.g. 0.999")
-    if isinstance(config, TrainConfig) and config.evaluate_ema and not config.ema_decay:
-        raise ConfigError("evaluate_ema=true needs EMA weights to evaluate: set ema_decay too, e.g. 0.999")
-    if isinstance(config, TrainConfig) and config.max_time:
+        _check_training(config)
+
+
+def _check_training(config: TrainConfig) -> None:
+    """validate_config's checks of a TrainConfig's values that no lower bound says."""
+    parse_steps(config.profile_steps)  # raises its own one-line error
+    if config.max_time:
         parse_duration(config.max_time)  # a one-line error now, not after the setup
+    if config.lr_schedule == "warmup_stable_decay" and config.warmup_steps + wsd_decay_steps(config) > config.max_steps:
+        raise ConfigError(
+            f"warmup_steps={config.warmup_steps} + decay_steps={wsd_decay_steps(config)} > max_steps="
+            f"{config.max_steps}: warmup_stable_decay would have no stable phase; shorten them"
+        )
+    if config.min_lr_ratio > 1:
+        raise ConfigError(f"min_lr_ratio={config.min_lr_ratio}: must be at most 1 (a fraction of the peak lr)")
+    if config.ema_decay >= 1:
+        raise ConfigError(f"ema_decay={config.ema_decay}: must be below 1 (1 would never move), e.g. 0.999")
+    if config.evaluate_ema and not config.ema_decay:
+        raise ConfigError("evaluate_ema=true needs EMA weights to evaluate: set ema_decay too, e.g. 0.999")
 
 
-def config_warnings(config: TrainConfig) -> list[str]:
-    """Values that are valid but probably not what was meant."""
-    problems = []
-    if config.warmup_steps > config.max_steps:
-        problems.append(
-            f"warmup_steps={config.warmup_steps} is beyond max_steps={config.max_steps}: the learning rate never"
-            " reaches its peak"
-        )
-    if not config.skip_nonfinite_steps and config.max_nonfinite_in_a_row != TrainConfig.max_nonfinite_in_a_row:
-        problems.append(
-            f"max_nonfinite_in_a_row={config.max_nonfinite_in_a_row} has no effect with skip_nonfinite_steps=false:"
-            " nothing checks the loss for NaN or Inf"
-        )
-    return problems
+def wsd_decay_steps(config: TrainConfig) -> int:
+    """warmup_stable_decay's decay: `decay_steps`, or a tenth of max_steps."""
+    return config.decay_steps or max(1, config.max_steps // 10)
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:

@@ -66,7 +66,8 @@ def closed_output_stops(stop: Callable[[str], None]) -> Iterator[None]:
     `stop("a closed stdout")` (or stderr) asks the run to stop at its next step boundary, with its checkpoint."""
     streams = {"stdout": sys.stdout, "stderr": sys.stderr}
     for name, stream in streams.items():
-        setattr(sys, name, _StopWhenClosed(stream, name, stop))
+        if stream is not None:  # None: Python started without that descriptor
+            setattr(sys, name, _StopWhenClosed(stream, name, stop))
     try:
         yield
     finally:

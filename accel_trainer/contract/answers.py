@@ -35,8 +35,12 @@ def greedy_answer(model: Any, tokenizer: Any, prompt: Any, max_chars: int, max_t
             **ids, max_new_tokens=limit, do_sample=False, stopping_criteria=[_Characters(tokenizer, start, max_chars)],
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
-    answer = str(tokenizer.decode(output[0, start:], skip_special_tokens=True)).strip()
-    return answer if len(answer) <= max_chars else answer[:max_chars].rstrip() + "..."
+    return shortened(str(tokenizer.decode(output[0, start:], skip_special_tokens=True)).strip(), max_chars)
+
+
+def shortened(text: str, max_chars: int) -> str:
+    """`text`, cut at `max_chars` characters with "..." where it is longer."""
+    return text if len(text) <= max_chars else text[:max_chars].rstrip() + "..."
 
 
 class _Characters:

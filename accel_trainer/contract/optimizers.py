@@ -43,6 +43,12 @@ def built_in_optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimize
     return torch.optim.AdamW(groups, lr=cfg.lr, fused=fused or None)
 
 
+def _is_linear(module: torch.nn.Module) -> bool:
+    """A linear layer: torch's, or transformers' `Conv1D` (GPT-2's, its weight transposed: Muon's update of a
+    matrix is that of its transpose, transposed)."""
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
 def _decay_groups(cfg: Any, parameters: list[torch.Tensor]) -> list[dict[str, Any]]:
     """The parameters in two groups: matrices and embeddings decayed, biases and norm gains not."""
     groups = [
@@ -61,15 +67,19 @@ def _muon_and_adamw(cfg: Any, model: torch.nn.Module, trained: list[torch.Tensor
     }
     heads = [getattr(module, "get_output_embeddings", lambda: None)() for module in model.modules()]
     kept_out |= {id(p) for head in heads if isinstance(head, torch.nn.Module) for p in head.parameters()}
-    linear = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Linear)}
+    linear = {id(module.weight) for module in model.modules() if _is_linear(module)}
     muon = [p for p in trained if id(p) in linear and id(p) not in kept_out and p.ndim == 2]
+    if not muon:
+        raise ConfigError(
+            f"optimizer=muon: {type(model).__name__} has no trained weight of a linear layer for Muon (embeddings"
+            " and the output head stay with AdamW); use adamw"
+        )
     chosen = {id(p) for p in muon}
     rest: Any = _decay_groups(cfg, [p for p in trained if id(p) not in chosen])
     optimizers: dict[str, torch.optim.Optimizer] = {}
-    if muon:
-        optimizers["muon"] = torch.optim.Muon(
-            muon, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"
-        )
+    optimizers["muon"] = torch.optim.Muon(
+        muon, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"
+    )
     if rest:
         optimizers["adamw"] = torch.optim.AdamW(rest, lr=cfg.lr)
     return optimizers

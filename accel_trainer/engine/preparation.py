@@ -62,6 +62,7 @@ def prepare_run(recipe: Recipe, identity: RunIdentity, accelerator: Accelerator,
     )
     progress, early, items = TrainState(), EarlyStopping(), ItemsSeen(accelerator)
     states = (*((guard,) if guard is not None else ()), early, items, run_data)  # the items before the position
+    states += (generations,) if generations is not None else ()
     checkpointer = Checkpointer(
         accelerator, run_dir, trained, identity, has_eval=eval_set is not None, progress=progress, states=states
     )

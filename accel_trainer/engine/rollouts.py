@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
 
 from accel_trainer.checkpoint.generations import Generations
 from accel_trainer.errors import RecipeError
@@ -51,7 +52,8 @@ def step_share(
     def roll(fetched: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
         return list(rolled_out(rollout, accelerator, model, fetched, step))
 
-    return generations.micro_batches(step, fetch, roll)
+    share = generations.micro_batches(step, fetch, roll)  # made on the host, or restored there from a checkpoint
+    return iter([(epoch, send_to_device(batch, accelerator.device)) for epoch, batch in share])
 
 
 @contextlib.contextmanager

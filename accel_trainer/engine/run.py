@@ -60,9 +60,13 @@ class Run:
     def micro_batches(self) -> Any:
         """This process's training micro-batches from the restored progress on (RunData.micro_batches): a rollout
         that feeds several steps has read whole generations' data (checkpoint/generations.py)."""
-        generations, step = self.stepper.generations, self.progress.step
-        start = generations.data_steps(step) if generations is not None else step
-        return self.data.micro_batches(start, self.accelerator, self.checkpointer.resume_rng)
+        generations, step, resume_rng = self.stepper.generations, self.progress.step, self.checkpointer.resume_rng
+        if generations is None:
+            return self.data.micro_batches(step, self.accelerator, resume_rng)
+        if resume_rng is not None and generations.inside(step):  # its steps run before the data path reads
+            resume_rng()
+            resume_rng = generations.rng_before_read
+        return self.data.micro_batches(generations.data_steps(step), self.accelerator, resume_rng)
 
     def write_start_files(self, cfg: TrainConfig, layout: LayoutSettings, recipe_name: str) -> None:
         """config.yaml, layout.yaml, model_summary.txt and run_info.json, once the checkpoint (if any) is accepted,

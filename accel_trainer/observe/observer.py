@@ -68,7 +68,9 @@ class Observer:
         trackers = None
         if main and cfg.trackers:
             config = config_to_dict(cfg)
-            trackers = Trackers(cfg.trackers, run_dir, config, state.step, state.tracker_ids, tracker_project)
+            own = cfg.resume in ("auto", "none") or run_dir.resolve() in Path(cfg.resume).resolve().parents
+            ids = state.tracker_ids if own else {}  # another folder's checkpoint: its runs are not this one's
+            trackers = Trackers(cfg.trackers, run_dir, config, state.step, ids, tracker_project)
             state.tracker_ids = trackers.run_ids()
         self.events = EventLog(run_dir, enabled=main)
         self.events.write(

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from accel_trainer.config.train_config import TrainConfig
+from accel_trainer.config.train_config import TrainConfig, wsd_decay_steps
 from accel_trainer.errors import ConfigError, RecipeError
 
 # Fields that shape the built-in schedule, and so do nothing when a recipe builds its own scheduler.
@@ -91,9 +91,7 @@ def library_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> tor
     floor["cosine_warmup_with_min_lr"] = "min_lr_rate"
     kwargs: dict[str, Any] = {floor[cfg.lr_schedule]: cfg.min_lr_ratio} if cfg.lr_schedule in floor else {}
     if cfg.lr_schedule == "warmup_stable_decay":
-        kwargs["num_decay_steps"] = cfg.decay_steps or max(1, cfg.max_steps // 10)
-    elif cfg.min_lr_ratio:
-        warnings.warn(f"accel-trainer: min_lr_ratio has no effect with lr_schedule={cfg.lr_schedule}", stacklevel=2)
+        kwargs["num_decay_steps"] = wsd_decay_steps(cfg)
     return get_scheduler(  # type: ignore[no-any-return]
         cfg.lr_schedule, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps,
         scheduler_specific_kwargs=kwargs,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from accel_trainer.checkpoint.generations import Generations
-from accel_trainer.errors import ConfigError
+from accel_trainer.errors import ConfigError, RecipeError
 
 
 def test_each_step_trains_on_its_share_pass_after_pass_and_the_data_are_read_a_generation_at_a_time():
@@ -42,5 +42,21 @@ def test_a_checkpoint_inside_a_generation_holds_it_and_resumes_it_on_as_many_pro
     restored.restore(tmp_path, process_index=0, step=2, world_size=(1, 1))
     assert [epoch for epoch, _ in restored.made] == [0, 1] and restored.made[0][1]["ids"].tolist() == [0, 1, 2]
     Generations(2, 2, 1).restore(tmp_path / "missing", process_index=0, step=4, world_size=(2, 1))  # not inside
-    with pytest.raises(ConfigError, match=r"steps 1-4\) on 2 process\(es\): resume it on 2, or .* = 4"):
+    with pytest.raises(ConfigError, match=r"steps 1-4\) on 2 process\(es\) .*: resume it on 2 .* = 4"):
         Generations(2, 2, 1).restore(tmp_path, process_index=0, step=3, world_size=(2, 1))
+    with pytest.raises(ConfigError, match=r"of 1 micro-batch\(es\) a step: resume it on 1 with its micro_batch_size"):
+        Generations(2, 2, accumulation_steps=2).restore(tmp_path, process_index=0, step=2, world_size=(1, 1))
+
+
+def test_a_checkpoint_of_another_schedule_or_a_schedule_below_one_is_one_line():
+    with pytest.raises(ConfigError, match="steps_per_generation=2 num_iterations=2, this run has 1 and 2"):
+        Generations(1, 2, 1).load_state_dict(Generations(2, 2, 1).state_dict())
+    Generations(1, 2, 1).load_state_dict({})  # a checkpoint of a run without a rollout schedule: nothing to check
+    with pytest.raises(RecipeError, match=r"rollout_schedule\(\) returned \(0, 1\)"):
+        Generations(0, 1, 1)
+
+
+def test_a_rollout_whose_batches_a_checkpoint_cannot_hold_is_refused_at_the_first_rollout():
+    generations = Generations(2, 1, 1)
+    with pytest.raises(RecipeError, match="rollout returned micro-batches a checkpoint cannot hold"):
+        generations.micro_batches(1, lambda count: [(0, {})] * count, lambda made: [(0, {"f": print})] * len(made))

@@ -136,6 +136,20 @@ def test_mlflow_keeps_a_recipes_runs_in_one_experiment_each_named_after_its_fold
             assert runs[name][key] == pytest.approx(expected, rel=1e-6), (name, key)
 
 
+def test_a_resume_from_another_folders_checkpoint_is_a_run_of_its_own_in_the_tracker(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run = dict(max_steps=6, log_every_steps=1, save_every_steps=3, trackers="mlflow", **QUIET)
+    at.train("vae", output_dir=str(tmp_path / "base"), **run)
+    at.train("vae", output_dir=str(tmp_path / "branch"), resume=str(tmp_path / "base/checkpoints/step_00000003"),
+             lr=5e-3, **run)  # fmt: skip
+
+    runs = mlflow_runs(tmp_path, "vae")
+    assert sorted(runs) == ["base", "branch"] and sorted(runs["branch"]["loss"]) == [4, 5, 6]
+    branch = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "branch") if "loss" in r}
+    assert runs["branch"]["loss"] == pytest.approx(branch, rel=1e-6)  # its own values (another lr), not base's
+
+
 def test_tracker_project_names_the_experiment(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
