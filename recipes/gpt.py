@@ -119,7 +119,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if d_model % n_head:
             raise at.ConfigError(f"d_model={d_model} is not a multiple of n_head={n_head}")
-        self.head_dim = d_model // n_head
+        self.n_head, self.head_dim = n_head, d_model // n_head  # n_head: tensor parallelism checks it divides
         self.dropout = dropout
         self.q = nn.Linear(d_model, d_model)
         self.k = nn.Linear(d_model, d_model)

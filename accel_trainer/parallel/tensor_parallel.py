@@ -98,6 +98,7 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMe
             f"this layout is tensor parallel (tp_size={mesh.size()}) but the recipe has no tp_plan: add a class"
             " attribute tp_plan = {module pattern: style} (docs/layouts.md), or launch a layout without tp_size"
         )
+    check_heads_split(model, mesh.size())
     sequence_parallel = "sequence_parallel" in plan.values()
     tied = _tied_parameters(model)
     styles = {name: _style(style, module, sequence_parallel) for name, module, style in check_tp_plan(model, plan)}
@@ -114,6 +115,37 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], mesh: DeviceMe
     # model keeps it behind a read-only property
     size_field = "_tp_size" if isinstance(getattr(type(model), "tp_size", None), property) else "tp_size"
     setattr(model, size_field, mesh.size())
+
+
+HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads", "num_kv_heads", "n_kv_heads")
+"""The attribute names of a head count, on a transformers config or on a recipe's attention module."""
+
+
+def check_heads_split(model: nn.Module, tp_size: int) -> None:
+    """Refuse, in one line and before any forward, head counts tensor parallelism cannot split: a colwise q, k and v
+    give each process whole heads only where tp_size divides every head count (a transformers model's config says
+    them; a recipe's attention module says its own as `n_head`, `num_heads`, ...). Otherwise the first forward's
+    reshape failed, which evaluation reported as its own error.
+
+    Raises:
+        ConfigError: naming the counts and tp_size.
+    """
+    found: dict[str, int] = {}
+    for module in model.modules():
+        config: Any = getattr(module, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for source in (module, text):
+            for name in HEAD_COUNTS:
+                value = getattr(source, name, None)
+                if type(value) is int and value > 0:
+                    found.setdefault(name, value)
+    uneven = {name: value for name, value in found.items() if value % tp_size}
+    if uneven:
+        counts = ", ".join(f"{name}={value}" for name, value in uneven.items())
+        raise ConfigError(
+            f"this layout splits attention heads over tp_size={tp_size} processes, but {type(model).__name__} has"
+            f" {counts}: use head counts divisible by {tp_size}, or a layout whose tp_size divides them"
+        )
 
 
 def _unplanned(name: str, module: nn.Module) -> ConfigError:

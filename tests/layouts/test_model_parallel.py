@@ -15,11 +15,15 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import (
+    BIN,
     checkpoint,
+    clean_env,
     export_checkpoint,
     final_parameters,
     rank_summary,
     read_metrics,
+    refusal_on_layout,
+    run_command,
     train_and_dump,
     train_records,
     trajectory,
@@ -144,3 +148,28 @@ def test_export_of_a_tensor_parallel_checkpoint_equals_the_runs_weights(tp_run, 
     exported, final = load_file(str(tmp_path / "model.safetensors")), final_parameters(tp_run)
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[name], final[name]) for name in final)
+
+
+def test_heads_tensor_parallelism_cannot_split_are_one_line_in_train_and_estimate(tmp_path):
+    uneven = [*RECIPES["gpt"], "n_head=3", "d_model=48"]  # 3 heads over tp_size=2
+    refusal = refusal_on_layout("cpu_tp", tmp_path / "train", "gpt", *uneven, world_size=2)
+    assert refusal is not None and "splits attention heads over tp_size=2 processes, but GPT has n_head=3" in refusal
+    planned = run_command([BIN / "accel-trainer", "estimate", "gpt", "layout=8gpu_fsdp_tp", *uneven], env=clean_env(),
+                          check=False)  # fmt: skip
+    lines = planned.stderr.strip().splitlines()
+    assert (
+        planned.returncode == 2 and len(lines) == 1 and "GPT has n_head=3: use head counts divisible by 2" in lines[0]
+    )
+
+
+def test_a_transformers_models_own_head_counts_are_checked():
+    transformers = pytest.importorskip("transformers")
+    from accel_trainer.errors import ConfigError
+    from accel_trainer.parallel.tensor_parallel import check_heads_split
+
+    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                                      intermediate_size=16, vocab_size=16)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    check_heads_split(model, 2)
+    with pytest.raises(ConfigError, match="LlamaForCausalLM has num_key_value_heads=2: use head counts divisible by 4"):
+        check_heads_split(model, 4)
