@@ -13,8 +13,9 @@ folders (`<outputs>/mlflow.db`, artifacts in `<outputs>/mlartifacts`): no server
 
 metrics.jsonl stays the source of truth: a tracker that raises is switched off with one warning and never
 stops training. On resume the tracker continues its run, each step once: TensorBoard purges the steps after the
-resume point (`purge_step`); W&B and MLflow reopen the run whose id the checkpoint saved, MLflow then leaving out
-the steps it already holds (a resume is bitwise: they are the values it has), W&B ignoring them itself.
+resume point (`purge_step`); W&B and MLflow reopen the run whose id the checkpoint saved, trackio the run of the
+folder's name, MLflow and trackio then leaving out the steps they already hold (a resume is bitwise: they are the
+values they have), W&B ignoring them itself. A checkpoint of another folder starts new tracker runs.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ class Trackers:
         print(f"accel-trainer: tracking with {name}: {said}", flush=True)
         if name == "mlflow" and name in saved_ids:
             self._held_steps[name] = _last_mlflow_step(saved_ids[name])
+        elif name == "trackio" and resume_step:  # reopened by its name, the run folder's
+            self._held_steps[name] = _last_trackio_step(project, run_dir.name)
         if not resume_step:
             tracker.store_init_configuration(
                 {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in config.items()}
@@ -159,3 +162,11 @@ def _last_mlflow_step(run_id: str) -> int:
     from mlflow.tracking import MlflowClient
 
     return max((metric.step for metric in MlflowClient().get_metric_history(run_id, "loss")), default=-1)
+
+
+def _last_trackio_step(project: str, run: str) -> int:
+    """The last step a reopened trackio run holds, from its local SQLite store."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    last = SQLiteStorage.get_max_step_for_run(project, run)
+    return -1 if last is None else int(last)

@@ -168,3 +168,28 @@ def test_on_two_processes_only_the_main_one_logs_and_mlflow_holds_metrics_jsonl(
     assert list(runs) == ["ddp"]  # one run: the other process logged nothing
     for key in ("loss", "eval/loss"):
         assert runs["ddp"][key] == pytest.approx({r["step"]: r[key] for r in records if key in r}, rel=1e-6)
+
+
+def test_trackio_keeps_a_recipes_runs_in_one_project_and_a_resume_adds_no_step(tmp_path, monkeypatch):
+    trackio = pytest.importorskip("trackio")  # its store's folder, read at its import (accelerate's), set here
+    for module in (trackio, trackio.utils, trackio.sqlite_storage):
+        monkeypatch.setattr(module, "TRACKIO_DIR", tmp_path / "trackio")
+    from trackio.sqlite_storage import SQLiteStorage
+
+    assert SQLiteStorage.get_project_db_path("vae").parent == tmp_path / "trackio"
+    run = dict(max_steps=8, log_every_steps=1, eval_every_steps=4, save_every_steps=4, keep_last=0,
+               trackers="trackio", **QUIET)  # fmt: skip
+    at.train("vae", output_dir=str(tmp_path / "first"), **run)
+    at.train("vae", output_dir=str(tmp_path / "second"), seed=1, **run)
+    shutil.rmtree(tmp_path / "first" / "checkpoints" / "step_00000008")  # as if killed after logging steps 5-8
+    shutil.rmtree(tmp_path / "first" / "final")
+    (tmp_path / "first" / "checkpoints" / "latest").write_text("step_00000004")
+    at.train("vae", output_dir=str(tmp_path / "first"), **run)
+
+    for name in ("first", "second"):
+        logs = SQLiteStorage.get_logs("vae", name)
+        for key in ("loss", "lr", "eval/loss"):
+            held = [(log["step"], log[key]) for log in logs if key in log]
+            assert len(held) == len({step for step, _ in held}), f"a step of {key} appears twice in {name}"
+            expected = {r["step"]: r[key] for r in read_metrics(tmp_path / name) if key in r}
+            assert dict(held) == pytest.approx(expected, rel=1e-6), (name, key)
