@@ -19,7 +19,7 @@ MAIN_ADDR ?= 127.0.0.1
 MAIN_PORT ?= 29500
 NODE_FLAGS = --machine_rank $(NODE_RANK) --main_process_ip $(MAIN_ADDR) --main_process_port $(MAIN_PORT)
 
-.PHONY: install train train-cpu-ddp train-cpu-fsdp train-gpu train-4gpu train-8gpu train-4gpu-fsdp train-8gpu-fsdp \
+.PHONY: install test-quick train train-cpu-ddp train-cpu-fsdp train-gpu train-4gpu train-8gpu train-4gpu-fsdp train-8gpu-fsdp \
 	train-4gpu-powersgd train-2node train-2node-cpu train-cpu-tp train-cpu-fsdp-tp train-cpu-hsdp train-8gpu-fsdp-tp \
 	train-2node-hsdp train-cpu-pp train-cpu-pp-fsdp train-8gpu-pp-fsdp train-8gpu-fsdp-cp test test-slow test-matrix bench lint docs clean
 
@@ -99,6 +99,9 @@ train-2node-cpu: install  ## the CPU twin; both node ranks may run on one machin
 
 test: install  ## everything but the slow tier and the matrix, on three pytest workers (tests/conftest.py says how)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "not slow and not matrix" $(PYTEST_ARGS)
+
+test-quick: install  ## every package's unit tests (tests/unit) without real processes: about 2 minutes on 2 cores
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not matrix and not multiprocess" tests/unit $(PYTEST_ARGS)
 
 test-slow: install  ## the slow tier: the tests that wait out a timeout
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

@@ -107,6 +107,7 @@ def test_a_model_in_training_mode_samples_without_dropout_and_gets_each_modules_
 RANK_GROUPS = [[(0, 2), (0, 4)], [(1, 2), (1, 4)]]  # (prompt index, step)
 
 
+@pytest.mark.multiprocess
 def test_two_fsdp2_processes_each_sample_their_groups_as_one_process_does_though_the_groups_end_apart():
     """FSDP2's forwards all-gather the weights, so both processes must run the same number of them although
     each one's group ends at another length: `synced=True` (transformers' synced_gpus) keeps the one that is done

@@ -44,6 +44,7 @@ def planned_in_this_process(recipe: str, layout: str, words: list[str]) -> dict:
 LOGITS_BYTES = 4 * 64 * 257 * 4  # the small GPT's logits: micro-batch x block x vocabulary, float32
 
 
+@pytest.mark.multiprocess  # the real side: real processes on a gloo group
 @pytest.mark.parametrize(
     ("layout", "model", "peak_within"),
     [
