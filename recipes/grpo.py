@@ -299,8 +299,7 @@ class GRPO(at.Recipe):
         vocabulary's logits of the whole batch), with what it logs as terms of their own counts."""
         cfg = self.cfg
         targets = at.completion_targets(batch["input_ids"], batch["completion_mask"])
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        ref_logps = batch.get("ref_logps")
+        inputs, ref_logps = model_inputs(batch), batch.get("ref_logps")
         if cfg.beta and not cfg.lora_r:  # the policy and its frozen copy in one forward (contract/reference.py)
             head_loss = at.HeadLoss(targets, per_token=True, entropy=True)
             (losses, entropies), (ref_losses, _) = at.policy_and_reference(model, **inputs, head_loss=head_loss)
@@ -336,8 +335,12 @@ def plain(value: Any) -> Any:
 
 def token_losses(model: Any, batch: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
     """Each position's loss of its target (0 where ignored), in chunks of the output head (at.lm_token_losses)."""
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    return at.lm_token_losses(model, inputs, targets)
+    return at.lm_token_losses(model, model_inputs(batch), targets)
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model's forward takes of a micro-batch (its other tensors are the loss's)."""
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
 if __name__ == "__main__":

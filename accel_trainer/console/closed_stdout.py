@@ -36,9 +36,7 @@ def stdout_is_closed(error: BaseException) -> bool:
     """
     if not isinstance(error, BrokenPipeError) or not _reader_gone():
         return False
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
+    _to_devnull(sys.stdout)
     return True
 
 
@@ -100,10 +98,15 @@ class _StopWhenClosed:
     def _closed(self, error: BrokenPipeError) -> None:
         if not _reader_gone(self._stream):
             raise error
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self._stream.fileno())
-        os.close(devnull)
+        _to_devnull(self._stream)
         self._stop(f"a closed {self._name}")
+
+
+def _to_devnull(stream: TextIO) -> None:
+    """Point `stream`'s descriptor at devnull: its writes, and its buffered text's flush, succeed unread."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, stream.fileno())
+    os.close(devnull)
 
 
 def _reader_gone(stream: TextIO | None = None) -> bool:
