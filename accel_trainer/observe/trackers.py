@@ -67,7 +67,7 @@ class Trackers:
         project: str = "",
     ) -> None:
         self._trackers: dict[str, GeneralTracker] = {}
-        self._held_steps: dict[str, int] = {}  # MLflow's last step of a reopened run: not sent again
+        self._held_steps: dict[str, int] = {}  # a reopened MLflow or trackio run's last step: not sent again
         self._sent: dict[str, int] = {}  # each key's last step sent
         for name in names:
             start = functools.partial(self._start, name, run_dir, config, resume_step, saved_ids, project or "runs")
@@ -80,8 +80,8 @@ class Trackers:
         values = {key: value for key, value in values.items() if self._sent.get(key, -1) < step}
         self._sent.update(dict.fromkeys(values, step))
         for name, tracker in list(self._trackers.items()):
-            if record["step"] > self._held_steps.get(name, -1):
-                self._call(name, lambda tracker=tracker: tracker.log(values, step=record["step"]))
+            if step > self._held_steps.get(name, -1):
+                self._call(name, lambda tracker=tracker: tracker.log(values, step=step))
 
     def run_ids(self) -> dict[str, str]:
         """The ids of the tracker runs that can be reopened (saved in each checkpoint)."""
@@ -149,6 +149,7 @@ def _local_mlflow_store(outputs: Path) -> None:
         import mlflow
 
         mlflow.set_tracking_uri(f"sqlite:///{(outputs / 'mlflow.db').resolve()}")
+        os.environ.pop("MLFLOW_TRACKING_URI", None)  # mlflow exports it: a later run here would take it for the user's
 
 
 def _mlflow_uri() -> str:

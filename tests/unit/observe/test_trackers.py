@@ -6,6 +6,7 @@ warning; after a resume the TensorBoard series have each step once.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -40,9 +41,7 @@ def test_tensorboard_holds_what_metrics_jsonl_holds(tmp_path):
 def test_after_a_resume_every_tensorboard_step_appears_once(tmp_path):
     run = dict(max_steps=10, log_every_steps=1, save_every_steps=5, keep_last=0, trackers="tensorboard", **QUIET)
     at.train("vae", output_dir=str(tmp_path), **run)
-    shutil.rmtree(tmp_path / "checkpoints" / "step_00000010")  # as if killed after logging steps 6-10
-    shutil.rmtree(tmp_path / "final")
-    (tmp_path / "checkpoints" / "latest").write_text("step_00000005")
+    killed_after_logging(tmp_path, last_checkpoint=5, lost_checkpoint=10)
 
     at.train("vae", output_dir=str(tmp_path), **run)
 
@@ -99,6 +98,23 @@ def test_a_tracker_that_fails_is_switched_off_with_one_warning_and_training_goes
     assert sorted(tensorboard_scalars(tmp_path, "loss")) == [2, 4, 6]  # the other tracker kept working
 
 
+def killed_after_logging(run_dir, last_checkpoint: int, lost_checkpoint: int) -> None:
+    """As if the run had been killed after logging the steps up to `lost_checkpoint`, before saving it."""
+    shutil.rmtree(run_dir / "checkpoints" / f"step_{lost_checkpoint:08d}")
+    shutil.rmtree(run_dir / "final")
+    (run_dir / "checkpoints" / "latest").write_text(f"step_{last_checkpoint:08d}")
+
+
+def two_runs_and_a_resume(outputs, tracker: str) -> None:
+    """Runs `first` and `second` of the vae with `tracker`, then `first` resumed at step 4 after logging 5-8."""
+    run = dict(max_steps=8, log_every_steps=1, eval_every_steps=4, save_every_steps=4, keep_last=0,
+               trackers=tracker, **QUIET)  # fmt: skip
+    at.train("vae", output_dir=str(outputs / "first"), **run)
+    at.train("vae", output_dir=str(outputs / "second"), seed=1, **run)
+    killed_after_logging(outputs / "first", last_checkpoint=4, lost_checkpoint=8)
+    at.train("vae", output_dir=str(outputs / "first"), **run)
+
+
 def mlflow_runs(outputs, experiment: str) -> dict[str, dict[str, dict[int, float]]]:
     """Each run of `experiment` in the SQLite store beside the run folders, by name: its metric histories."""
     mlflow = pytest.importorskip("mlflow")
@@ -119,14 +135,7 @@ def test_mlflow_keeps_a_recipes_runs_in_one_experiment_each_named_after_its_fold
 ):
     pytest.importorskip("mlflow")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    run = dict(max_steps=8, log_every_steps=1, eval_every_steps=4, save_every_steps=4, keep_last=0,
-               trackers="mlflow", **QUIET)  # fmt: skip
-    at.train("vae", output_dir=str(tmp_path / "first"), **run)
-    at.train("vae", output_dir=str(tmp_path / "second"), seed=1, **run)
-    shutil.rmtree(tmp_path / "first" / "checkpoints" / "step_00000008")  # as if killed after logging steps 5-8
-    shutil.rmtree(tmp_path / "first" / "final")
-    (tmp_path / "first" / "checkpoints" / "latest").write_text("step_00000004")
-    at.train("vae", output_dir=str(tmp_path / "first"), **run)
+    two_runs_and_a_resume(tmp_path, "mlflow")
 
     runs = mlflow_runs(tmp_path, "vae")
     assert sorted(runs) == ["first", "second"]  # one experiment per recipe, one run per folder
@@ -156,6 +165,7 @@ def test_tracker_project_names_the_experiment(tmp_path, monkeypatch):
     at.train("vae", output_dir=str(tmp_path / "run"), max_steps=2, trackers="mlflow", tracker_project="digits",
              **QUIET)  # fmt: skip
     assert list(mlflow_runs(tmp_path, "digits")) == ["run"]
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # the next run's store is its own outputs', not this one's
 
 
 @pytest.mark.multiprocess
@@ -177,14 +187,7 @@ def test_trackio_keeps_a_recipes_runs_in_one_project_and_a_resume_adds_no_step(t
     from trackio.sqlite_storage import SQLiteStorage
 
     assert SQLiteStorage.get_project_db_path("vae").parent == tmp_path / "trackio"
-    run = dict(max_steps=8, log_every_steps=1, eval_every_steps=4, save_every_steps=4, keep_last=0,
-               trackers="trackio", **QUIET)  # fmt: skip
-    at.train("vae", output_dir=str(tmp_path / "first"), **run)
-    at.train("vae", output_dir=str(tmp_path / "second"), seed=1, **run)
-    shutil.rmtree(tmp_path / "first" / "checkpoints" / "step_00000008")  # as if killed after logging steps 5-8
-    shutil.rmtree(tmp_path / "first" / "final")
-    (tmp_path / "first" / "checkpoints" / "latest").write_text("step_00000004")
-    at.train("vae", output_dir=str(tmp_path / "first"), **run)
+    two_runs_and_a_resume(tmp_path, "trackio")
 
     for name in ("first", "second"):
         logs = SQLiteStorage.get_logs("vae", name)
