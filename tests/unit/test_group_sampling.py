@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from datetime import timedelta
@@ -142,7 +143,9 @@ def fsdp_worker() -> None:
     for index, step in RANK_GROUPS[rank]:
         report["sharded"].append(sample(sharded, index=index, step=step, synced=True).completion_ids.tolist())
         report["alone"].append(sample(alone, index=index, step=step).completion_ids.tolist())
-    print("GROUPS " + json.dumps(report), flush=True)
+    # One write of the whole line: unbuffered (clean_env's PYTHONUNBUFFERED), print writes the text and its newline
+    # apart, and the other rank's line could land between them ("Extra data" in one CI run of 5).
+    os.write(sys.stdout.fileno(), ("GROUPS " + json.dumps(report) + "\n").encode())
     dist.destroy_process_group()
 
 
