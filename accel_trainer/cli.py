@@ -6,6 +6,7 @@ accel-trainer train ./my_gpt.py max_steps=200            # a recipe file, or a n
 accel-trainer new my_recipe                              # recipes/my_recipe.py from the template, ready to run
 accel-trainer train vae max_steps=200
 accel-trainer evaluate outputs/vae/<run>                # the eval metrics of its final weights
+accel-trainer evaluate outputs/hf_finetune/<run> --tasks my_task.yaml,hellaswag   # lm-evaluation-harness's tasks
 accel-trainer report outputs/vae/<run>                  # report.md and report.png
 accel-trainer compare outputs/vae/run1 outputs/vae/run2 --output curves.png
 accel-trainer doctor --config_file accelerate_configs/cpu_ddp.yaml   # environment, then launch checks of a layout
@@ -83,12 +84,14 @@ def _parser() -> argparse.ArgumentParser:
     comparer.add_argument("--x", default="step", help="align on step (default), samples or items seen")
     evaluator = commands.add_parser(
         "evaluate",
-        help="the recipe's evaluation of a run's final weights or a checkpoint's, printed as training logs it",
-        usage="accel-trainer evaluate RUN_FOLDER|CHECKPOINT [key=value | --key value ...]",
+        help="the recipe's evaluation of a run's final weights or a checkpoint's, or lm-evaluation-harness's tasks",
+        usage="accel-trainer evaluate RUN_FOLDER|CHECKPOINT [key=value | --key value ...]\n       accel-trainer"
+        " evaluate RUN_FOLDER|CHECKPOINT --tasks NAME|FILE.yaml[,...] [--num_fewshot N] [--batch_size B]",
         description="Run the recipe's evaluation on saved weights and print the line training logs for them. A run"
         " folder means its final weights; key=value overrides go on top of the saved config; nothing is written. Under"
         " a launcher it evaluates on that layout: accelerate launch --config_file accelerate_configs/<layout>.yaml -m"
-        " accel_trainer evaluate RUN",
+        " accel_trainer evaluate RUN. With --tasks, lm-evaluation-harness scores a transformers model's weights on"
+        " its tasks, as `lm_eval --model hf --model_args pretrained=FOLDER` does, into <run>/lm_eval/ and report.md",
     )
     evaluator.add_argument("source", help="a run folder (its final weights) or a checkpoint folder")
     sampler = commands.add_parser("sample", help="print what a causal LM run's final model writes after a prompt")
@@ -108,7 +111,10 @@ def _parser() -> argparse.ArgumentParser:
 def _main(arguments: list[str]) -> None:
     parser = _parser()
     if arguments[:1] == ["evaluate"] and not {"-h", "--help"} & set(arguments):
-        from accel_trainer.commands.evaluate import main as evaluate_main
+        if any(word == "--tasks" or word.startswith("--tasks=") for word in arguments):
+            from accel_trainer.commands.benchmark import main as evaluate_main  # lm-evaluation-harness's tasks
+        else:
+            from accel_trainer.commands.evaluate import main as evaluate_main
 
         evaluate_main(arguments[1:])
         return

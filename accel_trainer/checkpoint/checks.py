@@ -41,6 +41,7 @@ _BOOKKEEPING_KEYS = RUN_CONTROL_KEYS | {
     "max_time",
     "data_cache_gb",
     "evaluate_ema",
+    "eval_tasks",
     "skip_nonfinite_steps",
     "max_nonfinite_in_a_row",
     "report",

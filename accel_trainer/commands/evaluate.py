@@ -12,7 +12,7 @@ checkpoint's train_state.json and config.yaml), key=value overrides on top. The 
 checkpoint through export's reader, as `accel-trainer export` does) and loaded into the recipe's freshly built model
 before the layout splits, shards or compiles it, so every layout evaluates with the code that evaluates during
 training (`prepare_run`, `Evaluator.scores`). Nothing is written to the run folder. An EMA's weights are not evaluated
-here: the model's are.
+here: the model's are. With `--tasks`, lm-evaluation-harness's tasks score the weights instead (commands/benchmark.py).
 """
 
 from __future__ import annotations
@@ -100,10 +100,15 @@ def saved_weights(source: Path) -> SavedWeights:
     if newest is None:
         raise CheckpointError(f"run folder {source} has no complete checkpoint, so its recipe and step are unknown")
     final = source / "final"
-    weights = final / "model.safetensors"  # the run's last word, unless a resume saved a newer checkpoint since
-    fresh = weights.is_file() and weights.stat().st_mtime >= (newest / checks.TRAIN_STATE).stat().st_mtime
     merged = (final / "adapter").is_dir()  # final/ holds the adapter merged into its base: not the recipe's model
-    return _from_checkpoint(newest, final if fresh and not merged else newest)
+    return _from_checkpoint(newest, final if final_is_current(source, newest) and not merged else newest)
+
+
+def final_is_current(run: Path, newest: Path) -> bool:
+    """Whether the run's final/ holds its last weights: written after its newest checkpoint, `newest` (a resume
+    that saved a newer checkpoint since has not written final/ yet)."""
+    weights = run / "final" / "model.safetensors"
+    return weights.is_file() and weights.stat().st_mtime >= (newest / checks.TRAIN_STATE).stat().st_mtime
 
 
 def _from_checkpoint(checkpoint: Path, weights: Path) -> SavedWeights:

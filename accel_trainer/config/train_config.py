@@ -78,6 +78,9 @@ class TrainConfig:
     sanity_eval: bool = True
     """Run the recipe's eval metrics on one eval batch before the first step, so that a broken metric is a one-line
     error at the start of a run, not after it (as Lightning's sanity check); false skips it."""
+    eval_tasks: tuple[str, ...] = ()
+    """lm-evaluation-harness tasks scored at each evaluation too, comma-separated names or task .yaml files, logged as
+    lm_eval/<task>/<metric>: a transformers causal LM on the main process, which holds it whole (not FSDP)."""
     output_dir: str = ""
     """Run folder; empty means outputs/<recipe>/<date-time>. Set it to resume or restart a run."""
     resume: str = "auto"

@@ -24,6 +24,7 @@ from accel_trainer.contract.batch_rows import batch_size, first_rows
 from accel_trainer.contract.eval_outputs import metric_sums
 from accel_trainer.data.rng import rng_untouched
 from accel_trainer.data.run_data import RunData
+from accel_trainer.engine.benchmarks import TrainingBenchmarks
 from accel_trainer.errors import RecipeError, UserError, recipe_site
 from accel_trainer.observe.breadcrumb import note_where
 from accel_trainer.observe.observer import Observer
@@ -115,31 +116,42 @@ class Evaluator:
         cfg: TrainConfig,
         checkpointer: Checkpointer,
         ema: WeightAverage | None = None,
+        benchmarks: TrainingBenchmarks | None = None,
     ) -> None:
         self.accelerator, self.eval_metrics, self.model, self.data = accelerator, eval_metrics, model, data
-        self.cfg, self.checkpointer, self.ema = cfg, checkpointer, ema
+        self.cfg, self.checkpointer, self.ema, self.benchmarks = cfg, checkpointer, ema, benchmarks
 
     @property
     def has_eval(self) -> bool:
         return self.data.eval_set is not None
 
+    @property
+    def evaluates(self) -> bool:
+        """Whether there is anything to evaluate: the recipe's eval set, or benchmark tasks (eval_tasks)."""
+        return self.has_eval or self.benchmarks is not None
+
     def baseline_due(self, step: int) -> bool:
         """Whether the run evaluates before training (step 0), as it does when it evaluates during training."""
-        return self.has_eval and self.cfg.eval_every_steps > 0 and step == 0
+        return self.evaluates and self.cfg.eval_every_steps > 0 and step == 0
 
     def due(self, step: int) -> bool:
         """Whether an evaluation follows `step`: every eval_every_steps, and at the end."""
-        return self.has_eval and evaluates_after(self.cfg, step)
+        return self.evaluates and evaluates_after(self.cfg, step)
 
     def scores(self) -> dict[str, float]:
-        """The run's eval metrics (`eval/<name>`) and, with evaluate_ema, its EMA weights' (`eval_ema/<name>`); the
-        random streams are left as they were, so training does not depend on when it evaluates."""
+        """The run's eval metrics (`eval/<name>`), with evaluate_ema its EMA weights' (`eval_ema/<name>`), and with
+        eval_tasks the benchmarks' of the weights (`lm_eval/<task>/<metric>`); the random streams are left as they
+        were, so training does not depend on when it evaluates."""
+        scores: dict[str, float] = {}
         with rng_untouched():
-            scores = evaluate(self.accelerator, self.eval_metrics, self.model, *self.data.eval_batches())
-            if self.cfg.evaluate_ema and self.ema is not None:
+            if self.has_eval:
+                scores = evaluate(self.accelerator, self.eval_metrics, self.model, *self.data.eval_batches())
+            if self.has_eval and self.cfg.evaluate_ema and self.ema is not None:
                 with self.ema.swapped_in():
                     averaged = evaluate(self.accelerator, self.eval_metrics, self.model, *self.data.eval_batches())
                 scores.update({"eval_ema/" + name.removeprefix("eval/"): value for name, value in averaged.items()})
+            if self.benchmarks is not None:
+                scores.update(self.benchmarks.scores())
         return scores
 
     def evaluate(self, step: int, observer: Observer) -> dict[str, float]:

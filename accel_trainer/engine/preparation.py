@@ -20,6 +20,7 @@ from accel_trainer.checkpoint.train_state import TrainState
 from accel_trainer.checkpoint.trained import RunIdentity, Trained
 from accel_trainer.config.train_config import TrainConfig
 from accel_trainer.data.run_data import RunData
+from accel_trainer.engine.benchmarks import TrainingBenchmarks, sharded_by
 from accel_trainer.engine.build import model_and_sets, model_items_passed, prepared_for_layout, uses_mesh
 from accel_trainer.engine.evaluator import Evaluator
 from accel_trainer.engine.model_calls import ModelCalls
@@ -154,7 +155,11 @@ def _evaluator(
     pipeline: Pipeline | None,
 ) -> Evaluator:
     """The evaluations' owner, given the recipe's eval_metrics (on a pipeline layout, the stages', whose last runs
-    the recipe's) rather than the recipe."""
+    the recipe's) and the benchmarks of eval_tasks rather than the recipe."""
+    benchmarks = None
+    if cfg.eval_tasks:  # refused here, before any training, where the harness cannot score the model
+        sharded = sharded_by(accelerator, model, pipelined=pipeline is not None)
+        benchmarks = TrainingBenchmarks.of(cfg.eval_tasks, accelerator, model, recipe.tokenizer, sharded)
     return Evaluator(
         accelerator=accelerator,
         eval_metrics=recipe.eval_metrics if pipeline is None else pipeline.eval_metrics,
@@ -163,4 +168,5 @@ def _evaluator(
         cfg=cfg,
         checkpointer=checkpointer,
         ema=checkpointer.trained.ema,
+        benchmarks=benchmarks,
     )

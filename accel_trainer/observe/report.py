@@ -2,7 +2,8 @@
 
 `report.md` (summary, final and best metrics, time, throughput, MFU, memory) and `report.png` (loss, eval
 metrics, LR, gradient norm, throughput, MFU, online RL's rewards, host memory) are written at the end of a run
-and by `accel-trainer report RUN`. `accel-trainer compare RUN RUN ...` prints the final metrics side by side and
+and by `accel-trainer report RUN`, with a table of each benchmark result `accel-trainer evaluate RUN --tasks` wrote
+(lm_eval/*.json). `accel-trainer compare RUN RUN ...` prints the final metrics side by side and
 the config keys that differ, and overlays the curves, aligned on steps, samples or items seen. Plots need
 matplotlib (the `report` extra); without it the report is text only and says so.
 """
@@ -22,7 +23,7 @@ from accel_trainer.observe.metrics import format_metric
 from accel_trainer.observe.number_format import readable
 
 _X_KEYS = {"step": "step", "samples": "samples_seen", "items": "items_seen"}
-_EVAL_PREFIXES = ("eval/", "eval_ema/")  # the weights' evaluations, and their EMA's (evaluate_ema)
+_EVAL_PREFIXES = ("eval/", "eval_ema/", "lm_eval/")  # the weights' evaluations, their EMA's, benchmark tasks
 _PANELS = [
     ("loss", "loss"),
     ("eval", "eval/"),
@@ -70,9 +71,27 @@ def write_report(run_dir: Path) -> Path:
             *ops.read_text().splitlines()[:15],
             "```",
         ]
+    lines += _benchmarks(run_dir)
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _benchmarks(run_dir: Path) -> list[str]:
+    """A table of each lm-evaluation-harness result `accel-trainer evaluate RUN --tasks` wrote (lm_eval/*.json):
+    every task's metrics, with their standard errors."""
+    lines = []
+    for path in sorted((run_dir / "lm_eval").glob("*.json")):
+        results = json.loads(path.read_text()).get("results", {})
+        rows = [
+            f"| {task} | {key.removesuffix(',none')} | {_short(value)} | {_short(_number(values, key, '_stderr'))} |"
+            for task, values in results.items()
+            for key, value in values.items()
+            if "," in key and "_stderr," not in key and _number(values, key) is not None
+        ]
+        lines += ["", f"## lm-evaluation-harness: lm_eval/{path.name}", "", "| task | metric | value | stderr |"]
+        lines += ["|---|---|---|---|", *rows]
+    return lines
 
 
 def compare(run_dirs: list[Path], output: Path | None = None, x: str = "step") -> str:
@@ -163,6 +182,12 @@ def _goodput(run_dir: Path) -> str:
         + ", ".join(parts)
         + (f"; {retrained} logged step(s) were trained again after a resume" if retrained else "")
     )
+
+
+def _number(values: dict[str, Any], key: str, suffix: str = "") -> float | None:
+    """lm_eval's `metric,filter` value (with `suffix`, `metric<suffix>,filter`), where it is a number."""
+    value = values.get(key.replace(",", f"{suffix},", 1))
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _seconds(value: float) -> str:
