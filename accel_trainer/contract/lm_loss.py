@@ -3,30 +3,25 @@ tokens that count.
 
     model = at.with_chunked_loss(model)                        # in build_model (a transformers causal LM)
     return at.lm_loss(model, {"input_ids": ids}, targets)      # in compute_loss: {"loss": sum, "num_items": n}
-
-`at.lm_loss` gives a model built without `with_chunked_loss` its forward on first use (a recipe that subclasses
-hf_causal_lm and builds its own model), in place, as `with_chunked_loss` would.
     losses = at.lm_token_losses(model, inputs, targets)        # each token's loss, 0 where ignored: (batch, length)
+(`at.lm_loss` gives a model built without `with_chunked_loss` that forward on first use, in place.)
 
-A plain `model(...).logits` holds (batch, length, vocabulary) scores, and the loss its float32 copy and their
-log-softmax: for SmolLM2-135M's 49,152 words, 8 windows of 128 tokens, about 600 MiB at the step's peak, more
-than the model's weights. Here the model's forward runs its backbone only (`base_model`, transformers' body of
-every causal LM), drops the positions whose target is ignored (a prompt, padding) before the head, and hands the
-rest to torch's `F.linear_cross_entropy` with `LinearCrossEntropyOptions`: the head's product and its
-cross-entropy a chunk of rows at a time, the gradients computed chunk by chunk (in the forward for a sum, by
-recomputation for per-token losses), never more than `CHUNK_BYTES` of scores at once. The loss and its gradients
-equal the full computation's within 1e-6 (relative; tests/test_lm_loss.py, on every layout).
+A plain `model(...).logits` holds (batch, length, vocabulary) scores, and the loss their float32 copy and
+log-softmax: for SmolLM2-135M, 8 windows of 128 tokens, about 600 MiB at the step's peak. Here the forward runs the
+backbone (`base_model`), drops the positions whose target is ignored before the head, and hands the rest to torch's
+`F.linear_cross_entropy`: the head's product and its cross-entropy a chunk of rows at a time, gradients chunk by
+chunk, never more than `CHUNK_BYTES` of scores at once; equal to the full computation within 1e-6 (relative;
+tests/test_lm_loss.py, on every layout).
 
-It runs inside the model's own forward (`with_chunked_loss` gives the model a forward that takes a `head_loss=`),
-so whatever wraps the model (DDP, FSDP2, peft, torch.compile, a `PolicyAndReference`) sees one forward, as for
-logits: FSDP2 gathers the head with the root's parameters, DDP's hooks see every gradient. TRL 1.16 computes its
-SFT loss the same way (`trl.trainer.utils.add_fused_lm_head`, its own kernel).
+It runs inside the model's own forward (a forward that takes `head_loss=`), so whatever wraps the model (DDP,
+FSDP2, peft, torch.compile, a `PolicyAndReference`) sees one forward, as for logits. TRL 1.16 computes its SFT loss
+the same way (`trl.trainer.utils.add_fused_lm_head`, its own kernel).
 
 Where the scores are not the head's product of the last hidden state, the chunks would compute another loss:
 models whose config scales or caps the logits (`final_logit_softcapping`, `logit_scale`, `logits_scaling`, ... the
-list TRL keeps), a head that is not a plain `nn.Linear` (a LoRA on the head, a quantized head). Those keep their
-logits (of the counted tokens only, `logits_to_keep`), as exact as before; `measure_chunked_loss` checks a model
-with weights once, and a shipped recipe refuses in one line a model it finds inexact.
+list TRL keeps), a head that is not a plain `nn.Linear` (a LoRA on it, a quantized one). Those keep the logits of
+the counted tokens (`logits_to_keep`); `measure_chunked_loss` checks a model once, and a shipped recipe refuses in
+one line a model it finds inexact.
 """
 
 from __future__ import annotations
@@ -45,9 +40,9 @@ from torch import nn
 from accel_trainer.errors import RecipeError
 
 CHUNK_BYTES = 32 * 2**20
-"""Float32 scores per chunk at most (rows = CHUNK_BYTES / (4 x vocabulary), at least 128): 32 MiB is 170 rows of
-49,152 words. On the CPU 128 rows and more run as fast as the full product, 64 and fewer slower (torch's own
-`aspect_ratio` choice, 8 rows here, took twice the time); a GPU's kernels want the larger chunks too."""
+"""Float32 scores per chunk at most (rows = CHUNK_BYTES / (4 x vocabulary), at least 128): 170 rows of 49,152 words.
+On the CPU 128 rows and more run as fast as the full product, 64 and fewer slower (torch's `aspect_ratio`, 8 rows
+here, took twice the time)."""
 MIN_CHUNK_ROWS = 128
 TORCH_CHUNKS = hasattr(torch.nn, "LinearCrossEntropyOptions")
 """torch's chunked `F.linear_cross_entropy` (torch 2.13 has it); an older torch keeps the logits of the counted
@@ -71,10 +66,7 @@ class HeadLoss:
 def with_chunked_loss(model: nn.Module) -> nn.Module:
     """`model` (a transformers causal LM, before any wrapper; peft's or `PolicyAndReference`'s are looked into),
     its forward taking `head_loss=HeadLoss(...)`; without it the forward is the model's own. In place; idempotent.
-
-    Raises:
-        RecipeError: no transformers causal LM is found in `model`.
-    """
+    Raises RecipeError where `model` holds no transformers causal LM."""
     _with_forward(model)
     return model
 
@@ -84,11 +76,7 @@ def lm_loss(
 ) -> Any:
     """The summed cross-entropy of `targets` and their count, `{"loss": sum, "num_items": n}`, the form the loop
     makes exact over the whole step (as `at.token_cross_entropy` of the logits), from `model(**inputs)` (a tensor
-    of token ids is `{"input_ids": inputs}`).
-
-    Raises:
-        RecipeError: no transformers causal LM is found in `model`.
-    """
+    of token ids is `{"input_ids": inputs}`). Raises RecipeError where `model` holds no transformers causal LM."""
     _with_forward(model)
     return model(**_keywords(inputs), head_loss=HeadLoss(targets, ignore_index))
 
@@ -98,10 +86,7 @@ def lm_token_losses(
 ) -> torch.Tensor:
     """Each position's cross-entropy of its target in float32, 0 where the target is `ignore_index`, shaped as
     `targets`: per-sequence sums (preference tuning's log-probabilities, evaluation's per-sequence losses).
-
-    Raises:
-        RecipeError: no transformers causal LM is found in `model`.
-    """
+    Raises RecipeError where `model` holds no transformers causal LM."""
     _with_forward(model)
     return model(**_keywords(inputs), head_loss=HeadLoss(targets, ignore_index, per_token=True))  # type: ignore[no-any-return]
 
@@ -142,12 +127,11 @@ def head_cross_entropy(hidden: torch.Tensor, head: nn.Linear, loss: HeadLoss) ->
     bias: torch.Tensor | None = head.bias
     device_type = hidden.device.type if hidden.device.type in ("cuda", "cpu", "xpu") else "cpu"
     autocast = torch.is_autocast_enabled(device_type)
-    if autocast:  # the head's product in the autocast dtype, as nn.Linear's is; the scores accumulated in float32
-        dtype = torch.get_autocast_dtype(device_type)
-        rows, weight = rows.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
+    if autocast:  # the head's product of the autocast dtype's values, as nn.Linear's is; the scores in float32
+        rows, weight, bias = _in_autocast_dtype(torch.get_autocast_dtype(device_type), rows, weight, bias)
     # The FLOP count (meta) takes the plain product and its cross-entropy: its FLOPs are the chunks' FLOPs.
-    options = None if hidden.is_meta else _options(weight.shape[0], torch.float32 if autocast else None)
+    accumulate_in = torch.float32 if rows.dtype in (torch.bfloat16, torch.float16) else None
+    options = None if hidden.is_meta else _options(weight.shape[0], accumulate_in)
     with torch.autocast(device_type, enabled=False):
         losses = F.linear_cross_entropy(
             rows, weight, labels, linear_bias=bias, reduction="none" if loss.per_token else "sum",
@@ -160,6 +144,17 @@ def head_cross_entropy(hidden: torch.Tensor, head: nn.Linear, loss: HeadLoss) ->
             )
             return _reduced(losses, loss, counted, shapes_only), _reduced(entropies, loss, counted, shapes_only)
     return _reduced(losses, loss, counted, shapes_only)
+
+
+def _in_autocast_dtype(dtype: torch.dtype, *tensors: torch.Tensor | None) -> list[Any]:
+    """`tensors` rounded to the autocast dtype, and off CUDA back to float32: torch's chunks of 16-bit inputs return
+    16-bit losses (a summed bf16 loss 0.35% off), and off CUDA cast the inputs to float32 anyway (on CUDA it
+    multiplies them with float32 accumulation), so there the same products come with float32 losses. Canary:
+    tests/test_lm_loss.py."""
+    rounded = [tensor.to(dtype) if tensor is not None else None for tensor in tensors]
+    if tensors[0] is not None and tensors[0].device.type == "cuda":
+        return rounded
+    return [tensor.float() if tensor is not None else None for tensor in rounded]
 
 
 def measure_chunked_loss(model: nn.Module) -> bool | None:
