@@ -5,6 +5,9 @@ resumes bitwise (accel_trainer/optim/schedules.py, accel_trainer/contract/optimi
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -13,7 +16,14 @@ from accel_trainer.config.advice import config_warnings
 from accel_trainer.config.train_config import validate_config
 from accel_trainer.contract.optimizers import built_in_optimizer
 from accel_trainer.optim.schedules import build_scheduler
-from conftest import final_parameters, read_metrics, refusal_on_layout, reset_accelerate_state, train_and_dump
+from conftest import (
+    clean_env,
+    final_parameters,
+    read_metrics,
+    refusal_on_layout,
+    reset_accelerate_state,
+    train_and_dump,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -127,3 +137,10 @@ def test_muon_with_warmup_stable_decay_trains_on_ddp_to_one_processs_weights_and
 def test_muon_on_a_layout_that_shards_the_matrices_is_one_line(tmp_path):
     refusal = refusal_on_layout("cpu_fsdp", tmp_path, "gpt", *MUON_WSD, world_size=2)
     assert refusal is not None and "optimizer=muon orthogonalizes whole matrices" in refusal
+
+
+def test_estimate_refuses_muon_on_a_sharding_layout_as_the_run_does_in_one_line():
+    command = [sys.executable, "-m", "accel_trainer", "estimate", "gpt", "layout=cpu_fsdp", "optimizer=muon"]
+    done = subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "optimizer=muon orthogonalizes whole matrices" in lines[0]

@@ -111,9 +111,7 @@ def _optimizers(
 ) -> Optimizers:
     """The recipe's optimizer(s), each with its schedule (optimizers.py), or a one-line refusal."""
     schedule = functools.partial(recipe_scheduler, recipe, cfg, warn=accelerator.is_main_process)
-    own = inspect.unwrap(type(recipe).build_optimizer) is not Recipe.build_optimizer  # a wrapper of the default: not
-    if not own and cfg.optimizer == "muon" and (accelerator.is_fsdp2 or uses_mesh(accelerator, layout)):
-        raise ConfigError(MUON_SHARDED)
+    own = check_optimizer_for_layout(recipe, cfg, accelerator, layout)
     if own and accelerator.is_main_process and (cfg.optimizer, cfg.momentum) != ("adamw", 0.9):
         warnings.warn(
             f"accel-trainer: optimizer={cfg.optimizer} momentum={cfg.momentum} have no effect: the recipe's"
@@ -125,6 +123,17 @@ def _optimizers(
     if optimizers.alternate and accelerator.ddp_handler is not None:  # a phase may leave parameters out
         accelerator.ddp_handler.find_unused_parameters = True
     return optimizers
+
+
+def check_optimizer_for_layout(
+    recipe: Recipe, cfg: TrainConfig, accelerator: Accelerator, layout: LayoutSettings
+) -> bool:
+    """Refuse `optimizer=muon` over sharded parameters in one line (a run and `estimate` alike); returns whether the
+    recipe builds its own optimizer (optimizer= is then moot)."""
+    own = inspect.unwrap(type(recipe).build_optimizer) is not Recipe.build_optimizer  # a wrapper of the default: not
+    if not own and cfg.optimizer == "muon" and (accelerator.is_fsdp2 or uses_mesh(accelerator, layout)):
+        raise ConfigError(MUON_SHARDED)
+    return own
 
 
 def uses_mesh(accelerator: Accelerator, layout: LayoutSettings) -> bool:

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from accel_trainer.config.layout import LayoutSettings
 from accel_trainer.contract.losses import read_loss_output
 from accel_trainer.data import loaders
-from accel_trainer.engine.build import uses_mesh
+from accel_trainer.engine.build import check_optimizer_for_layout, uses_mesh
 from accel_trainer.errors import ConfigError
 from accel_trainer.estimate.fake_world import ddp_bucket_bytes
 from accel_trainer.optim.optimizers import check_layout_for_several, read_optimizers
@@ -124,6 +124,7 @@ def tracked_steps(model: Any, optimizer: Optimizers, step: Callable[[], None]) -
 def prepared(recipe: Recipe, cfg: Any, layout: LayoutSettings, accelerator: Accelerator, examples: list) -> tuple:
     """The model and optimizer prepared as the run prepares them, and one micro-batch's forward and backward."""
     check_layout_for_several(recipe.alternate_optimizers, cfg, uses_mesh=uses_mesh(accelerator, layout))  # as a run
+    check_optimizer_for_layout(recipe, cfg, accelerator, layout)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is not None:  # its broadcast of the main process's weights: the same shards in the end
         plugin.cpu_ram_efficient_loading = False
