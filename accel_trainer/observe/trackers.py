@@ -11,18 +11,28 @@ named after the folder. TensorBoard writes into `<run>/tensorboard` (`tensorboar
 run by folder). MLflow uses `MLFLOW_TRACKING_URI` where it is set, else a local SQLite store beside the run
 folders (`<outputs>/mlflow.db`, artifacts in `<outputs>/mlartifacts`): no server, no network.
 
+W&B writes into `<run>/wandb`. It runs as the user set it up (`WANDB_MODE`, `wandb offline`) or, where W&B has
+credentials (`WANDB_API_KEY`, `wandb login`'s ~/.netrc, ...), online; with neither it runs offline rather than
+prompting for a login (or failing without a terminal), and `wandb sync <run>/wandb/offline-run-*` uploads it later,
+every attempt of a resumed run into one W&B run.
+
 metrics.jsonl stays the source of truth: a tracker that raises is switched off with one warning and never
 stops training. On resume the tracker continues its run, each step once: TensorBoard purges the steps after the
 resume point (`purge_step`); W&B and MLflow reopen the run whose id the checkpoint saved, trackio the run of the
-folder's name, MLflow and trackio then leaving out the steps they already hold (a resume is bitwise: they are the
-values they have), W&B ignoring them itself. A checkpoint of another folder starts new tracker runs.
+folder's name, and these three leave out the steps they already hold (a resume is bitwise: they are the values
+they have). W&B holds them on its server (online) or in the folder's earlier offline runs of that id, which
+`wandb sync` uploads one after the other: each attempt holds only steps after the last one's. A checkpoint of
+another folder starts new tracker runs.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -101,11 +111,14 @@ class Trackers:
     def _start(self, name: str, run_dir: Path, config: dict, resume_step: int, saved_ids: dict, project: str) -> None:
         cls = LOGGER_TYPE_TO_CLASS[name]
         kwargs: dict[str, Any] = {}
+        held = -1  # the last step a reopened W&B run's earlier offline attempts hold
         if name == "tensorboard":
             project, kwargs = "tensorboard", {"purge_step": resume_step + 1} if resume_step else {}
         elif name == "wandb":
-            kwargs = {"name": run_dir.name, "dir": str(run_dir)}
-            kwargs |= {"id": saved_ids[name], "resume": "allow"} if name in saved_ids else {}
+            kwargs = {"name": run_dir.name, "dir": str(run_dir)} | _wandb_mode()
+            if name in saved_ids:
+                kwargs |= {"id": saved_ids[name], "resume": "allow"}
+                held = _last_wandb_offline_step(run_dir / "wandb", saved_ids[name])
         elif name == "mlflow":
             _local_mlflow_store(run_dir.parent)
             kwargs = {"run_name": run_dir.name, "logging_dir": str(run_dir.parent / "mlartifacts")}
@@ -118,8 +131,12 @@ class Trackers:
         self._trackers[name] = tracker
         said = f"{'experiment' if name == 'mlflow' else 'project'} {project}, run {run_dir.name}"
         said = {"tensorboard": f"in {run_dir / 'tensorboard'}", "mlflow": f"{said} in {_mlflow_uri()}"}.get(name, said)
+        if name == "wandb":
+            said += _wandb_where(tracker.run, run_dir)
         print(f"accel-trainer: tracking with {name}: {said}", flush=True)
-        if name == "mlflow" and name in saved_ids:
+        if name == "wandb":  # online, W&B's server says where a resumed run is; offline, the folder's files
+            self._held_steps[name] = max(held, tracker.run.starting_step - 1)
+        elif name == "mlflow" and name in saved_ids:
             self._held_steps[name] = _last_mlflow_step(saved_ids[name])
         elif name == "trackio" and resume_step:  # reopened by its name, the run folder's
             self._held_steps[name] = _last_trackio_step(project, run_dir.name)
@@ -171,3 +188,41 @@ def _last_trackio_step(project: str, run: str) -> int:
 
     last = SQLiteStorage.get_max_step_for_run(project, run)
     return -1 if last is None else int(last)
+
+
+def _wandb_mode() -> dict[str, str]:
+    """`mode="offline"` where the user has not set W&B up (no `WANDB_MODE`, no `wandb offline`/`online`, no
+    credentials), where `wandb.init` would prompt for a login or, without a terminal, fail; else nothing: the
+    user's mode, W&B's credentials."""
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib import wbauth  # what wandb.init's login looks for, without prompting or the network
+
+    settings = wandb_setup.singleton().settings
+    if os.environ.get("WANDB_MODE") or settings.mode != "online":
+        return {}
+    found = wbauth.authenticate_session(
+        host=settings.base_url, source="accel-trainer", prompt=False, update_session=False
+    )
+    return {} if found else {"mode": "offline"}
+
+
+def _wandb_where(run: Any, run_dir: Path) -> str:
+    """Where the W&B run is, for the console line: its page, or its offline folder and how to upload it."""
+    if run.disabled:
+        return ", disabled (WANDB_MODE): nothing is written"
+    if run.offline:
+        return f", offline in {run.settings.sync_dir} (upload: wandb sync {run_dir / 'wandb' / 'offline-run-*'})"
+    return f" at {run.url}" if run.url else ""
+
+
+def _last_wandb_offline_step(wandb_dir: Path, run_id: str) -> int:
+    """The last step the folder's offline W&B runs of `run_id` (earlier attempts) hold, read by W&B's own reader of
+    its transaction logs (`wandb leet inspect --summary --json`, run offline: no network)."""
+    last = -1
+    for log in sorted(wandb_dir.glob(f"offline-run-*-{run_id}*/run-{run_id}.wandb")):
+        command = [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", str(log)]
+        read = subprocess.run(command, capture_output=True, text=True, check=True,
+                              env={**os.environ, "WANDB_MODE": "offline"})  # fmt: skip
+        step = json.loads(read.stdout)["step"]  # None: no step logged
+        last = max(last, -1 if step is None else int(step))
+    return last

@@ -1,18 +1,25 @@
 """Trackers mirror metrics.jsonl through accelerate's tracker classes, and never stop training.
 
-TensorBoard is read back with its own EventAccumulator; a tracker that raises is switched off with one
-warning; after a resume the TensorBoard series have each step once.
+Each tracker is read back through its own reader: TensorBoard's EventAccumulator, MLflow's client, trackio's
+SQLite store, W&B's reader of its offline transaction logs (`wandb leet inspect`). A tracker that raises is switched
+off with one warning; after a resume every series has each step once.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
+import yaml
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
 
 import accel_trainer as at
+from accel_trainer.observe import trackers as trackers_module
 from conftest import read_metrics, train_and_dump
 
 QUIET = {"show_progress_bar": False, "report": False}
@@ -56,18 +63,11 @@ def test_after_a_resume_every_tensorboard_step_appears_once(tmp_path):
     [("tensorbord", "not a tracker accelerate knows"), ("all", "not a tracker accelerate knows"),
      ("wandb", "pip install 'accel-trainer\\[wandb\\]'")],
 )  # fmt: skip
-def test_an_unknown_or_missing_tracker_is_a_one_line_error_before_any_work(trackers, message, tmp_path):
-    if trackers == "wandb" and _installed("wandb"):
-        pytest.skip("wandb is installed here")
+def test_an_unknown_or_missing_tracker_is_a_one_line_error_before_any_work(trackers, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(trackers_module, "get_available_trackers", lambda: [])  # as without the trackers' packages
     with pytest.raises(at.ConfigError, match=message):
         at.train("vae", max_steps=1, trackers=trackers, output_dir=str(tmp_path), **QUIET)
     assert not (tmp_path / "metrics.jsonl").exists()
-
-
-def _installed(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
 
 
 class BrokenTracker(GeneralTracker):
@@ -169,15 +169,21 @@ def test_tracker_project_names_the_experiment(tmp_path, monkeypatch):
 
 
 @pytest.mark.multiprocess
-def test_on_two_processes_only_the_main_one_logs_and_mlflow_holds_metrics_jsonl(tmp_path):
+def test_on_two_processes_only_the_main_one_logs_and_mlflow_and_wandb_hold_metrics_jsonl(tmp_path):
     pytest.importorskip("mlflow")
+    mode = importlib.util.find_spec("wandb") and trackers_module._wandb_mode().get("mode", os.environ.get("WANDB_MODE"))
+    wandb = mode == "offline"  # never online: a W&B login on this machine would upload the test's run
+    trackers = "mlflow,wandb" if wandb else "mlflow"
     records = train_and_dump("cpu_ddp", tmp_path / "ddp", "vae", "max_steps=4", "log_every_steps=1",
-                             "eval_every_steps=2", "trackers=mlflow", world_size=2)  # fmt: skip
+                             "eval_every_steps=2", f"trackers={trackers}", world_size=2)  # fmt: skip
 
     runs = mlflow_runs(tmp_path, "vae")
     assert list(runs) == ["ddp"]  # one run: the other process logged nothing
     for key in ("loss", "eval/loss"):
         assert runs["ddp"][key] == pytest.approx({r["step"]: r[key] for r in records if key in r}, rel=1e-6)
+    if wandb:
+        [attempt] = wandb_runs(tmp_path / "ddp")  # one W&B run: the other process logged nothing
+        assert attempt["history"] == logged(tmp_path / "ddp")
 
 
 def test_trackio_keeps_a_recipes_runs_in_one_project_and_a_resume_adds_no_step(tmp_path, monkeypatch):
@@ -196,3 +202,95 @@ def test_trackio_keeps_a_recipes_runs_in_one_project_and_a_resume_adds_no_step(t
             assert len(held) == len({step for step, _ in held}), f"a step of {key} appears twice in {name}"
             expected = {r["step"]: r[key] for r in read_metrics(tmp_path / name) if key in r}
             assert dict(held) == pytest.approx(expected, rel=1e-6), (name, key)
+
+
+@pytest.fixture
+def wandb_never_set_up(tmp_path, monkeypatch):
+    """W&B as where nobody set it up: no mode, no credentials (~/.netrc may hold a login), a fresh W&B session (it
+    reads them once), its logs under tmp_path; the W&B service a test starts ends with it."""
+    wandb = pytest.importorskip("wandb")
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, folder in (("NETRC", "netrc"), ("WANDB_CONFIG_DIR", "wandb_config"), ("WANDB_CACHE_DIR", "wandb_cache")):
+        monkeypatch.setenv(name, str(tmp_path / folder))
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def wandb_runs(run_dir) -> list[dict]:
+    """The offline W&B runs in `run_dir/wandb` (one per attempt), oldest first, read by W&B's own reader of its
+    transaction logs: each one's id, project, name, config and history ({step: {key: value}})."""
+    attempts = []
+    for log in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        read = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)], check=True,
+                              capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "offline"})  # fmt: skip
+        records = [json.loads(line) for line in read.stdout.splitlines()]
+        [run] = [r["run"] for r in records if r["type"] == "run"]
+        config = {k: v for r in records if r["type"] == "config" for k, v in r["config"]["update"].items()}
+        rows = [r["history"] for r in records if r["type"] == "history"]
+        history = {row["step"].get("num", 0): {k: v for k, v in row["item"].items() if k[0] != "_"} for row in rows}
+        assert len(history) == len(rows), f"a step appears twice in {log}"
+        config.pop("_wandb", None)
+        attempts.append({"id": run["run_id"], "project": run["project"], "name": run["display_name"],
+                         "config": config, "history": history})  # fmt: skip
+    return attempts
+
+
+def logged(run_dir) -> dict[int, dict]:
+    """The numbers a run sent its trackers, by step: metrics.jsonl's, but for the steps a resume trained again the
+    first attempt's (metrics.dropped.jsonl), which a tracker holding them keeps (the loss bitwise, timings not)."""
+    dropped_file = run_dir / "metrics.dropped.jsonl"
+    dropped = [json.loads(line) for line in dropped_file.read_text().splitlines()] if dropped_file.exists() else []
+    again = {r["step"] for r in dropped}
+    rows: dict[int, dict] = {}
+    for record in [r for r in read_metrics(run_dir) if r["step"] not in again] + dropped:
+        numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, int | float)}
+        rows.setdefault(record["step"], {}).update(numbers)
+    return rows
+
+
+def test_wandb_offline_keeps_a_recipes_runs_in_one_project_and_a_resume_continues_its_run_adding_no_step(
+    tmp_path, wandb_never_set_up, capsys
+):
+    two_runs_and_a_resume(tmp_path, "wandb")
+
+    for name, attempts in (("first", 2), ("second", 1)):
+        runs = wandb_runs(tmp_path / name)
+        assert [(r["project"], r["name"]) for r in runs] == [("vae", name)] * attempts
+        assert len({r["id"] for r in runs}) == 1  # the resume continued the run
+        steps = [step for r in runs for step in r["history"]]
+        assert len(steps) == len(set(steps)), f"a step of {name} appears in two attempts"
+        assert {step: row for r in runs for step, row in r["history"].items()} == logged(tmp_path / name)
+        losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r}
+        assert {step: row["loss"] for r in runs for step, row in r["history"].items() if "loss" in row} == losses
+        config = yaml.safe_load((tmp_path / name / "config.yaml").read_text())
+        assert runs[0]["config"].keys() == config.keys()
+        assert {k: v for k, v in runs[0]["config"].items() if not isinstance(config[k], list | dict)} == {
+            k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in config.items()
+            if not isinstance(v, list | dict)}  # fmt: skip
+    out = "".join(capsys.readouterr())
+    assert f"tracking with wandb: project vae, run first, offline in {tmp_path / 'first' / 'wandb'}" in out
+    assert f"(upload: wandb sync {tmp_path / 'first' / 'wandb' / 'offline-run-*'})" in out
+    assert "Network error" not in out and "retry" not in out.lower()
+
+
+def test_tracker_project_names_the_wandb_project(tmp_path, wandb_never_set_up):
+    at.train("vae", output_dir=str(tmp_path / "run"), max_steps=1, trackers="wandb", tracker_project="digits", **QUIET)
+    assert [(r["project"], r["name"]) for r in wandb_runs(tmp_path / "run")] == [("digits", "run")]
+
+
+@pytest.mark.parametrize(
+    ("setup", "mode"),
+    [({}, {"mode": "offline"}), ({"WANDB_MODE": "online"}, {}), ({"WANDB_MODE": "disabled"}, {}),
+     ({"WANDB_API_KEY": "k" * 40}, {}), ({"NETRC": "machine api.wandb.ai login user password " + "k" * 40}, {})],
+)  # fmt: skip
+def test_wandb_runs_offline_only_where_the_user_set_neither_a_mode_nor_a_login(setup, mode, wandb_never_set_up,
+                                                                               tmp_path, monkeypatch):  # fmt: skip
+    for name, value in setup.items():
+        if name == "NETRC":  # `wandb login`'s file, for the host W&B uploads to
+            monkeypatch.setenv("WANDB_BASE_URL", "https://api.wandb.ai")
+            (tmp_path / "netrc").write_text(value)
+        else:
+            monkeypatch.setenv(name, value)
+    assert trackers_module._wandb_mode() == mode
