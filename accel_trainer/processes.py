@@ -242,18 +242,27 @@ def start_layout_processes(layout: Layout, program: list[str]) -> int:
 def _launcher_defaults() -> Iterator[None]:
     """torch's launcher settings, from the environment unless the caller set them: time to save after a stop
     signal, and SIGUSR1 forwarded as the other stop signals are (read when accelerate's launcher parses its
-    torchrun arguments; notebook_launcher builds its LaunchConfig without them and forwards the default four)."""
+    torchrun arguments; notebook_launcher builds its LaunchConfig without them and forwards the default four).
+    The caller's signal handlers are given back after: torch's agent, run in this process, installs its own and
+    leaves them, and a later Ctrl-C (a notebook's next cell, a test session's) raised its SignalException."""
     settings = {
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT_S),  # torch's LaunchConfig
         "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
     }  # --signals_to_handle; fmt: skip
     unset = [name for name in settings if name not in os.environ]
     os.environ.update({name: settings[name] for name in unset})
+    handlers = {
+        sig: signal.getsignal(sig)
+        for sig in [signal.Signals[name] for name in settings["PET_SIGNALS_TO_HANDLE"].split(",")]
+    }
     try:
         yield
     finally:
         for name in unset:
             os.environ.pop(name, None)
+        for sig, handler in handlers.items():  # torch installs its own on the main thread alone, the one to set
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
 
 
 def _rebuildable() -> dict[tuple[str, str], type[Exception]]:

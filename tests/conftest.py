@@ -12,6 +12,18 @@ a hang fails the test instead of the suite. Every process a test starts (each su
 included) is tagged, and ends with the pytest process that started it, even one killed by SIGKILL, grandchildren
 in sessions of their own included (tests/launches.py); a launch killed on a timeout is killed whole.
 
+A Ctrl-C (SIGINT to the session's process group, as a terminal sends it) ends the session whole within seconds,
+with pytest's interrupted summary (exit status 2); tests/processes/test_suite_interrupt.py interrupts one:
+- every pytest process turns SIGINT into KeyboardInterrupt, also one started with SIGINT ignored (`make test &` from
+  a script: bash starts a background job so), which went on training, launching and failing tests, the framework's
+  processes stopping on that SIGINT (they install their own stop handlers) while pytest and its workers ignored it;
+- an in-process run that takes the Ctrl-C as its stop signal (`at.train` saves and raises Preempted, as it does for
+  its users) ends the session as a KeyboardInterrupt does (`pytest_runtest_call`, `_setup`), not the test alone;
+- the interrupted pytest process SIGKILLs every process it started at once (`pytest_keyboard_interrupt`): the
+  xdist controller its workers and all their launches, without waiting out xdist's 10 s for workers whose test may
+  be taking the signal as its own. No test signals pytest's process with SIGINT: those that signal a training
+  signal their own child processes (test_preemption.py, test_signals_in_a_terminal.py).
+
 Timeouts, chosen for a busy 2-core machine (a launch that takes 10 s alone took up to 40 s at a load of 6):
 - LAUNCH_TIMEOUT_S (300 s): the hard limit of one launcher run, about 10x the slowest launch seen under load;
 - collective_timeout_s=60 in every launch (TEST_OVERRIDES): a peer that died fails the run in a minute, not
@@ -42,6 +54,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -56,8 +69,10 @@ from safetensors.torch import load_file
 
 from accel_trainer.parallel.layout_file import LAYOUT_VARIABLE
 from accel_trainer.processes import free_port
+from accel_trainer.stopping.signals import received_signal
 
 launches.install()
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C ends the session (above)
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -373,9 +388,9 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=lambda item: order[item.path])  # a stable sort: each module's tests keep their order
 
 
-def pytest_terminal_summary(terminalreporter, config) -> None:
-    """The session's launch counts, summed over the pytest workers."""
-    if hasattr(config, "workerinput"):  # an xdist worker: the controller sums
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The session's launch counts, summed over the pytest workers (not known after a Ctrl-C killed them)."""
+    if hasattr(config, "workerinput") or exitstatus == pytest.ExitCode.INTERRUPTED:  # a worker's: the controller's
         return
     base = config._tmp_path_factory.getbasetemp()
     totals = dict.fromkeys(LAUNCH_COUNTS, 0)
@@ -387,6 +402,37 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         f"launches: {totals['layout launches']} layout launches trained {totals['scenarios']} scenarios;"
         f" {totals['own launches']} other launches"
     )
+
+
+def pytest_keyboard_interrupt() -> None:
+    """A Ctrl-C: kill every process this pytest process started, the xdist controller's workers included, at once
+    (the module's docstring says why). The summary follows."""
+    launches.kill_tagged(launches.of_session(launches.SESSION))
+
+
+def _a_ctrl_c_a_run_took_ends_the_session():
+    """A Ctrl-C that an in-process run took as its stop signal (it saved and raised Preempted, which a test may
+    have caught) interrupts the session, as a Ctrl-C anywhere else does: the phase of a test (its fixtures' set-up,
+    the test itself) raises KeyboardInterrupt."""
+    try:
+        result = yield
+    except Exception as error:
+        if getattr(error, "signal_name", None) == "SIGINT":
+            raise KeyboardInterrupt("a Ctrl-C, taken by an in-process run as its stop signal") from error
+        raise
+    if received_signal() == "SIGINT":
+        raise KeyboardInterrupt("a Ctrl-C, taken by an in-process run as its stop signal")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup():
+    return (yield from _a_ctrl_c_a_run_took_ends_the_session())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call():
+    return (yield from _a_ctrl_c_a_run_took_ends_the_session())
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ source file (a notebook cell run twice) replaces the old one; field docs need no
 from __future__ import annotations
 
 import dataclasses
+import signal
 import subprocess
 import sys
 import textwrap
@@ -22,7 +23,7 @@ from conftest import REPO, clean_env
 
 SCRIPT = textwrap.dedent(
     """
-    import sys, torch
+    import signal, sys, torch
     from dataclasses import dataclass
     import datasets
     import accel_trainer as at
@@ -50,7 +51,9 @@ SCRIPT = textwrap.dedent(
             return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
 
     out = sys.argv[1]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     two = at.train("defined_in_main", num_processes=2, output_dir=out + "/two")
+    print("handlers_kept", {sig: signal.getsignal(sig) for sig in handlers} == handlers)
     one = at.train("defined_in_main", output_dir=out + "/one")
     a, b = load_file(out + "/two/final/model.safetensors"), load_file(out + "/one/final/model.safetensors")
     print("world_size", two.metrics["world_size"], one.metrics["world_size"])
@@ -70,10 +73,29 @@ def test_num_processes_from_python_says_what_it_launches_and_trains_two_processe
     assert "Launching training on" not in result.stdout
     said = "2 GPU processes (nccl)" if torch.cuda.device_count() else "2 CPU processes (gloo)"
     assert result.stdout.splitlines().count(f"accel-trainer: launching {said}") == 1
-    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("world", "run", "max")))
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines()
+                 if line.startswith(("world", "run", "max", "handlers")))  # fmt: skip
+    assert lines["handlers_kept"] == "True"  # torch's launcher left its own: a later Ctrl-C raised SignalException
     assert lines["world_size"] == "2 1"
     assert lines["run_dir"] == str(tmp_path / "two")
     assert float(lines["max_diff"]) < 1e-6
+
+
+def test_canary_torchs_launcher_leaves_its_signal_handlers_installed_in_the_calling_process(tmp_path):
+    """processes._launcher_defaults gives the caller's back (tests/conftest.py: a Ctrl-C ends the session)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    handlers = {sig: signal.getsignal(sig) for sig in stop_signals}
+    try:  # the handlers are installed when it starts `true`
+        start_processes("canary", "true", args={0: ()}, envs={0: {}},
+                        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path))).close()  # fmt: skip
+        left = {signal.Signals(sig).name: getattr(signal.getsignal(sig), "__name__", None) for sig in stop_signals}
+    finally:
+        for sig, handler in handlers.items():  # this pytest process's own
+            signal.signal(sig, handler)
+
+    assert set(left.values()) == {"_terminate_process_handler"}, left
 
 
 CRASH = textwrap.dedent(
