@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from accel_trainer.commands.evaluate import evaluate_saved
     from accel_trainer.config.layout import LayoutSettings
     from accel_trainer.config.train_config import TrainConfig
+    from accel_trainer.contract.frozen_in_16_bits import computation_dtype
     from accel_trainer.contract.lm_loss import (
         HeadLoss,
         lm_loss,
@@ -81,6 +82,7 @@ _HOMES = {
     "check_data_spec": "data.sources",
     "completion_logps": "contract.preference",
     "completion_targets": "contract.preference",
+    "computation_dtype": "contract.frozen_in_16_bits",
     "evaluate_saved": "commands.evaluate",
     "get_recipe": "registry",
     "group_advantages": "contract.policy_gradient",
@@ -125,6 +127,7 @@ __all__ = [
     "check_data_spec",
     "completion_logps",
     "completion_targets",
+    "computation_dtype",
     "evaluate_saved",
     "get_recipe",
     "group_advantages",

@@ -284,7 +284,7 @@ def measured_packing(model: torch.nn.Module) -> Packing | None:
     if any(parameter.is_meta or is_fake(parameter) for parameter in parameters):
         return None
     parameter = parameters[0]
-    dtype, ran = getattr(model, "dtype", parameter.dtype), False
+    dtype, ran = at.computation_dtype(model), False
     modes = {module: module.training for module in model.modules()}
     model.eval()
     try:

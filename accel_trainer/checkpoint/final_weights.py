@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from accel_trainer.checkpoint import files, merged_weights, state_files
 from accel_trainer.checkpoint.tokenizer import save_tokenizer
 from accel_trainer.config.train_config import TrainConfig, config_to_yaml
+from accel_trainer.contract.frozen_in_16_bits import computation_dtype, held_again, held_in_16_bits
 from accel_trainer.contract.pretrained import base_source
 from accel_trainer.contract.quantization import dequantize, is_quantized
 from accel_trainer.contract.reference import policy_of
@@ -72,7 +73,8 @@ def save_final(
     if accelerator.is_main_process:
         final_dir = run_dir / "final" / "ema" if ema else run_dir / "final"
         final_dir.mkdir(parents=True, exist_ok=True)
-        exported = write_model_folder(model_holding(recipe, cfg, state), final_dir)
+        held = held_in_16_bits(accelerator.unwrap_model(model))  # QLoRA's embedding and head: kept in 16 bits
+        exported = write_model_folder(model_holding(recipe, cfg, state, held), final_dir)
         save_tokenizer(recipe.tokenizer, final_dir)
         (final_dir / "config.yaml").write_text(config_to_yaml(cfg))
         files.follow_umask(*(path for path in final_dir.rglob("*") if path.is_file()))
@@ -81,25 +83,28 @@ def save_final(
     accelerator.wait_for_everyone()
 
 
-def model_holding(recipe: Recipe, cfg: TrainConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+def model_holding(recipe: Recipe, cfg: TrainConfig, state: dict[str, torch.Tensor], held: Any = ()) -> torch.nn.Module:
     """The recipe's model holding `state` (the trained weights, on the CPU), as a fresh build loaded with
     `load_state_dict` would: in the dtypes it builds, strict about names and shapes, its tied weights one
     parameter. It is built under accelerate's `init_empty_weights` (parameters on meta, buffers real) and handed
     the trained tensors themselves (`assign`), so no weight is read or held twice: a pretrained base is not read
     again (9 s and 1.2 GB for a 135M GGUF file), and the export copies only what it changes (`write_model_folder`:
-    the weights a LoRA merge adds into). A recipe whose model cannot be built without weights is built whole."""
+    the weights a LoRA merge adds into). A recipe whose model cannot be built without weights is built whole. The
+    names in `held` (QLoRA's embedding and head, held in 16 bits: frozen_in_16_bits.py) stay in their 16 bits."""
     try:
         with init_empty_weights(include_buffers=False):
             model = recipe.build_model(cfg)
     except Exception:  # noqa: BLE001 - a build that needs its values (reads them): the same model, built whole
         model = recipe.build_model(cfg)
-    tensors = _as_built(state, model.state_dict(keep_vars=True))
+    tensors = _as_built(state, model.state_dict(keep_vars=True), held)
     model.load_state_dict(tensors, assign=True)
     _tie_again(model, tied_groups(tensors))
+    if held:
+        held_again(model, held)
     return model
 
 
-def _as_built(state: dict[str, torch.Tensor], built: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _as_built(state: dict[str, torch.Tensor], built: dict[str, torch.Tensor], held: Any) -> dict[str, torch.Tensor]:
     """`state`'s tensors in the dtypes of the `built` model's (a cast copy only where they differ; a 4-bit weight
     as it is), each tensor held under several names (tied) one object."""
     seen: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -109,7 +114,7 @@ def _as_built(state: dict[str, torch.Tensor], built: dict[str, torch.Tensor]) ->
         if is_quantized(tensor) or not tensor.numel():  # no storage of its own to tell it by (never tied)
             result[name] = tensor
             continue
-        if name in built and built[name].dtype != tensor.dtype:
+        if name in built and built[name].dtype != tensor.dtype and name not in held:
             tensor = tensor.to(built[name].dtype)
         view = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
         result[name] = seen.setdefault(view, tensor)
@@ -175,6 +180,9 @@ def write_model_folder(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
         if merged_weights.streamable(model):  # one merged weight held at a time
             base: Any = model.get_base_model()  # type: ignore[operator]
             base.save_pretrained(folder, state_dict={})  # transformers' config.json and generation_config.json
+            if held_in_16_bits(base):  # its dtype is its first parameter's, the embedding's: held, not computed in
+                base.config.dtype = str(computation_dtype(base)).removeprefix("torch.")
+                base.config.save_pretrained(folder)
             merged_weights.write_merged(model, folder / "model.safetensors", left_out=tied_by_config(base))
             return model
         model = merged(model)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
+from accel_trainer.contract.frozen_in_16_bits import SixteenBitHead, sliced_cross_entropy, sliced_scores
 from accel_trainer.errors import RecipeError
 
 CHUNK_BYTES = 32 * 2**20
@@ -127,21 +128,21 @@ def head_cross_entropy(hidden: torch.Tensor, head: nn.Linear, loss: HeadLoss) ->
     bias: torch.Tensor | None = head.bias
     device_type = hidden.device.type if hidden.device.type in ("cuda", "cpu", "xpu") else "cpu"
     autocast = torch.is_autocast_enabled(device_type)
+    sliced = type(head) is SixteenBitHead and not autocast and not shapes_only  # never its weight in float32 at once
     if autocast:  # the head's product of the autocast dtype's values, as nn.Linear's is; the scores in float32
         rows, weight, bias = _in_autocast_dtype(torch.get_autocast_dtype(device_type), rows, weight, bias)
     # The FLOP count (meta) takes the plain product and its cross-entropy: its FLOPs are the chunks' FLOPs.
     accumulate_in = torch.float32 if rows.dtype in (torch.bfloat16, torch.float16) else None
     options = None if hidden.is_meta else _options(weight.shape[0], accumulate_in)
     with torch.autocast(device_type, enabled=False):
-        losses = F.linear_cross_entropy(
+        losses = sliced_cross_entropy(rows, head, labels) if sliced else F.linear_cross_entropy(
             rows, weight, labels, linear_bias=bias, reduction="none" if loss.per_token else "sum",
             ignore_index=loss.ignore_index, options=options,
         )  # fmt: skip
         if loss.entropy:
             rows_per_chunk = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * weight.shape[0])) // 4  # a logged figure
-            entropies = torch.cat(
-                [_entropy(F.linear(chunk, weight, bias)) for chunk in rows.detach().split(rows_per_chunk)]
-            )
+            scores = functools.partial(sliced_scores if sliced else F.linear, weight=weight, bias=bias)
+            entropies = torch.cat([_entropy(scores(chunk)) for chunk in rows.detach().split(rows_per_chunk)])
             return _reduced(losses, loss, counted, shapes_only), _reduced(entropies, loss, counted, shapes_only)
     return _reduced(losses, loss, counted, shapes_only)
 
@@ -251,7 +252,9 @@ def _head_of(lm: nn.Module) -> nn.Linear | None:
     """The model's output head where it is a plain linear layer (not a LoRA of it, not a quantized one). `estimate`'s
     fake weights are FakeTensors, not Parameters: planned as the real head runs."""
     head = lm.get_output_embeddings()  # type: ignore[operator]
-    if type(head) is not nn.Linear or not (type(head.weight) is nn.Parameter or _is_fake(head.weight)):
+    if type(head) not in (nn.Linear, SixteenBitHead) or not (
+        type(head.weight) is nn.Parameter or _is_fake(head.weight)
+    ):
         return None
     return head
 

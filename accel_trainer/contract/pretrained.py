@@ -146,6 +146,8 @@ def load_base_model(base: str, quantize: str = "none", **options: Any) -> Any:
     else:
         with pread_files() if quantizing else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_pretrained(folder, config=config, **options)
+    if quantizing:  # its 4-bit weights stay as read; the embedding and head go to 16 bits (frozen_in_16_bits.py)
+        quantize_base(model, quantize)
     return plain_after_loading(model, base) if quantizing or stream is not None else model
 
 

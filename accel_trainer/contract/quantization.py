@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from accel_trainer.console.import_noise import drop_known_import_noise
+from accel_trainer.contract.frozen_in_16_bits import hold_in_16_bits, restore_dtype
 from accel_trainer.errors import RecipeError
 from accel_trainer.host.allocator import release_free_memory
 
@@ -40,7 +41,8 @@ MAX_SCALER_BLOCK = 256
 
 
 def quantize_base(model: nn.Module, scheme: str) -> nn.Module:
-    """`model` with every linear weight but the output head's replaced by its 4-bit NF4 form (frozen), in place:
+    """`model` with every linear weight but the output head's replaced by its 4-bit NF4 form (frozen), in place, and
+    the embedding and head held in bfloat16 (contract/frozen_in_16_bits.py):
     `nn.Linear`'s, and transformers' `Conv1D`'s (GPT-2's, the weight stored input-major) through `FourBitConv1D`.
 
     A weight whose size is not a multiple of 64 values stays as it is; `kept_in_full_precision` names them. A
@@ -59,6 +61,10 @@ def quantize_base(model: nn.Module, scheme: str) -> nn.Module:
     for module in linear:
         if quantizable(module.weight):
             quantize_layer(module)
+    getter = getattr(model, "get_input_embeddings", None)
+    hold_in_16_bits(
+        getter() if callable(getter) else None, output_head(model)
+    )  # contract/frozen_in_16_bits.py says why
     return_freed_memory()
     return model
 
@@ -259,6 +265,7 @@ def check_shardable(model: nn.Module, shards: int) -> None:
 def dequantize(model: nn.Module) -> nn.Module:
     """`model` with each 4-bit weight replaced by the full-precision weight it stands for (its dequantized
     values, in the dtype it was quantized from), in place: the model that trained, as plain tensors."""
+    restore_dtype(model)  # the embedding and head held in 16 bits
     for module in model.modules():
         weight: Any = module._parameters.get("weight")  # its own (a peft layer's `weight` is its base layer's)
         if weight is not None and is_quantized(weight):
