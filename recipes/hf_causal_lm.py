@@ -112,7 +112,9 @@ class HFCausalLM(ByteGPT):  # type: ignore[valid-type,misc]
             n_head=cfg.n_head, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
             bos_token_id=PAD_ID, eos_token_id=PAD_ID, pad_token_id=PAD_ID,
         )  # fmt: skip
-        return self.packed_by_positions(self.with_chunked_loss(transformers.GPT2LMHeadModel(config)))
+        model = transformers.GPT2LMHeadModel(config)
+        model.loss_type = "ForCausalLM"  # a model built from a config has none: transformers says so at each forward
+        return self.packed_by_positions(self.with_chunked_loss(model))
 
     packing: Packing = Packing()
     """How packed batches reach the model (`model_inputs`); set by `packed_by_positions`."""

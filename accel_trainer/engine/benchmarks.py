@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import logging
+import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,9 +235,26 @@ class _ExpectedWarnings(logging.Filter):
 
 @contextlib.contextmanager
 def _quiet_expected_warnings() -> Iterator[None]:
+    """HFLM's two warnings about being handed a model object kept off the console, and git's "fatal: not a git
+    repository" at each scoring: the harness records the git hash of the working directory (`git describe`, its
+    stderr left on the console), which a run outside a repository printed at every evaluation."""
+    import lm_eval.evaluator
+
     logger, quiet = logging.getLogger("lm_eval.models.huggingface"), _ExpectedWarnings()
     logger.addFilter(quiet)
+    own = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = _git_hash_quietly
     try:
         yield
     finally:
         logger.removeFilter(quiet)
+        lm_eval.evaluator.get_git_commit_hash = own
+
+
+def _git_hash_quietly() -> str | None:
+    """lm_eval's `get_git_commit_hash` with git's complaint outside a repository kept off the console."""
+    try:
+        described = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return None
+    return described.stdout.strip()

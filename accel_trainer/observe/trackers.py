@@ -133,6 +133,7 @@ class Trackers:
         said = {"tensorboard": f"in {run_dir / 'tensorboard'}", "mlflow": f"{said} in {_mlflow_uri()}"}.get(name, said)
         if name == "wandb":
             said += _wandb_where(tracker.run, run_dir)
+            said += f"; continuing run {saved_ids[name]}" if name in saved_ids else ""
         print(f"accel-trainer: tracking with {name}: {said}", flush=True)
         if name == "wandb":  # online, W&B's server says where a resumed run is; offline, the folder's files
             self._held_steps[name] = max(held, tracker.run.starting_step - 1)
