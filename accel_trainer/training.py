@@ -37,6 +37,7 @@ from accel_trainer.console.closed_stdout import closed_output_stops, stdout_is_c
 from accel_trainer.console.import_noise import drop_known_import_noise
 from accel_trainer.console.warning_lines import show_our_warnings_as_one_line
 from accel_trainer.data.batching import plan_batches, planned_micro_batch_size
+from accel_trainer.engine.benchmarks import refuse_sharding_layout
 from accel_trainer.engine.heap import large_blocks_returned
 from accel_trainer.engine.loop import train_loop
 from accel_trainer.errors import LayoutError, UserError, describe_crash, say_user_error
@@ -177,11 +178,11 @@ def main(recipe_name: str, argv: list[str] | None = None, program: list[str] | N
 
 
 def _config_checked(recipe_name: str, line: CommandLine, layout: Layout) -> None:
-    """The config's own refusals and its batch sizes against the layout's data-parallel ranks, said once before
-    the layout's processes start: each would say it, seconds later (printed twice on 2 processes, 8 s in)."""
+    """The config's own refusals, its batch sizes against the layout's data-parallel ranks and eval_tasks on a
+    sharding layout, said once before the layout's processes start: each would say it, seconds later."""
     cfg, settings = settings_on_layout(get_recipe(recipe_name).Config, layout, line.config_file, line.overrides)
-    data_parallel = data_parallel_size_on_layout(settings, layout)
-    if data_parallel is not None:
+    refuse_sharding_layout(cfg.eval_tasks, settings, layout)
+    if (data_parallel := data_parallel_size_on_layout(settings, layout)) is not None:
         fit = not micro_batch_size_given(line.config_file, line.overrides)
         plan_batches(cfg.global_batch_size, planned_micro_batch_size(cfg.micro_batch_size), data_parallel, fit=fit)
 

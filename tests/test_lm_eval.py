@@ -237,3 +237,12 @@ def test_canary_the_harness_records_the_working_directorys_git_hash_and_ours_ask
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert benchmarks._git_hash_quietly() is None
     assert "fatal" not in capfd.readouterr().err
+
+
+def test_eval_tasks_on_a_sharding_layout_is_one_line_before_any_process_starts(tmp_path):
+    command = [sys.executable, "-m", "accel_trainer", "train", "hf_causal_lm", "layout=cpu_fsdp",
+               "eval_tasks=tasks.yaml", f"output_dir={tmp_path / 'run'}"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300, cwd=tmp_path)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, lines  # no worker started: no "rank 1: SIGTERM received"
+    assert "FSDP shards it across the processes" in lines[0] and not (tmp_path / "run").exists()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import logging
+import os
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from accel_trainer.errors import ConfigError, UserError
+from accel_trainer.parallel.layout_file import layout_environment
 
 INSTALL = "pip install 'accel-trainer[lm_eval]'"
 _TASK_FILE_SUFFIXES = (".yaml", ".yml")
@@ -156,11 +158,7 @@ class TrainingBenchmarks:
                 transformers tokenizer, or the layout shards it.
         """
         setting = f"eval_tasks={','.join(eval_tasks)}"
-        if sharded:
-            raise ConfigError(
-                f"{setting}: the harness scores the whole model on the main process, and {sharded}: leave eval_tasks"
-                " out and score the saved weights after training (accel-trainer evaluate RUN --tasks ...)"
-            )
+        refuse_sharded(eval_tasks, sharded)
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         if not _is_transformers_lm(unwrapped, tokenizer):
             raise ConfigError(
@@ -211,17 +209,40 @@ def _is_transformers_lm(model: Any, tokenizer: Any) -> bool:
     return hasattr(model, "config") and hasattr(model, "generate") and isinstance(tokenizer, PreTrainedTokenizerBase)
 
 
+def refuse_sharded(eval_tasks: Sequence[str], sharded: str) -> None:
+    """A one-line refusal of `eval_tasks` where the main process does not hold the whole model (`sharded` says why)."""
+    if eval_tasks and sharded:
+        raise ConfigError(
+            f"eval_tasks={','.join(eval_tasks)}: the harness scores the whole model on the main process, and {sharded}:"
+            " leave eval_tasks out and score the saved weights after training (accel-trainer evaluate RUN --tasks ...)"
+        )
+
+
+def refuse_sharding_layout(eval_tasks: Sequence[str], settings: Any, layout: Any) -> None:
+    """`refuse_sharded` before a layout's processes start, from its settings and launch variables (each process
+    would refuse, and the launcher stop the others, after both built the model)."""
+    with layout_environment(layout):
+        kind = next((k for k in ("FSDP", "DEEPSPEED") if os.environ.get(f"ACCELERATE_USE_{k}", "") == "true"), "")
+    sharded = f"{kind} shards it across the processes" if kind else ""
+    sharded = PIPELINE_SHARDED if settings.pp_size > 1 else sharded
+    refuse_sharded(eval_tasks, sharded or (TENSOR_SHARDED if settings.tp_size > 1 else ""))
+
+
 def sharded_by(accelerator: Accelerator, model: torch.nn.Module, pipelined: bool) -> str:
     """Why the main process does not hold the whole model on this layout, or "" where it does (one process, DDP)."""
     if pipelined:
-        return "a pipeline layout gives each process its stages only"
+        return PIPELINE_SHARDED
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         return f"{accelerator.distributed_type.value} shards it across the processes"
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
-        return "this layout shards its parameters (tensor or context parallelism)"
+        return TENSOR_SHARDED
     return ""
+
+
+PIPELINE_SHARDED = "a pipeline layout gives each process its stages only"
+TENSOR_SHARDED = "this layout shards its parameters (tensor or context parallelism)"
 
 
 class _ExpectedWarnings(logging.Filter):
