@@ -61,10 +61,7 @@ def quantize_base(model: nn.Module, scheme: str) -> nn.Module:
     for module in linear:
         if quantizable(module.weight):
             quantize_layer(module)
-    getter = getattr(model, "get_input_embeddings", None)
-    hold_in_16_bits(
-        getter() if callable(getter) else None, output_head(model)
-    )  # contract/frozen_in_16_bits.py says why
+    hold_in_16_bits(_layer(model, "get_input_embeddings"), output_head(model))  # frozen_in_16_bits.py says why
     return_freed_memory()
     return model
 
@@ -126,8 +123,13 @@ def linear_layers(model: nn.Module) -> list[Any]:
 
 def output_head(model: nn.Module) -> Any:
     """A transformers model's output layer (`get_output_embeddings`), which stays in full precision; else None."""
-    getter = getattr(model, "get_output_embeddings", None)
-    return getter() if callable(getter) else None
+    return _layer(model, "get_output_embeddings")
+
+
+def _layer(model: nn.Module, getter: str) -> Any:
+    """The layer a transformers model's `getter` method returns (its embedding, its head); None for other models."""
+    method = getattr(model, getter, None)
+    return method() if callable(method) else None
 
 
 class FourBitConv1D(nn.Module):

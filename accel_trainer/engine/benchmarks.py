@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import logging
-import os
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from accel_trainer.errors import ConfigError, UserError
-from accel_trainer.parallel.layout_file import layout_environment
+from accel_trainer.parallel.accelerator import layout_uses
 
 INSTALL = "pip install 'accel-trainer[lm_eval]'"
 _TASK_FILE_SUFFIXES = (".yaml", ".yml")
@@ -221,8 +220,7 @@ def refuse_sharded(eval_tasks: Sequence[str], sharded: str) -> None:
 def refuse_sharding_layout(eval_tasks: Sequence[str], settings: Any, layout: Any) -> None:
     """`refuse_sharded` before a layout's processes start, from its settings and launch variables (each process
     would refuse, and the launcher stop the others, after both built the model)."""
-    with layout_environment(layout):
-        kind = next((k for k in ("FSDP", "DEEPSPEED") if os.environ.get(f"ACCELERATE_USE_{k}", "") == "true"), "")
+    kind = next((kind for kind in ("FSDP", "DEEPSPEED") if layout_uses(layout, kind)), "")
     sharded = f"{kind} shards it across the processes" if kind else ""
     sharded = PIPELINE_SHARDED if settings.pp_size > 1 else sharded
     refuse_sharded(eval_tasks, sharded or (TENSOR_SHARDED if settings.tp_size > 1 else ""))

@@ -196,13 +196,20 @@ def settings_on_layout(
 def data_parallel_size_on_layout(settings: LayoutSettings, layout: Layout) -> int | None:
     """The data-parallel ranks a run on `layout` would have (what its batch plan divides by), from a process that
     is not one of the layout's; None where the layout's sizes are refused: its processes say why."""
+    is_fsdp = layout_uses(layout, "FSDP")
     with layout_environment(layout):
-        is_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         try:
             return mesh_shape(settings, layout.num_processes, is_fsdp, device_type).data_parallel_size
         except LayoutError:
             return None
+
+
+def layout_uses(layout: Layout, kind: str) -> bool:
+    """Whether `layout`'s processes would run accelerate's `kind` (FSDP, DEEPSPEED), from a process that is not
+    one of them: the ACCELERATE_USE_<kind> its launch sets."""
+    with layout_environment(layout):
+        return os.environ.get(f"ACCELERATE_USE_{kind}", "").lower() == "true"
 
 
 def settings_note() -> str:
